@@ -1,0 +1,199 @@
+"""``hpcdl``: the one command. Subcommands import their heavy dependencies (torch) only when run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+from hpcdl import __version__
+from hpcdl.errors import HpcdlError, RankLostError
+
+log = logging.getLogger("hpcdl")
+
+
+def _add_job_flags(p: argparse.ArgumentParser) -> None:
+    from hpcdl.launch.job import JobRequest
+
+    defaults = JobRequest.__dataclass_fields__
+    p.add_argument("--profile", default="generic", help="cluster profile (hpcdl profiles lists them)")
+    p.add_argument("--nodes", type=int, default=defaults["nodes"].default)
+    p.add_argument("--tasks-per-node", type=int, default=defaults["tasks_per_node"].default)
+    p.add_argument("--cpus-per-task", type=int, help="default: the profile's cores per node / tasks per node")
+    p.add_argument("--time", default=defaults["time"].default, help="wall clock: MM, HH:MM:SS or D-HH:MM:SS")
+    p.add_argument("--job-name", default=defaults["job_name"].default)
+    p.add_argument("--output", default=defaults["output"].default, help="Slurm output path (%%j: job id)")
+    p.add_argument("--partition", help="default: the profile's")
+    p.add_argument("--account")
+    p.add_argument("--qos")
+    p.add_argument("--allocator", default="auto", help="auto | jemalloc | tcmalloc | glibc | none")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the hpcdl command to run, e.g. -- bench allreduce")
+
+
+def _job_from(args: argparse.Namespace, **extra):
+    from hpcdl.launch.job import job_request
+
+    names = ("profile", "nodes", "tasks_per_node", "cpus_per_task", "time", "job_name", "output", "partition",
+             "account", "qos", "allocator")
+    return job_request(**{n: getattr(args, n) for n in names}, **extra)
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise HpcdlError("no command given: put the hpcdl command after --, e.g. 'hpcdl sbatch ... -- bench allreduce'")
+    return command
+
+
+def cmd_sbatch(args: argparse.Namespace) -> int:
+    from hpcdl.launch.sbatch import render_sbatch
+    from hpcdl.utils import atomic_write_text
+
+    script = render_sbatch(_job_from(args, python=args.python), _command(args))
+    if args.write:
+        atomic_write_text(args.write, script, mode=0o755)
+        print(f"wrote {args.write}; submit it with: sbatch {args.write}", file=sys.stderr)
+    else:
+        sys.stdout.write(script)
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from hpcdl.launch.executor import hpcdl_command, submit
+
+    req = _job_from(args)
+    job = submit(hpcdl_command(_command(args)), folder=args.folder, cluster=args.cluster,
+                 **{f.name: getattr(req, f.name) for f in dataclasses.fields(req)})
+    print(f"submitted job {job.job_id}; logs in {job.paths.folder}", file=sys.stderr)
+    if args.no_wait:
+        return 0
+    outputs = job.results()  # raises submitit.core.utils.FailedJobError with the task's traceback
+    sys.stdout.write(outputs[0] if outputs and isinstance(outputs[0], str) else "")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from hpcdl.dist.affinity import allocator_exports, allocator_in_use, plan_cpus
+    from hpcdl.dist.env import discover
+
+    if args.exports:
+        sys.stdout.write(allocator_exports(args.allocator))
+        return 0
+    env = discover()
+    plan = plan_cpus(local_rank=env.local_rank, local_size=env.local_size, comm_threads=args.comm_threads,
+                     data_workers=args.data_workers)
+    print(f"rank:      {env.describe()}")
+    print(f"cpu:       {plan.describe()}")
+    print(f"allocator: this process runs with {allocator_in_use()}")
+    print("exports for the job script (hpcdl tune --exports):")
+    sys.stdout.write("".join("  " + line + "\n" for line in allocator_exports(args.allocator).splitlines()))
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from hpcdl.dist.env import discover
+
+    print(json.dumps(dataclasses.asdict(discover())))
+    return 0
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    from hpcdl.launch.profiles import PROFILES
+    from hpcdl.utils import format_duration
+
+    for p in PROFILES.values():
+        limits = ", ".join(x for x in (
+            f"partition {p.partition}" if p.partition else "default partition",
+            f"{p.cores_per_node} cores" if p.cores_per_node else "",
+            f"{p.mem_gb_per_node} GB" if p.mem_gb_per_node else "",
+            f"max {p.max_nodes} nodes" if p.max_nodes else "",
+            f"max {format_duration(p.max_time)}" if p.max_time else "") if x)
+        print(f"{p.name:14s} {p.description}\n{'':14s} {limits}" + (f"\n{'':14s} {p.notes}" if p.notes else ""))
+    return 0
+
+
+def cmd_bench_allreduce(args: argparse.Namespace) -> int:
+    from hpcdl.perf.allreduce import bench
+
+    report = bench(backend=args.backend, timeout_s=args.timeout, startup_timeout_s=args.startup_timeout,
+                   heartbeat_s=args.heartbeat, min_bytes=args.min_bytes, max_bytes=args.max_bytes, dtype=args.dtype,
+                   warmup=args.warmup, seconds_per_size=args.seconds_per_size, max_iters=args.max_iters,
+                   json_path=args.json)
+    if report is not None and not all(row["correct"] for row in report["rows"]):
+        log.error("allreduce produced wrong values; see the check column")
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpcdl", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hpcdl {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
+    p = bench.add_parser("allreduce", help="allreduce latency and bandwidth over message sizes, checked")
+    p.add_argument("--backend", default="auto", help="auto | gloo | ccl | mpi")
+    p.add_argument("--min-bytes", default="4")
+    p.add_argument("--max-bytes", default="256M")
+    p.add_argument("--dtype", default="float32", help="float32 | float64 | int64")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seconds-per-size", type=float, default=0.5, help="repeat each size for about this long")
+    p.add_argument("--max-iters", type=int, default=1000)
+    p.add_argument("--json", help="also write the report here (%%j: job id)")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in s once all ranks joined")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="timeout in s for all ranks to join")
+    p.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval in s (names lost ranks)")
+    p.set_defaults(fn=cmd_bench_allreduce)
+
+    p = sub.add_parser("sbatch", help="print or write an sbatch script that runs an hpcdl command")
+    _add_job_flags(p)
+    p.add_argument("--python", default="python3", help="interpreter with hpcdl on the compute nodes")
+    p.add_argument("--write", metavar="FILE", help="write the script here instead of printing it")
+    p.set_defaults(fn=cmd_sbatch)
+
+    p = sub.add_parser("submit", help="submit an hpcdl command through submitit (Slurm, or local processes)")
+    _add_job_flags(p)
+    p.add_argument("--folder", default="hpcdl-jobs/%j", help="submitit's log folder")
+    p.add_argument("--cluster", choices=("slurm", "local"), help="default: slurm when it answers, else local")
+    p.add_argument("--no-wait", action="store_true", help="return after submitting")
+    p.set_defaults(fn=cmd_submit)
+
+    p = sub.add_parser("tune", help="show this rank's CPU plan and allocator, or print the exports for a job script")
+    p.add_argument("--exports", action="store_true", help="print shell export lines only")
+    p.add_argument("--allocator", default="auto", help="auto | jemalloc | tcmalloc | glibc | none")
+    p.add_argument("--comm-threads", type=int, default=0)
+    p.add_argument("--data-workers", type=int, default=0)
+    p.set_defaults(fn=cmd_tune)
+
+    sub.add_parser("env", help="print this process's rank discovery as JSON").set_defaults(fn=cmd_env)
+    sub.add_parser("profiles", help="list the cluster profiles").set_defaults(fn=cmd_profiles)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank = _rank_for_logging()
+    from hpcdl.log import setup_logging
+
+    setup_logging(rank, args.verbose)
+    try:
+        return args.fn(args)
+    except RankLostError as exc:
+        log.error("%s", exc)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)  # a broken process group can hang interpreter shutdown; leave now
+    except HpcdlError as exc:
+        log.error("%s", exc)
+        return 2
+
+
+def _rank_for_logging() -> int:
+    from hpcdl.dist.env import LAUNCHERS
+
+    row = next((r for r in LAUNCHERS if r.marker in os.environ), None)
+    return int(os.environ.get(row.rank, 0)) if row else 0

@@ -1,0 +1,17 @@
+"""The errors hpcdl raises for the user to act on; the CLI prints them without a traceback."""
+
+
+class HpcdlError(Exception):
+    """Base class: the message says what is wrong and how to fix it."""
+
+
+class ConfigError(HpcdlError, ValueError):
+    """A value the user gave (flag, field, environment variable) cannot work."""
+
+
+class LaunchError(HpcdlError):
+    """The job could not be set up or started."""
+
+
+class RankLostError(HpcdlError):
+    """A peer rank died or stopped answering during a collective."""

@@ -1,0 +1,96 @@
+"""A job request: what ``hpcdl sbatch``, ``hpcdl submit`` and :func:`hpcdl.launch.submit` ask Slurm for.
+
+It is checked against the cluster profile before anything is submitted, so an impossible request
+fails on the login node with the fix in the message, not after hours in the queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+from hpcdl.dist.affinity import ALLOCATOR_CHOICES
+from hpcdl.errors import ConfigError
+from hpcdl.launch.profiles import ClusterProfile, get_profile
+from hpcdl.utils import format_duration, parse_duration
+
+__all__ = ["JobRequest", "job_request"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class JobRequest:
+    profile: str = "generic"
+    nodes: int = 1
+    tasks_per_node: int = 1
+    cpus_per_task: int | None = None  # default: the node's cores divided among its tasks
+    time: str = "01:00:00"            # Slurm forms: MM, HH:MM:SS, D-HH:MM:SS
+    job_name: str = "hpcdl"
+    output: str = "hpcdl-%j.out"
+    partition: str | None = None      # default: the profile's
+    account: str | None = None
+    qos: str | None = None
+    python: str = "python3"           # the interpreter with hpcdl installed, on the compute nodes
+    allocator: str = "auto"
+
+    def __post_init__(self):
+        prof = get_profile(self.profile)
+        for name in ("nodes", "tasks_per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.cpus_per_task is None and prof.cores_per_node:
+            self.cpus_per_task = max(1, prof.cores_per_node // self.tasks_per_node)
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise ConfigError(f"cpus_per_task={self.cpus_per_task} must be >= 1")
+        if self.allocator not in ALLOCATOR_CHOICES:
+            raise ConfigError(f"allocator={self.allocator!r}; choose one of {', '.join(ALLOCATOR_CHOICES)}")
+        for name in ("job_name", "output", "partition", "account", "qos", "python", "time"):
+            value = getattr(self, name)
+            if value is not None and any(c in value for c in "\n\r\0"):
+                raise ConfigError(f"{name}={value!r} contains a newline or NUL, which no Slurm directive can carry")
+        _check_against(self, prof)
+
+    @property
+    def cluster_profile(self) -> ClusterProfile:
+        return get_profile(self.profile)
+
+    @property
+    def walltime(self) -> timedelta:
+        return parse_duration(self.time, "time")
+
+    @property
+    def partition_name(self) -> str | None:
+        return self.partition or self.cluster_profile.partition
+
+    @property
+    def ntasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+def _check_against(req: JobRequest, prof: ClusterProfile) -> None:
+    used = req.tasks_per_node * (req.cpus_per_task or 1)
+    if prof.cores_per_node and used > prof.cores_per_node:
+        raise ConfigError(
+            f"{req.tasks_per_node} tasks per node x {req.cpus_per_task or 1} CPUs per task = {used} CPUs, but a "
+            f"{prof.name} node has {prof.cores_per_node} cores; choose tasks_per_node x cpus_per_task <= "
+            f"{prof.cores_per_node} (e.g. {prof.cores_per_node // req.tasks_per_node or 1} CPUs per task)")
+    if prof.max_nodes and req.nodes > prof.max_nodes and req.partition is None:
+        raise ConfigError(f"nodes={req.nodes} exceeds the {prof.max_nodes} nodes that partition {prof.partition} of "
+                          f"{prof.name} allows; ask for <= {prof.max_nodes} nodes or name a larger --partition. "
+                          f"{prof.notes}".rstrip())
+    wall = req.walltime
+    if wall <= timedelta(0):
+        raise ConfigError(f"time={req.time!r} must be positive")
+    if prof.max_time and wall > prof.max_time:
+        raise ConfigError(f"time={req.time} ({format_duration(wall)}) exceeds the {format_duration(prof.max_time)} "
+                          f"limit of {prof.name} partition {req.partition_name}; ask for <= {format_duration(prof.max_time)} "
+                          "and let the job checkpoint and requeue")
+
+
+def job_request(**params) -> JobRequest:
+    """Build a :class:`JobRequest`; an unknown parameter is an error that lists every valid one."""
+    fields = {f.name: f for f in dataclasses.fields(JobRequest)}
+    unknown = sorted(set(params) - set(fields))
+    if unknown:
+        valid = "\n".join(f"  {name} (default {f.default!r})" for name, f in fields.items())
+        raise ConfigError(f"unknown job parameter(s) {', '.join(unknown)}; valid parameters:\n{valid}")
+    return JobRequest(**params)

@@ -1,0 +1,78 @@
+"""Small helpers shared across hpcdl: atomic writes, byte sizes, durations."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from datetime import timedelta
+
+from hpcdl.errors import ConfigError
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def atomic_write_text(path: str, text: str, mode: int = 0o644) -> None:
+    """Write to a temporary file beside ``path``, fsync, then rename: readers never see half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def parse_bytes(text: str, what: str) -> int:
+    """``4``, ``64K``, ``256MB``, ``1GiB`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ConfigError(f"{what} {text!r} is not a size; write e.g. 4, 64K, 256M or 1G")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}B"
+    return f"{n}B"
+
+
+def parse_duration(text: str, what: str) -> timedelta:
+    """Slurm's time forms: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``; plus ``30s``."""
+    text = str(text).strip()
+    if m := re.fullmatch(r"(\d+)s", text):
+        return timedelta(seconds=int(m.group(1)))
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", text)
+    if not m:
+        raise ConfigError(f"{what} {text!r} is not a time; write MM, HH:MM:SS, D-HH:MM:SS or 30s")
+    days, a, b, c = (int(g) if g else None for g in m.groups())
+    if days is not None:  # D-HH[:MM[:SS]]
+        return timedelta(days=days, hours=a, minutes=b or 0, seconds=c or 0)
+    if c is not None:
+        return timedelta(hours=a, minutes=b, seconds=c)
+    if b is not None:
+        return timedelta(minutes=a, seconds=b)
+    return timedelta(minutes=a)
+
+
+def format_duration(td: timedelta) -> str:
+    """-> Slurm's ``D-HH:MM:SS`` (``HH:MM:SS`` under a day)."""
+    total = int(td.total_seconds())
+    days, rest = divmod(total, 86400)
+    h, rest = divmod(rest, 3600)
+    m, s = divmod(rest, 60)
+    return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"

@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hpcdl",
+    version="0.1.0",
+    description="Data-parallel training of image classifiers on CPU supercomputers run by Slurm",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hpcdl", "hpcdl.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "torchvision>=0.19",
+        "h5py>=3.8",
+        "submitit>=1.5",
+        "numpy>=1.24",
+        "pillow>=10.0",
+    ],
+    extras_require={
+        "mpi": ["mpi4py>=3.1"],
+        # IPEX is archived; its last release, 2.8, needs torch 2.8.* exactly.
+        "ipex": ["intel-extension-for-pytorch==2.8.*", "torch==2.8.*"],
+        "dev": ["pytest>=7", "pytest-timeout>=2.1"],
+    },
+    entry_points={"console_scripts": ["hpcdl = hpcdl.cli:main"]},
+)

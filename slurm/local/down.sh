@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Stop the throwaway Slurm that slurm/local/up.sh started (and nothing else).
+set -u
+STATE=${HPCDL_SLURM_STATE:-/var/tmp/hpcdl-slurm}
+for f in "$STATE"/slurmd-n1.pid "$STATE"/slurmd-n2.pid "$STATE"/slurmctld.pid "$STATE"/slurmdbd.pid "$STATE"/mariadb/mariadb.pid; do
+    [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null && echo "local-slurm: stopped $(basename "$f" .pid)"
+done
+exit 0

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Start a throwaway Slurm on this machine: munge, MariaDB + slurmdbd (so that sacct works),
+# slurmctld, and two slurmd that simulate the nodes n1 and n2. Used by `make test` and `make demo`.
+#
+# It does nothing when a Slurm already answers. It needs root, and no systemd: every daemon is started
+# by hand and tracked by its PID file under $HPCDL_SLURM_STATE. `slurm/local/down.sh` stops them.
+# The settings that keep tests fast are commented in the slurm.conf written below.
+set -euo pipefail
+
+STATE=${HPCDL_SLURM_STATE:-/var/tmp/hpcdl-slurm}
+CONF=/etc/slurm/slurm.conf
+MARK="# written by hpcdl slurm/local/up.sh"
+PACKAGES="slurmctld slurmd slurm-client munge libpmix-dev slurmdbd mariadb-server"
+
+say() { echo "local-slurm: $*"; }
+die() { echo "local-slurm: error: $*" >&2; exit 1; }
+
+slurm_answers() { command -v sinfo >/dev/null && timeout 10 sinfo -h -o %P >/dev/null 2>&1; }
+
+if slurm_answers && [ "$(timeout 10 sinfo -h -o %T | grep -c -E '^(idle|mixed|allocated)')" -gt 0 ]; then
+    say "a Slurm already answers ($(sinfo -h -o '%P %D %T' | tr '\n' ';')); nothing to start"
+    exit 0
+fi
+[ "$(id -u)" = 0 ] || die "no Slurm answers, and starting a local one needs root (run 'sudo $0')"
+
+missing=$(for p in $PACKAGES; do dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q 'ok installed' || echo "$p"; done)
+if [ -n "$missing" ]; then
+    say "installing $(echo $missing)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    # shellcheck disable=SC2086
+    apt-get install -y -qq --no-install-recommends $missing >/dev/null
+fi
+
+if [ -f "$CONF" ] && ! grep -qF "$MARK" "$CONF"; then
+    die "$CONF exists and was not written by hpcdl; refusing to overwrite a real Slurm's configuration"
+fi
+
+host=$(hostname -s)
+ncpu=$(nproc)
+mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))   # half the RAM for each node
+mkdir -p "$STATE"/{log,state,spool/n1,spool/n2,tmp/n1,tmp/n2,mariadb} /run/munge /run/mysqld
+chown munge:munge /run/munge; chown mysql:mysql /run/mysqld "$STATE/mariadb"
+
+pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
+    local n=$1 what=$2; shift 2
+    for _ in $(seq $((n * 5))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done
+    die "$what did not come up within ${n}s; logs are in $STATE/log"
+}
+
+# munge: every Slurm message is signed with this key.
+[ -s /etc/munge/munge.key ] || { mungekey --create --force; chown munge:munge /etc/munge/munge.key; }
+if ! pid_alive /run/munge/munged.pid; then
+    su -s /bin/sh munge -c "/usr/sbin/munged --pid-file=/run/munge/munged.pid" \
+        || /usr/sbin/munged --force --pid-file=/run/munge/munged.pid
+fi
+wait_for 10 munge sh -c 'munge -n | unmunge'
+
+# MariaDB for slurmdbd (accounting: submitit sees a cancelled job end only through sacct).
+if ! pid_alive "$STATE/mariadb/mariadb.pid"; then
+    [ -d /var/lib/mysql/mysql ] || mariadb-install-db --user=mysql --datadir=/var/lib/mysql >/dev/null
+    setsid /usr/sbin/mariadbd --user=mysql --skip-networking --pid-file="$STATE/mariadb/mariadb.pid" \
+        --log-error="$STATE/mariadb/mariadb.log" </dev/null >/dev/null 2>&1 &
+fi
+wait_for 30 MariaDB mariadb -e 'select 1'
+mariadb -e 'create database if not exists slurm_acct_db'
+
+cat > /etc/slurm/slurmdbd.conf <<CONF
+$MARK
+AuthType=auth/munge
+DbdHost=localhost
+SlurmUser=root
+PidFile=$STATE/slurmdbd.pid
+LogFile=$STATE/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=root
+StorageLoc=slurm_acct_db
+CONF
+chmod 600 /etc/slurm/slurmdbd.conf
+
+cat > "$CONF" <<CONF
+$MARK
+ClusterName=hpcdl
+SlurmctldHost=$host(127.0.0.1)
+SlurmUser=root
+AuthType=auth/munge
+# A requeued job would otherwise wait 120 s for the old credential to expire.
+AuthInfo=cred_expire=5
+# No cgroups in this sandbox.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+ReturnToService=2
+SlurmctldPidFile=$STATE/slurmctld.pid
+SlurmdPidFile=$STATE/slurmd-%n.pid
+SlurmdSpoolDir=$STATE/spool/%n
+StateSaveLocation=$STATE/state
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmdLogFile=$STATE/log/slurmd-%n.log
+# Per-node TmpFS, or the two simulated nodes' PMIx directories collide.
+TmpFS=$STATE/tmp/%n
+# Schedule at once instead of every few seconds.
+SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0,sched_interval=1,bf_interval=1
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+MailProg=/bin/true
+KillWait=2
+MinJobAge=600
+SlurmdParameters=config_overrides
+NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[17001-17002] CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
+PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
+CONF
+
+if ! pid_alive "$STATE/slurmdbd.pid"; then /usr/sbin/slurmdbd; fi
+wait_for 30 slurmdbd sacctmgr -n list cluster
+sacctmgr -i -Q add cluster hpcdl >/dev/null 2>&1 || true
+
+if ! pid_alive "$STATE/slurmctld.pid"; then /usr/sbin/slurmctld; fi
+for n in n1 n2; do
+    pid_alive "$STATE/slurmd-$n.pid" || /usr/sbin/slurmd -N "$n"
+done
+wait_for 30 slurmctld scontrol ping
+node_ready() { [ "$(sinfo -h -N -o %T | grep -c -E '^(idle|mixed|allocated)$')" -eq 2 ]; }
+for _ in $(seq 150); do node_ready && break; scontrol update nodename=n[1-2] state=resume >/dev/null 2>&1 || true; sleep 0.2; done
+node_ready || die "nodes n1 and n2 are not idle: $(sinfo -N -h -o '%N %T %E' | tr '\n' ';')"
+say "up: partition debug, nodes n1 n2 ($ncpu CPUs each), accounting in slurmdbd; state in $STATE"
