@@ -1,0 +1,95 @@
+"""Shared fixtures: real processes, a real Slurm, a real MPI. Nothing here fakes a component."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+IN_CI = os.environ.get("CI") == "true"
+HOSTILE = ["a 0", 'a"=0"', "a'; echo foo", "a\\b $HOME `x`"]  # '\n' is rejected: see test_sbatch
+
+
+def missing(component: str, why: str):
+    """In CI a missing component fails the test; elsewhere it skips with the reason."""
+    if IN_CI:
+        pytest.fail(f"{component} is required in CI but {why}")
+    pytest.skip(f"{component}: {why}")
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    if not shutil.which("sbatch"):
+        missing("Slurm", "sbatch is not on PATH (make test starts a local Slurm when run as root)")
+    try:
+        subprocess.run(["sinfo", "-h"], check=True, capture_output=True, timeout=20)
+    except (subprocess.SubprocessError, OSError) as exc:
+        missing("Slurm", f"sinfo does not answer ({exc}); run 'bash slurm/local/up.sh' as root")
+    return True
+
+
+@pytest.fixture(scope="session")
+def two_nodes(slurm):
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True).stdout.split("\n")
+    up = [line for line in out if line.split()[1:2] and line.split()[1] in ("idle", "mixed", "allocated")]
+    if len(up) < 2:
+        missing("two Slurm nodes", f"sinfo shows {out!r}")
+    return True
+
+
+@pytest.fixture(scope="session")
+def mpiexec():
+    exe = Path(PYTHON).parent / "mpiexec"
+    if not exe.exists():
+        missing("MPI", f"{exe} is missing; make venv installs the mpich wheel")
+    return str(exe)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """torch's env:// variables, as torchrun or a user sets them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "OMPI_", "MPI_"))}
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+    return env
+
+
+def start_ranks(world: int, args: list[str], tmp_path: Path) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for r in range(world):
+        log = open(tmp_path / f"rank{r}.log", "w")
+        procs.append(subprocess.Popen([PYTHON, "-m", "hpcdl", *args], env=rank_env(r, world, port),
+                                      stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+    return procs
+
+
+def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int = 240) -> str:
+    """Submit, wait for the end, return the job id; raise with the output on failure."""
+    run = subprocess.run(["sbatch", "--parsable", "--wait", *extra, str(script)], capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    if run.returncode != 0:
+        raise AssertionError(f"sbatch failed ({run.returncode}): {run.stdout}\n{run.stderr}")
+    return run.stdout.strip().split(";")[0]
+
+
+def load_json(path: Path) -> dict:
+    for _ in range(50):  # the shared filesystem here is local, but be patient like on Lustre
+        if path.exists():
+            return json.loads(path.read_text())
+        time.sleep(0.1)
+    raise AssertionError(f"{path} was not written")
