@@ -47,6 +47,9 @@ class JobRequest:
             value = getattr(self, name)
             if value is not None and any(c in value for c in "\n\r\0"):
                 raise ConfigError(f"{name}={value!r} contains a newline or NUL, which no Slurm directive can carry")
+        if "\\" in self.output:
+            raise ConfigError(f"output={self.output!r} contains a backslash: Slurm drops it from output paths and then "
+                              "leaves %j unexpanded, so the file would go elsewhere; choose a path without '\\'")
         _check_against(self, prof)
 
     @property

@@ -1,0 +1,107 @@
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import HOSTILE, PYTHON, REPO, sbatch_wait
+from hpcdl.errors import ConfigError
+from hpcdl.launch.job import job_request
+from hpcdl.launch.sbatch import READY_SCRIPTS, render_sbatch
+
+
+def script_for(**params) -> str:
+    return render_sbatch(job_request(**params), ["bench", "allreduce"])
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_hostile_values_survive_bash(tmp_path, value):
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(job_request(job_name=value, output=f"{tmp_path}/{value}-%j.out",
+                                                python=f"/opt/{value}/python"),
+                                    ["bench", "allreduce", "--json", f"{value}.json"]))
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    # bash sees the srun line's arguments exactly as given:
+    body = script.read_text().replace("srun --kill-on-bad-exit=1", "printf '%s\\n'")
+    body = body.replace("tuning=$(", "tuning=$(true ").replace('eval "$tuning"', "")
+    out = subprocess.run(["bash", "-c", body], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "1", "SLURM_JOB_NUM_NODES": "1",
+                              "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "1"}).stdout.splitlines()
+    assert out[-7:] == [f"/opt/{value}/python", "-m", "hpcdl", "bench", "allreduce", "--json", f"{value}.json"]
+
+
+@pytest.mark.parametrize("field", ["job_name", "output", "account"])
+def test_newline_is_refused_naming_the_field(field):
+    with pytest.raises(ConfigError, match=f"{field}=.*newline"):
+        job_request(**{field: "a\n0"})
+
+
+@pytest.mark.parametrize("params,fragment", [
+    (dict(profile="stampede2-skx", tasks_per_node=4, cpus_per_task=16), "= 64 CPUs.*48 cores"),
+    (dict(profile="stampede2-skx", time="2-00:00:01"), "exceeds the 2-00:00:00 limit"),
+    (dict(profile="stampede2-knl", time="49:00:00"), "exceeds"),
+    (dict(profile="frontera-clx", nodes=1024), "exceeds the 512 nodes.*large"),
+    (dict(profile="local", tasks_per_node=64), "cores"),
+    (dict(nodes=0), "nodes=0"),
+    (dict(time="soon"), "not a time"),
+    (dict(allocator="hoard"), "choose one of"),
+])
+def test_impossible_requests_are_rejected_with_the_fix(params, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        job_request(**params)
+
+
+def test_backslash_in_output_path_is_refused_but_kept_in_a_job_name():
+    with pytest.raises(ConfigError, match="backslash"):
+        job_request(output="a\\b/%j.out")
+    assert '#SBATCH --job-name="a\\\\b"' in script_for(job_name="a\\b")
+
+
+def test_unknown_profile_lists_the_valid_ones():
+    with pytest.raises(ConfigError) as err:
+        job_request(profile="stampede3")
+    for name in ("stampede2-skx", "stampede2-knl", "frontera-clx", "generic", "local"):
+        assert name in str(err.value)
+
+
+def test_unknown_parameter_lists_every_valid_one_with_its_default():
+    with pytest.raises(ConfigError) as err:
+        job_request(gpus=4)
+    assert "gpus" in str(err.value) and "tasks_per_node (default 1)" in str(err.value)
+
+
+def test_cli_rejects_before_submitting():
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "submit", "--profile", "stampede2-skx", "--time", "72:00:00",
+                          "--", "bench", "allreduce"], capture_output=True, text=True)
+    assert run.returncode == 2 and "exceeds the 2-00:00:00 limit" in run.stderr and "submitted" not in run.stderr
+
+
+def test_defaults_fill_the_node():
+    text = script_for(profile="stampede2-knl", nodes=2, tasks_per_node=4)
+    assert "#SBATCH --cpus-per-task=17" in text and "#SBATCH --partition=normal" in text
+    assert "MCDRAM" in text
+
+
+@pytest.mark.parametrize("name", sorted(READY_SCRIPTS))
+def test_committed_scripts_match_the_generator(name):
+    params, command = READY_SCRIPTS[name]
+    assert (REPO / "slurm" / name).read_text() == render_sbatch(job_request(**params), command), \
+        "regenerate with: make slurm-scripts"
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_hostile_values_reach_slurm_literally(slurm, tmp_path, value):
+    """sbatch's own parser reads the #SBATCH lines back to the same job name and output path."""
+    out_dir = tmp_path / value
+    out_dir.mkdir()
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(job_request(profile="local", job_name=value, output=f"{out_dir}/%j.out",
+                                                python=PYTHON, time="5:00"),
+                                    ["env"]))
+    # 'hpcdl env' prints JSON; the job must run it, with the name and output that were asked for.
+    job = sbatch_wait(script)
+    # scontrol, not sacct: slurmdbd stores '"' in job names as '`'.
+    shown = subprocess.run(["scontrol", "show", "job", "--oneliner", job], capture_output=True, text=True).stdout
+    assert re.search(r"JobName=(.*) UserId=", shown).group(1) == value
+    assert '"launcher": "slurm"' in (out_dir / f"{job}.out").read_text()
