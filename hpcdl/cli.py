@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
     p = bench.add_parser("allreduce", help="allreduce latency and bandwidth over message sizes, checked")
     p.add_argument("--backend", default="auto", help="auto | gloo | ccl | mpi")
-    p.add_argument("--min-bytes", default="4")
+    p.add_argument("--min-bytes", help="smallest message (default: one element, 4 B for float32)")
     p.add_argument("--max-bytes", default="256M")
     p.add_argument("--dtype", default="float32", help="float32 | float64 | int64")
     p.add_argument("--warmup", type=int, default=2)

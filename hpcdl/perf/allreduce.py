@@ -17,7 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpcdl.dist.process_group import DistContext, fail_fast, set_timeout
+from hpcdl.dist.affinity import allocator_in_use
+from hpcdl.dist.process_group import DistContext, fail_fast, init_distributed, set_timeout, shutdown
 from hpcdl.errors import ConfigError
 from hpcdl.utils import atomic_write_text, format_bytes, parse_bytes
 
@@ -30,8 +31,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class AllreduceConfig:
-    min_bytes: int = 4
-    max_bytes: int = 256 << 20
+    min_bytes: int | str | None = None  # default: one element of dtype
+    max_bytes: int | str = 256 << 20
     dtype: str = "float32"
     warmup: int = 2
     seconds_per_size: float = 0.5  # each size repeats until about this long, at least once
@@ -39,12 +40,14 @@ class AllreduceConfig:
     json_path: str | None = None
 
     def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if self.min_bytes is None:
+            self.min_bytes = DTYPES[self.dtype].itemsize
         if isinstance(self.min_bytes, str):
             self.min_bytes = parse_bytes(self.min_bytes, "--min-bytes")
         if isinstance(self.max_bytes, str):
             self.max_bytes = parse_bytes(self.max_bytes, "--max-bytes")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         itemsize = DTYPES[self.dtype].itemsize
         if self.min_bytes < itemsize or self.max_bytes < self.min_bytes:
             raise ConfigError(f"--min-bytes {self.min_bytes} and --max-bytes {self.max_bytes}: need "
@@ -86,7 +89,7 @@ def _layout(ctx: DistContext) -> list[dict]:
     env = ctx.env
     mine = {"rank": env.rank, "local_rank": env.local_rank, "node_rank": env.node_rank, "host": socket.gethostname(),
             "launcher": env.launcher, "master_addr": env.master_addr, "master_port": env.master_port,
-            "threads": ctx.cpu.threads}
+            "threads": ctx.cpu.threads, "allocator": allocator_in_use()}
     gathered: list[dict] = [{}] * ctx.world_size
     with fail_fast(ctx):
         dist.all_gather_object(gathered, mine, group=ctx.group)
@@ -168,8 +171,6 @@ def bench(*, backend: str = "auto", timeout_s: float = 300.0, startup_timeout_s:
 
     This is what ``hpcdl bench allreduce`` runs, and what a submitit job can call directly.
     """
-    from hpcdl.dist.process_group import init_distributed, shutdown
-
     cfg = AllreduceConfig(**config)
     ctx = init_distributed(backend, timeout=timedelta(seconds=startup_timeout_s), heartbeat_s=heartbeat_s)
     report = run(ctx, cfg, timedelta(seconds=timeout_s))

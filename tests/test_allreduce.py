@@ -1,0 +1,71 @@
+"""The allreduce benchmark over real gloo processes, and what happens when a rank dies."""
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import PYTHON, start_ranks
+
+QUICK = ["bench", "allreduce", "--max-bytes", "64K", "--seconds-per-size", "0.02", "--heartbeat", "0.5"]
+
+
+def test_two_ranks_reduce_correctly_and_report(tmp_path):
+    procs = start_ranks(2, QUICK + ["--json", "out-%j.json"], tmp_path)
+    assert [p.wait(timeout=120) for p in procs] == [0, 0], (tmp_path / "rank0.log").read_text()
+    report = json.loads((tmp_path / "out-local.json").read_text())
+    assert [r["bytes"] for r in report["rows"]] == [4 << k for k in range(15)]
+    assert all(r["correct"] for r in report["rows"])
+    assert all(r["busbw_GBps"] == pytest.approx(r["algbw_GBps"]) for r in report["rows"])  # 2(n-1)/n = 1
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    log = (tmp_path / "rank0.log").read_text()
+    assert "busbw(GB/s)" in log and "reduced values: all correct" in log
+
+
+def test_torchrun_launch(tmp_path):
+    run = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "hpcdl", *QUICK,
+                          "--dtype", "int64", "--json", "tr.json"], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "tr.json").read_text())
+    assert {r["launcher"] for r in report["ranks"]} == {"torchrun"} and report["meta"]["dtype"] == "int64"
+    assert all(r["correct"] for r in report["rows"])
+
+
+def _start_long_sweep(tmp_path, timeout_s: float):
+    procs = start_ranks(2, ["bench", "allreduce", "--min-bytes", "1M", "--max-bytes", "1M", "--seconds-per-size",
+                            "600", "--max-iters", "1000000", "--heartbeat", "0.5", "--timeout", str(timeout_s)], tmp_path)
+    deadline = time.time() + 60
+    while "collective timeout now" not in (tmp_path / "rank0.log").read_text():
+        assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "rank0.log").read_text()
+        time.sleep(0.2)
+    time.sleep(1.0)  # well inside the timed loop
+    return procs
+
+
+@pytest.mark.parametrize("victim,how", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)])
+def test_lost_rank_is_named_and_the_survivor_exits_within_the_timeout(tmp_path, victim, how):
+    timeout_s = 10
+    procs = _start_long_sweep(tmp_path, timeout_s)
+    survivor = 1 - victim
+    procs[victim].send_signal(how)
+    start = time.time()
+    try:
+        code = procs[survivor].wait(timeout=timeout_s + 10)
+    finally:
+        procs[victim].kill()
+    elapsed = time.time() - start
+    log = (tmp_path / f"rank{survivor}.log").read_text()
+    assert code != 0
+    assert f"rank {victim}" in log.splitlines()[-1] and "lost" in log, log[-2000:]
+    # A dead peer is noticed at once, a frozen one when the collective times out; either way the
+    # survivor is gone before timeout + diagnosis (2.5 heartbeats) + start-up slack.
+    assert elapsed < timeout_s + 5, elapsed
+
+
+def test_bad_arguments_exit_2_with_the_flag_named(tmp_path):
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "bench", "allreduce", "--min-bytes", "1M", "--max-bytes", "4K"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "--min-bytes" in run.stderr and "Traceback" not in run.stderr
