@@ -1,0 +1,186 @@
+"""Process groups: ``init_distributed`` and the machinery that names a lost rank.
+
+Every rank bumps a counter in the rendezvous store every ``heartbeat_s`` seconds from a daemon
+thread. When a collective fails (a peer's socket closed, or the collective timed out), the rank
+reads the counters twice and names the ranks whose counters stood still. If the store itself is
+gone, rank 0, which serves it, is the one lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from hpcdl.dist.affinity import CpuPlan, allocator_in_use, apply_cpu_plan, plan_cpus
+from hpcdl.dist.backend import BackendChoice, ccl_environment, choose_backend
+from hpcdl.dist.env import RankEnv, discover
+from hpcdl.errors import LaunchError, RankLostError
+
+__all__ = ["STARTUP_TIMEOUT", "DistContext", "fail_fast", "init_distributed", "set_timeout", "shutdown"]
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT = timedelta(minutes=10)  # first rendezvous: ranks start minutes apart on big jobs
+_PREFIX = "hpcdl/"
+
+
+class Heartbeat:
+    """A counter per rank in the store, bumped by a daemon thread over its own store connection."""
+
+    def __init__(self, env: RankEnv, interval_s: float):
+        self.env, self.interval_s = env, interval_s
+        self._store = _client(env, timedelta(seconds=max(10.0, 5 * interval_s)))
+        self._store.add(_key("hb", env.rank), 1)
+        self._store.set(_key("who", env.rank), f"host {env.hostname}, pid {os.getpid()}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="hpcdl-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._store.add(_key("hb", self.env.rank), 1)
+            except Exception:  # the store (rank 0) is gone: diagnosis will say so
+                return
+
+    def lost_ranks(self) -> list[int] | None:
+        """Ranks whose heartbeat stopped; ``None`` when the store (served by rank 0) is unreachable."""
+        try:  # a dead store refuses at once, but the client retries until its timeout: keep it short
+            store = _client(self.env, timedelta(seconds=max(1.0, 2 * self.interval_s)))
+            keys = [_key("hb", r) for r in range(self.env.world_size)]
+            before = store.multi_get(keys)
+            time.sleep(2.5 * self.interval_s)
+            after = store.multi_get(keys)
+        except Exception:
+            return None
+        return [r for r, (a, b) in enumerate(zip(before, after)) if a == b and r != self.env.rank]
+
+    def who(self, rank: int) -> str:
+        try:
+            return _client(self.env, timedelta(seconds=5)).get(_key("who", rank)).decode()
+        except Exception:
+            return "host unknown"
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class DistContext:
+    """What ``init_distributed`` set up; pass ``group`` to collectives."""
+
+    env: RankEnv
+    backend: BackendChoice
+    cpu: CpuPlan
+    timeout: timedelta
+    group: dist.ProcessGroup | None
+    heartbeat: Heartbeat
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+
+def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIMEOUT, comm_threads: int | None = None,
+                     data_workers: int = 0, heartbeat_s: float = 2.0, env: RankEnv | None = None) -> DistContext:
+    """Discover this rank, tune its CPUs, and join the default process group.
+
+    ``timeout`` bounds every collective, the first rendezvous included; shorten it with
+    :func:`set_timeout` once the ranks are running.
+    """
+    env = env or discover()
+    choice = choose_backend(backend)
+    if comm_threads is None:
+        comm_threads = 1 if choice.name == "ccl" else 0
+    cpu = plan_cpus(local_rank=env.local_rank, local_size=env.local_size, comm_threads=comm_threads,
+                    data_workers=data_workers)
+    apply_cpu_plan(cpu)
+    if choice.name == "ccl":
+        os.environ.update(ccl_environment(env, cpu, os.environ))
+        import oneccl_bindings_for_pytorch  # noqa: F401  (registers the backend)
+    store = _server_or_client(env, timeout)
+    heartbeat = Heartbeat(env, heartbeat_s)
+    dist.init_process_group(choice.name, store=dist.PrefixStore("pg/", store), rank=env.rank,
+                            world_size=env.world_size, timeout=timeout)
+    ctx = DistContext(env=env, backend=choice, cpu=cpu, timeout=timeout, group=None, heartbeat=heartbeat)
+    _log_startup(ctx)
+    return ctx
+
+
+def _server_or_client(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
+    # Under torchrun the agent already serves a store on MASTER_PORT: every rank is its client.
+    serve = env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=serve,
+                             timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        where = f"{env.master_addr}:{env.master_port}"
+        if env.rank == 0:
+            raise LaunchError(f"rank 0 cannot serve the rendezvous store on {where} ({exc}); the port may be in use "
+                              "by another job step on this node: set MASTER_PORT to a free port") from exc
+        raise LaunchError(f"rank {env.rank} cannot reach the rendezvous store at {where} within {timeout} ({exc}); "
+                          "check that rank 0 started and that this address is reachable from "
+                          f"{env.hostname} (set MASTER_ADDR to override)") from exc
+
+
+def _client(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
+    return dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+
+
+def _key(kind: str, rank: int) -> str:
+    return f"{_PREFIX}{kind}/{rank}"
+
+
+def _log_startup(ctx: DistContext) -> None:
+    env = ctx.env
+    log.info("distributed: %s", env.describe())
+    log.info("backend %s (%s); collective timeout %s", ctx.backend.name, ctx.backend.reason, ctx.timeout)
+    log.info("cpu: %s", ctx.cpu.describe())
+    log.info("allocator: %s", allocator_in_use())
+
+
+def set_timeout(ctx: DistContext, timeout: timedelta) -> None:
+    """Bound every later collective by ``timeout`` (a new group over all ranks; collective call)."""
+    ctx.group = dist.new_group(ranks=list(range(ctx.world_size)), timeout=timeout, backend=ctx.backend.name)
+    ctx.timeout = timeout
+    log.info("collective timeout now %s", timeout)
+
+
+@contextlib.contextmanager
+def fail_fast(ctx: DistContext) -> Iterator[None]:
+    """Turn a failed collective into a :class:`RankLostError` that names the lost rank."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch.distributed.DistError is a RuntimeError
+        raise RankLostError(explain_failure(ctx, exc)) from exc
+
+
+def explain_failure(ctx: DistContext, exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    lost = ctx.heartbeat.lost_ranks()
+    if lost is None:
+        return (f"rank 0 was lost (it served the rendezvous store at {ctx.env.master_addr}:{ctx.env.master_port}, "
+                f"which no longer answers); rank {ctx.rank} stops. Collective error: {first}")
+    if lost:
+        names = "; ".join(f"rank {r} ({ctx.heartbeat.who(r)})" for r in lost)
+        return f"lost {names}: heartbeat stopped; rank {ctx.rank} stops. Collective error: {first}"
+    return (f"a collective failed on rank {ctx.rank} while every rank's heartbeat is alive (a rank stuck, or the "
+            f"network): {first}")
+
+
+def shutdown(ctx: DistContext) -> None:
+    ctx.heartbeat.stop()
+    if dist.is_initialized():
+        dist.destroy_process_group()
