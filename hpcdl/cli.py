@@ -196,4 +196,5 @@ def _rank_for_logging() -> int:
     from hpcdl.dist.env import LAUNCHERS
 
     row = next((r for r in LAUNCHERS if r.marker in os.environ), None)
-    return int(os.environ.get(row.rank, 0)) if row else 0
+    value = os.environ.get(row.rank, "0") if row else "0"
+    return int(value) if value.isdigit() else 0  # a bad value is reported by discovery itself
