@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sbatch", help="print or write an sbatch script that runs an hpcdl command")
     _add_job_flags(p)
-    p.add_argument("--python", default="python3", help="interpreter with hpcdl on the compute nodes")
+    p.add_argument("--python", help="interpreter with hpcdl on the compute nodes (default: python3 on PATH)")
     p.add_argument("--write", metavar="FILE", help="write the script here instead of printing it")
     p.set_defaults(fn=cmd_sbatch)
 

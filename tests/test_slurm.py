@@ -91,3 +91,11 @@ set -e
     report = load_json(tmp_path / "mpi.json")
     assert_correct(report, 2)
     assert {r["launcher"] for r in report["ranks"]} == {"mpi-hydra"}
+
+
+def test_local_executor_refuses_another_interpreter(tmp_path):
+    from hpcdl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="local executor runs tasks with this interpreter"):
+        submit(bench, cluster="local", python="/opt/other/python3", folder=str(tmp_path / "%j"))
+    assert not any(tmp_path.iterdir())  # refused before anything was submitted

@@ -35,8 +35,12 @@ def make_executor(req: JobRequest, folder: str, cluster: str | None = None) -> s
     if cluster == "local" and req.nodes != 1:
         raise ConfigError(f"nodes={req.nodes}: no Slurm answers here, and submitit's local executor runs one node; "
                           "ask for nodes=1 or submit from a Slurm login node")
-    python = sys.executable
-    executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
+    python = req.python or sys.executable
+    if cluster == "local" and python != sys.executable:
+        raise ConfigError(f"python={python!r}: submitit's local executor runs tasks with this interpreter "
+                          f"({sys.executable}); leave python unset, or submit to Slurm")
+    executor = submitit.AutoExecutor(folder=folder, cluster=cluster, **({"slurm_python": shlex.quote(python)}
+                                                                         if cluster == "slurm" else {}))
     params: dict[str, Any] = dict(name=req.job_name, nodes=req.nodes, tasks_per_node=req.tasks_per_node,
                                   timeout_min=max(1, int(req.walltime.total_seconds() // 60)))
     if cluster == "slurm":

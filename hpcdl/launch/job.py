@@ -29,7 +29,8 @@ class JobRequest:
     partition: str | None = None      # default: the profile's
     account: str | None = None
     qos: str | None = None
-    python: str = "python3"           # the interpreter with hpcdl installed, on the compute nodes
+    python: str | None = None         # the interpreter with hpcdl on the compute nodes (sbatch: python3,
+                                      # submitit: this one)
     allocator: str = "auto"
 
     def __post_init__(self):

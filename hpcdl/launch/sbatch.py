@@ -86,7 +86,7 @@ def render_sbatch(req: JobRequest, command: list[str]) -> str:
     lines += [
         "",
         "set -euo pipefail",
-        f'if [ -z "${{HPCDL_PYTHON:-}}" ]; then HPCDL_PYTHON={shlex.quote(req.python)}; fi',
+        f'if [ -z "${{HPCDL_PYTHON:-}}" ]; then HPCDL_PYTHON={shlex.quote(req.python or "python3")}; fi',
         "# The allocator acts only if chosen before Python starts; the node itself decides which one it has.",
         f'tuning=$("$HPCDL_PYTHON" -m hpcdl tune --exports --allocator "${{HPCDL_ALLOCATOR:-{req.allocator}}}")',
         'eval "$tuning"',
