@@ -33,12 +33,10 @@ def _add_job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the hpcdl command to run, e.g. -- bench allreduce")
 
 
-def _job_from(args: argparse.Namespace, **extra):
-    from hpcdl.launch.job import job_request
-
+def _job_params(args: argparse.Namespace) -> dict:
     names = ("profile", "nodes", "tasks_per_node", "cpus_per_task", "time", "job_name", "output", "partition",
              "account", "qos", "allocator")
-    return job_request(**{n: getattr(args, n) for n in names}, **extra)
+    return {n: getattr(args, n) for n in names}
 
 
 def _command(args: argparse.Namespace) -> list[str]:
@@ -49,10 +47,11 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
+    from hpcdl.launch.job import job_request
     from hpcdl.launch.sbatch import render_sbatch
     from hpcdl.utils import atomic_write_text
 
-    script = render_sbatch(_job_from(args, python=args.python), _command(args))
+    script = render_sbatch(job_request(**_job_params(args), python=args.python), _command(args))
     if args.write:
         atomic_write_text(args.write, script, mode=0o755)
         print(f"wrote {args.write}; submit it with: sbatch {args.write}", file=sys.stderr)
@@ -64,9 +63,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from hpcdl.launch.executor import hpcdl_command, submit
 
-    req = _job_from(args)
-    job = submit(hpcdl_command(_command(args)), folder=args.folder, cluster=args.cluster,
-                 **{f.name: getattr(req, f.name) for f in dataclasses.fields(req)})
+    job = submit(hpcdl_command(_command(args)), folder=args.folder, cluster=args.cluster, **_job_params(args))
     print(f"submitted job {job.job_id}; logs in {job.paths.folder}", file=sys.stderr)
     if args.no_wait:
         return 0

@@ -107,14 +107,14 @@ def discover(environ: Mapping[str, str] | None = None) -> RankEnv:
     return RankEnv(launcher=launcher.name, rank=rank, world_size=world_size, local_rank=local_rank,
                    local_size=local_size, node_rank=node_rank, nodes=nodes, master_addr=master_addr,
                    master_port=master_port, hostname=socket.gethostname(), job_id=_job_id(environ),
-                   restart_count=int(environ.get("SLURM_RESTART_COUNT", "0") or 0))
+                   restart_count=_restart_count(environ))
 
 
 def _single_process(environ: Mapping[str, str]) -> RankEnv:
     return RankEnv(launcher="single", rank=0, world_size=1, local_rank=0, local_size=1, node_rank=0,
                    nodes=1, master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
                    master_port=int(environ.get("MASTER_PORT", DEFAULT_PORT)), hostname=socket.gethostname(),
-                   job_id=_job_id(environ), restart_count=int(environ.get("SLURM_RESTART_COUNT", "0") or 0))
+                   job_id=_job_id(environ), restart_count=_restart_count(environ))
 
 
 def _warn_if_batch_step(environ: Mapping[str, str]) -> None:
@@ -166,6 +166,10 @@ def _slurm_local_size(environ: Mapping[str, str]) -> int:
         per_node.extend([int(m.group(1))] * int(m.group(2) or 1))
     node = int(environ.get("SLURM_NODEID", "0"))
     return per_node[node] if node < len(per_node) else per_node[-1]
+
+
+def _restart_count(environ: Mapping[str, str]) -> int:
+    return int(environ.get("SLURM_RESTART_COUNT") or 0)
 
 
 def _job_id(environ: Mapping[str, str]) -> str | None:
