@@ -15,3 +15,7 @@ class LaunchError(HpcdlError):
 
 class RankLostError(HpcdlError):
     """A peer rank died or stopped answering during a collective."""
+
+
+class DataError(HpcdlError):
+    """A dataset, shard or manifest is missing, damaged or inconsistent; the message names the file."""

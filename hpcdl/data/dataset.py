@@ -1,0 +1,106 @@
+"""The reader: a map-style Dataset over packed shards.
+
+Shards are opened lazily, in the process that reads them, and reopened after a fork: a DataLoader
+worker never uses an HDF5 handle its parent opened. Every read checks the image's CRC32, so damage
+that start-up checks did not look for is reported with the shard and image, not decoded into noise.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from hpcdl.data.format import Manifest, crc32, open_h5
+from hpcdl.data.sampler import Padding
+from hpcdl.data.verify import check_dataset, load_manifest
+from hpcdl.errors import ConfigError, DataError
+
+PADDING_LABEL = -1  # the label of an evaluation sample repeated only to even out the ranks
+VERIFY = ("none", "quick", "full")
+
+
+@dataclass(slots=True)
+class _OpenShard:
+    file: object
+    images: object  # the h5py dataset of encoded bytes
+    offsets: np.ndarray
+    labels: np.ndarray
+    crcs: np.ndarray
+
+
+class ShardDataset(Dataset):
+    """``dataset[i]`` -> (transform(encoded bytes), label); without a transform, the bytes themselves.
+
+    ``verify``: ``quick`` (default) checks at start-up that every shard is present, of the size the
+    manifest says, and holds consistent index arrays; ``full`` also compares sha256 sums, each caller
+    hashing the shards ``i % world == rank``; ``none`` skips both.
+    """
+
+    def __init__(self, root: str, transform: Callable | None = None, verify: str = "quick", rank: int = 0,
+                 world: int = 1):
+        if verify not in VERIFY:
+            raise ConfigError(f"verify={verify!r} is unknown; choose one of {', '.join(VERIFY)}")
+        self.root, self.transform = root, transform
+        self.manifest: Manifest = load_manifest(root)
+        if verify != "none":
+            problems = check_dataset(root, self.manifest, full=verify == "full", rank=rank, world=world)
+            if problems:
+                raise DataError(f"{root}: {len(problems)} damaged or missing shards; run 'hpcdl verify --full "
+                                f"{root}', then repack or restore them:\n  " + "\n  ".join(problems))
+        self.paths = [os.path.join(root, s.file) for s in self.manifest.shards]
+        self.shard_sizes = [s.count for s in self.manifest.shards]
+        self.starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
+        self.classes = self.manifest.classes
+        self.files_opened = 0  # in this process
+        self._open: dict[int, _OpenShard] = {}
+        self._pid = None
+        _raise_open_file_limit()
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} outside the {len(self)} images of {self.root}")
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        data, label = self.read(shard, int(index - self.starts[shard]))
+        sample = self.transform(data) if self.transform else data
+        return sample, (PADDING_LABEL if isinstance(index, Padding) else label)
+
+    def read(self, shard: int, i: int) -> tuple[bytes, int]:
+        s = self._shard(shard)
+        data = s.images[s.offsets[i]:s.offsets[i + 1]].tobytes()
+        if crc32(data) != s.crcs[i]:
+            raise DataError(f"{self.paths[shard]}: image {i} fails its CRC32, the shard is damaged; run "
+                            f"'hpcdl verify --full {self.root}', then repack or restore the shard")
+        return data, int(s.labels[i])
+
+    def _shard(self, shard: int) -> _OpenShard:
+        if self._pid != os.getpid():  # a fresh process (a forked worker): drop the parent's handles
+            self._open, self._pid = {}, os.getpid()
+        s = self._open.get(shard)
+        if s is None:
+            f = open_h5(self.paths[shard])
+            self.files_opened += 1
+            s = self._open[shard] = _OpenShard(f, f["images"], f["offsets"][:], f["labels"][:], f["crc32"][:])
+        return s
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_open"], state["_pid"] = {}, None
+        return state
+
+
+def _raise_open_file_limit() -> None:
+    """A reader keeps each shard it touched open; lift the soft open-file limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass

@@ -1,0 +1,211 @@
+"""The on-disk format, version 1 (docs/data-format.md): HDF5 shards of encoded images and a JSON manifest.
+
+A shard holds the encoded images back to back in one contiguous uint8 dataset, so reading an image is
+one contiguous read at a known offset, and reading a shard front to back is one sequential stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpcdl.errors import DataError
+from hpcdl.utils import atomic_write_text
+
+FORMAT_VERSION = 1
+SHARD_FORMAT = "hpcdl-shard"
+MANIFEST_FORMAT = "hpcdl-dataset"
+MANIFEST = "manifest.json"
+PARTS_DIR = "parts"
+TMP_SUFFIX = ".tmp"
+# Shard datasets and attributes; docs/data-format.md describes each.
+REQUIRED_DATASETS = ("images", "offsets", "labels", "crc32")
+OPTIONAL_DATASETS = ("sizes", "keys")
+
+
+def shard_name(part: int, index: int) -> str:
+    return f"shard-p{part:04d}-{index:05d}.h5"
+
+
+def part_name(part: int, parts: int) -> str:
+    return os.path.join(PARTS_DIR, f"part-{part:04d}-of-{parts:04d}.json")
+
+
+def open_h5(path: str):
+    """Open a shard read-only through a Python file object.
+
+    HDF5 then takes no file lock (locks fail on Lustre and NFS), and every open is a Python ``open``
+    that the data benchmark can count.
+    """
+    import h5py
+
+    return h5py.File(open(path, "rb"), "r")
+
+
+def sha256_file(path: str, block: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def crc32(data: bytes | np.ndarray) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class ShardEntry:
+    """One shard as the manifest lists it."""
+
+    file: str
+    count: int
+    bytes: int
+    sha256: str
+    first: int = 0  # the part's item range this shard covers, for --resume
+    stop: int = 0
+    rejected: list = field(default_factory=list)
+
+
+def write_shard(path: str, images: list[bytes], labels: list[int], sizes: list[tuple[int, int]],
+                keys: list[str], attrs: dict) -> ShardEntry:
+    """Write one shard under a temporary name, fsync, rename into place, and return its entry."""
+    import h5py
+
+    offsets = np.zeros(len(images) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in images], out=offsets[1:])
+    tmp = f"{path}.{os.getpid()}{TMP_SUFFIX}"
+    try:
+        with h5py.File(tmp, "w", locking=False) as f:
+            # Contiguous, uncompressed: one read per image, no chunk index to walk (see docs).
+            f.create_dataset("images", data=np.frombuffer(b"".join(images), dtype=np.uint8))
+            f.create_dataset("offsets", data=offsets)
+            f.create_dataset("labels", data=np.asarray(labels, dtype=np.int64))
+            f.create_dataset("crc32", data=np.asarray([crc32(b) for b in images], dtype=np.uint32))
+            f.create_dataset("sizes", data=np.asarray(sizes, dtype=np.int32).reshape(-1, 2))
+            f.create_dataset("keys", data=keys, dtype=h5py.string_dtype())
+            f.attrs.update({"format": SHARD_FORMAT, "format_version": FORMAT_VERSION, "encoding": "jpeg",
+                            "count": len(images), **attrs})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return ShardEntry(file=os.path.basename(path), count=len(images), bytes=os.path.getsize(path),
+                      sha256=sha256_file(path))
+
+
+@dataclass(slots=True)
+class Manifest:
+    """The dataset root's ``manifest.json`` (and, with ``complete`` false, a part's progress file)."""
+
+    layout: str
+    classes: list[dict]  # {"index", "wnid", "name"}
+    shards: list[ShardEntry]
+    rejected: list[dict]  # {"path", "reason"}
+    options: dict
+    part: int = 0
+    parts: int = 1
+    complete: bool = False
+    format: str = MANIFEST_FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def num_images(self) -> int:
+        return sum(s.count for s in self.shards)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def to_json(self) -> str:
+        body = {k: getattr(self, k) for k in self.__slots__}
+        body["shards"] = [{k: getattr(s, k) for k in ShardEntry.__slots__} for s in self.shards]
+        body["num_images"], body["num_classes"] = self.num_images, self.num_classes
+        body["summary"] = summarize(self)
+        return json.dumps(body, indent=1, ensure_ascii=False) + "\n"
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        atomic_write_text(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "Manifest":
+        try:
+            with open(path, encoding="utf-8") as f:
+                body = json.load(f)
+        except FileNotFoundError:
+            raise DataError(f"{path}: no manifest here; pack the dataset with 'hpcdl pack' first") from None
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{path}: unreadable manifest ({exc}); repack, or restore it from the pack's output")
+        if body.get("format") != MANIFEST_FORMAT or body.get("format_version") != FORMAT_VERSION:
+            raise DataError(f"{path}: format {body.get('format')!r} version {body.get('format_version')!r}; "
+                            f"this hpcdl reads {MANIFEST_FORMAT!r} version {FORMAT_VERSION}: repack with it")
+        try:
+            shards = [ShardEntry(**s) for s in body["shards"]]
+            return cls(**{k: body[k] for k in cls.__slots__ if k != "shards"}, shards=shards)
+        except (KeyError, TypeError) as exc:
+            raise DataError(f"{path}: manifest field missing or malformed ({exc}); repack the dataset") from None
+
+
+def summarize(m: Manifest) -> dict:
+    reasons: dict[str, int] = {}
+    for r in m.rejected:
+        kind = r["reason"].split(":")[0]
+        reasons[kind] = reasons.get(kind, 0) + 1
+    return {"images": m.num_images, "shards": len(m.shards), "rejected": len(m.rejected),
+            "rejected_by_reason": reasons}
+
+
+def check_shard(root: str, entry: ShardEntry, num_classes: int, full: bool) -> list[str]:
+    """Problems with one shard, each naming the file; empty when it is sound.
+
+    Quick checks read the size and the HDF5 index arrays; ``full`` also hashes the whole file and,
+    when the hash differs, finds the damaged images by their CRC32.
+    """
+    path = os.path.join(root, entry.file)
+    if not os.path.exists(path):
+        return [f"{path}: missing (the manifest lists it with {entry.count} images)"]
+    size = os.path.getsize(path)
+    if size != entry.bytes:
+        return [f"{path}: {size} bytes, the manifest says {entry.bytes} (truncated or overwritten)"]
+    try:
+        problems = _check_structure(path, entry, num_classes)
+    except (OSError, KeyError, ValueError) as exc:
+        return [f"{path}: not a readable hpcdl shard ({exc})"]
+    if full and not problems and sha256_file(path) != entry.sha256:
+        bad = damaged_images(path)
+        what = f"images {bad[:10]} fail their CRC32" if bad else "the damage is in HDF5 metadata"
+        problems.append(f"{path}: sha256 differs from the manifest; {what}")
+    return problems
+
+
+def _check_structure(path: str, entry: ShardEntry, num_classes: int) -> list[str]:
+    with open_h5(path) as f:
+        missing = [d for d in REQUIRED_DATASETS if d not in f]
+        if missing:
+            return [f"{path}: datasets {missing} missing"]
+        offsets, labels, n = f["offsets"][:], f["labels"][:], int(f["images"].shape[0])
+        count = int(f.attrs.get("count", -1))
+    problems = []
+    if count != entry.count or len(labels) != entry.count or len(offsets) != entry.count + 1:
+        problems.append(f"{path}: holds {len(labels)} labels and {len(offsets)} offsets for count {count}; "
+                        f"the manifest says {entry.count}")
+    elif offsets[0] != 0 or offsets[-1] != n or np.any(np.diff(offsets) <= 0):
+        problems.append(f"{path}: offsets do not tile the {n}-byte image array")
+    elif len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+        problems.append(f"{path}: labels outside 0..{num_classes - 1}")
+    return problems
+
+
+def damaged_images(path: str) -> list[int]:
+    with open_h5(path) as f:
+        offsets, crcs, images = f["offsets"][:], f["crc32"][:], f["images"]
+        return [i for i in range(len(crcs)) if crc32(images[offsets[i]:offsets[i + 1]]) != crcs[i]]

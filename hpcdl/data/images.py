@@ -1,0 +1,89 @@
+"""Pack-time image handling: validate each input, keep its bytes when they are a sound RGB JPEG, and
+otherwise convert, optionally resize, and re-encode. Each refusal is a :class:`Rejected` with a reason."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image, UnidentifiedImageError
+
+from hpcdl.errors import ConfigError
+
+
+class Rejected(Exception):
+    """This input is skipped; the message is the reason the manifest records."""
+
+
+@dataclass(frozen=True, slots=True)
+class Encoding:
+    """How ``hpcdl pack`` stores images: ``--max-side`` or ``--short-side``, and ``--quality``."""
+
+    max_side: int | None = None
+    short_side: int | None = None
+    quality: int = 90
+
+    def __post_init__(self):
+        if self.max_side and self.short_side:
+            raise ConfigError("give --max-side or --short-side, not both")
+        for name in ("max_side", "short_side"):
+            value = getattr(self, name)
+            if value is not None and value < 16:
+                raise ConfigError(f"--{name.replace('_', '-')} {value} is too small; use at least 16 (e.g. 256)")
+        if not 1 <= self.quality <= 100:
+            raise ConfigError(f"--quality {self.quality} is outside 1..100")
+
+    def target(self, width: int, height: int) -> tuple[int, int] | None:
+        """The stored size, or None when the image is stored at its own size."""
+        if self.max_side and max(width, height) > self.max_side:
+            s = self.max_side / max(width, height)
+        elif self.short_side and min(width, height) > self.short_side:
+            s = self.short_side / min(width, height)
+        else:
+            return None
+        return max(1, round(width * s)), max(1, round(height * s))
+
+
+def prepare(data: bytes, enc: Encoding) -> tuple[bytes, tuple[int, int], bool]:
+    """-> (JPEG bytes, (height, width), kept original bytes). Raises Rejected."""
+    if not data:
+        raise Rejected("empty file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise Rejected("not an image: no image format Pillow knows starts these bytes") from None
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        raise Rejected(f"not an image: {exc}") from None
+    target = enc.target(*im.size)
+    if target and im.format == "JPEG":
+        im.draft("RGB", target)  # decode at 1/2, 1/4 or 1/8 scale when that still covers the target
+    fmt, mode = im.format, im.mode
+    try:
+        im.load()  # a full decode: truncated and corrupt files fail here, not in training
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise Rejected(f"truncated or corrupt: {exc}") from None
+    if fmt == "JPEG" and mode == "RGB" and target is None:
+        return data, (im.height, im.width), True
+    im = to_rgb(im)
+    if target:
+        im = im.resize(target, Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    im.save(out, "JPEG", quality=enc.quality)
+    return out.getvalue(), (im.height, im.width), False
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    """RGB for any mode: CMYK through Pillow's Adobe-aware conversion, transparency composited on white."""
+    if im.mode == "RGB":
+        return im
+    if im.mode in ("RGBA", "LA", "PA") or "transparency" in im.info:
+        im = im.convert("RGBA")
+        background = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, im).convert("RGB")
+    try:
+        return im.convert("RGB")
+    except ValueError as exc:
+        raise Rejected(f"unsupported image mode {im.mode}: {exc}") from None

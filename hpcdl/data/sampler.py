@@ -1,0 +1,133 @@
+"""Which images each rank reads in an epoch.
+
+``global``: one permutation of all images per epoch, seeded by seed + epoch, padded to a multiple of the
+world size and dealt round-robin: exactly what ``torch.utils.data.DistributedSampler`` yields.
+
+``shard``: friendly to the filesystem. Each epoch the shards are shuffled and dealt to ranks (each to
+the rank with the fewest images so far), and each rank shuffles the images of its own shards, so a
+rank reads only its shards.
+
+Either way every rank yields the same number of indices, so every rank runs the same number of steps
+and DDP never waits on a rank that ran out. Padding repeats a rank's own first indices. For evaluation
+(``shuffle=False``) the padded indices are :class:`Padding`, which :class:`ShardDataset` labels
+``PADDING_LABEL`` so they are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from hpcdl.errors import ConfigError
+
+MODES = ("global", "shard")
+
+
+class Padding(int):
+    """An index repeated only to even out the ranks; its sample must not be counted."""
+
+    def __reduce__(self):
+        return (Padding, (int(self),))
+
+
+class DistributedShardSampler(Sampler[int]):
+    def __init__(self, shard_sizes: list[int], num_replicas: int = 1, rank: int = 0, mode: str = "global",
+                 shuffle: bool = True, seed: int = 0):
+        if mode not in MODES:
+            raise ConfigError(f"sampler mode {mode!r} is unknown; choose one of {', '.join(MODES)}")
+        if not 0 <= rank < num_replicas:
+            raise ConfigError(f"sampler rank {rank} is outside 0..{num_replicas - 1}")
+        if mode == "shard" and len(shard_sizes) < num_replicas:
+            raise ConfigError(f"sampler mode 'shard' needs a shard per rank: {len(shard_sizes)} shards for "
+                              f"{num_replicas} ranks. Repack with a smaller --shard-size, or use mode 'global'")
+        self.sizes = [int(s) for s in shard_sizes]
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.total = int(self.starts[-1])
+        self.num_replicas, self.rank, self.mode, self.shuffle, self.seed = num_replicas, rank, mode, shuffle, seed
+        self.epoch, self.position, self._yielded = 0, 0, 0
+
+    @property
+    def num_samples(self) -> int:
+        """Indices per rank in the current epoch, padding included: the same on every rank."""
+        if self.mode == "global":
+            return math.ceil(self.total / self.num_replicas)
+        return max(sum(self.sizes[s] for s in shards) for shards in self._deal())
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning, unless a loaded state resumes this very epoch."""
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+    def __len__(self) -> int:
+        """Indices left in this epoch: all of them, or fewer after a mid-epoch resume."""
+        return self.num_samples - self.position
+
+    def __iter__(self):
+        indices = self.indices()
+        start, self._yielded = self.position, 0
+        for i in indices[start:]:
+            self._yielded += 1
+            yield i
+        self.position = 0  # the epoch is over; the next pass starts at its beginning
+
+    def indices(self) -> list[int]:
+        """This rank's whole epoch, padded entries included."""
+        return self._global() if self.mode == "global" else self._padded(self._indices_of(self.rank))
+
+    def _global(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.total, generator=g).tolist()
+        else:
+            order = list(range(self.total))
+        total = self.num_samples * self.num_replicas
+        padded = order + [self._pad(i) for i in (order * math.ceil(total / max(self.total, 1)))[:total - self.total]]
+        return padded[self.rank:total:self.num_replicas]
+
+    def _deal(self) -> list[list[int]]:
+        """Shards per rank this epoch: shuffled, each to the rank with the fewest images so far."""
+        order = list(range(len(self.sizes)))
+        if self.shuffle:
+            np.random.default_rng([self.seed, self.epoch]).shuffle(order)
+        load, dealt = [0] * self.num_replicas, [[] for _ in range(self.num_replicas)]
+        for s in order:
+            r = load.index(min(load))
+            load[r] += self.sizes[s]
+            dealt[r].append(s)
+        return dealt
+
+    def _indices_of(self, rank: int) -> list[int]:
+        mine = [i for s in self._deal()[rank] for i in range(self.starts[s], self.starts[s + 1])]
+        if self.shuffle:
+            np.random.default_rng([self.seed, self.epoch, rank]).shuffle(mine)
+        return [int(i) for i in mine]
+
+    def _padded(self, mine: list[int]) -> list[int]:
+        longest = self.num_samples
+        extra = (mine * math.ceil(longest / max(len(mine), 1)))[:longest - len(mine)]
+        return mine + [self._pad(i) for i in extra]
+
+    def _pad(self, i: int) -> int:
+        return i if self.shuffle else Padding(i)
+
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """Where to resume: ``consumed`` indices of this epoch are done (default: all yielded so far).
+
+        A DataLoader reads ahead of training, so a trainer passes the count it has actually trained on.
+        """
+        done = self.position + (self._yielded if consumed is None else consumed)
+        return {"epoch": self.epoch, "position": done, "mode": self.mode, "seed": self.seed,
+                "num_replicas": self.num_replicas, "total": self.total, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = {"mode": self.mode, "seed": self.seed, "num_replicas": self.num_replicas, "total": self.total,
+                "shuffle": self.shuffle}
+        differs = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if differs:
+            raise ConfigError(f"sampler state does not fit this run: {differs} (saved, now); an exact resume "
+                              "needs the same dataset, seed, mode and number of ranks")
+        self.epoch, self.position, self._yielded = int(state["epoch"]), int(state["position"]), 0
