@@ -125,6 +125,50 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_data(args: argparse.Namespace) -> int:
+    from hpcdl.perf.data import DataBenchConfig, bench, format_report
+
+    report = bench(DataBenchConfig(src=args.src, images=args.images, classes=args.classes,
+                                   short_side=args.short_side, workers=args.workers, batch_size=args.batch_size,
+                                   rounds=args.rounds, json_path=args.json))
+    sys.stdout.write(format_report(report))
+    return 0
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from hpcdl.data.format import summarize
+    from hpcdl.data.images import Encoding
+    from hpcdl.data.pack import PackConfig, merge, pack
+    from hpcdl.data.sources import SourceOptions
+
+    if not args.merge and not args.src:
+        raise HpcdlError("hpcdl pack needs SRC and OUT (or --merge OUT)")
+    if args.merge:
+        manifest = merge(args.out)
+    else:
+        manifest = pack(PackConfig(
+            src=args.src, out=args.out, layout=args.layout, shard_size=args.shard_size, workers=args.workers,
+            encoding=Encoding(max_side=args.max_side, short_side=args.short_side, quality=args.quality),
+            resume=args.resume, seed=args.seed, part=args.part,
+            sources=SourceOptions(names=args.names, val_labels=args.val_labels, synsets=args.synsets)))
+    s = summarize(manifest)
+    where = "dataset" if manifest.parts == 1 else f"part {manifest.part}/{manifest.parts}"
+    print(f"{args.out}: {where} holds {s['images']} images in {s['shards']} shards; {s['rejected']} inputs "
+          f"rejected {s['rejected_by_reason'] or ''} (reasons per file in the manifest)", file=sys.stderr)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from hpcdl.data.verify import verify
+
+    problems = verify(args.dir, full=args.full, sample=args.sample)
+    for p in problems:
+        print(p)
+    print(f"{args.dir}: {'OK' if not problems else f'{len(problems)} problems'}"
+          f"{' (sha256 of every shard checked)' if args.full else ''}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcdl", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hpcdl {__version__}")
@@ -145,6 +189,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float, default=600.0, help="timeout in s for all ranks to join")
     p.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat interval in s (names lost ranks)")
     p.set_defaults(fn=cmd_bench_allreduce)
+
+    p = bench.add_parser("data", help="shard reader vs ImageFolder vs a bare decode loop, images/s per worker")
+    p.add_argument("--src", help="a class-folder tree of JPEGs (default: synthetic ImageNet-sized JPEGs)")
+    p.add_argument("--images", type=int, default=3200, help="synthetic images to generate")
+    p.add_argument("--classes", type=int, default=16)
+    p.add_argument("--short-side", type=int, default=256, help="pack with this short side")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers (processes) per reader")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="epochs per reader, alternating; the median counts")
+    p.add_argument("--json", help="also write the report here (%%j: job id)")
+    p.set_defaults(fn=cmd_bench_data)
+
+    _add_pack_parser(sub)
+    p = sub.add_parser("verify", help="check a packed dataset's shards against its manifest")
+    p.add_argument("dir", help="the dataset root (where manifest.json is)")
+    p.add_argument("--full", action="store_true", help="also compare every shard's sha256")
+    p.add_argument("--sample", type=int, default=4, help="images to decode per shard")
+    p.set_defaults(fn=cmd_verify)
 
     p = sub.add_parser("sbatch", help="print or write an sbatch script that runs an hpcdl command")
     _add_job_flags(p)
@@ -169,6 +231,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("env", help="print this process's rank discovery as JSON").set_defaults(fn=cmd_env)
     sub.add_parser("profiles", help="list the cluster profiles").set_defaults(fn=cmd_profiles)
     return parser
+
+
+def _add_pack_parser(sub) -> None:
+    from hpcdl.data.sources import LAYOUTS
+
+    p = sub.add_parser("pack", help="pack images into HDF5 shards with a manifest",
+                       description="Pack SRC into shards in OUT. Inside a Slurm array or an MPI/srun job, "
+                                   "each task packs its part and the last one merges the manifest.")
+    p.add_argument("src", nargs="?", help="the images (see --layout)")
+    p.add_argument("out", help="the dataset root to write")
+    p.add_argument("--layout", default="folder", choices=list(LAYOUTS))
+    p.add_argument("--shard-size", default="512MB", help="bytes of images per shard")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--max-side", type=int, help="resize so the longer side is at most N")
+    size.add_argument("--short-side", type=int, help="resize so the shorter side is at most N")
+    p.add_argument("--quality", type=int, default=90, help="JPEG quality when re-encoding")
+    p.add_argument("--workers", type=int, default=0, help="encoding processes (default: one per CPU)")
+    p.add_argument("--resume", action="store_true", help="keep finished, verified shards and go on")
+    p.add_argument("--seed", type=int, default=0, help="the shuffle before sharding")
+    p.add_argument("--part", help="i/n: pack part i of n (default: from the Slurm array or MPI rank)")
+    p.add_argument("--merge", action="store_true", help="only merge finished parts into manifest.json")
+    p.add_argument("--names", help="file of 'wnid human name' lines (synset_words.txt)")
+    p.add_argument("--val-labels", help="imagenet-val: ILSVRC2012_validation_ground_truth.txt")
+    p.add_argument("--synsets", help="imagenet-val: wnids in ILSVRC2012_ID order, or map_clsloc.txt")
+    p.set_defaults(fn=cmd_pack)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,8 +26,9 @@ VERIFY = ("none", "quick", "full")
 
 @dataclass(slots=True)
 class _OpenShard:
+    fd: int  # of the open file object below
     file: object
-    images: object  # the h5py dataset of encoded bytes
+    base: int  # file offset of the contiguous image bytes
     offsets: np.ndarray
     labels: np.ndarray
     crcs: np.ndarray
@@ -74,8 +75,9 @@ class ShardDataset(Dataset):
 
     def read(self, shard: int, i: int) -> tuple[bytes, int]:
         s = self._shard(shard)
-        data = s.images[s.offsets[i]:s.offsets[i + 1]].tobytes()
-        if crc32(data) != s.crcs[i]:
+        start, stop = int(s.offsets[i]), int(s.offsets[i + 1])
+        data = os.pread(s.fd, stop - start, s.base + start)
+        if len(data) != stop - start or crc32(data) != s.crcs[i]:
             raise DataError(f"{self.paths[shard]}: image {i} fails its CRC32, the shard is damaged; run "
                             f"'hpcdl verify --full {self.root}', then repack or restore the shard")
         return data, int(s.labels[i])
@@ -85,15 +87,25 @@ class ShardDataset(Dataset):
             self._open, self._pid = {}, os.getpid()
         s = self._open.get(shard)
         if s is None:
-            f = open_h5(self.paths[shard])
+            s = self._open[shard] = _open_shard(self.paths[shard])
             self.files_opened += 1
-            s = self._open[shard] = _OpenShard(f, f["images"], f["offsets"][:], f["labels"][:], f["crc32"][:])
         return s
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_open"], state["_pid"] = {}, None
         return state
+
+
+def _open_shard(path: str) -> _OpenShard:
+    """Read the index arrays through h5py, then read images with one pread each at their file offset."""
+    raw = open(path, "rb")  # kept open for the reads; h5py leaves a file object it was given open
+    with open_h5(raw) as h5:
+        base = h5["images"].id.get_offset()
+        if base is None:
+            raw.close()
+            raise DataError(f"{path}: the images dataset is not stored contiguously; repack it with hpcdl pack")
+        return _OpenShard(raw.fileno(), raw, int(base), h5["offsets"][:], h5["labels"][:], h5["crc32"][:])
 
 
 def _raise_open_file_limit() -> None:

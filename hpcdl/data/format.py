@@ -6,6 +6,7 @@ one contiguous read at a known offset, and reading a shard front to back is one 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -36,15 +37,18 @@ def part_name(part: int, parts: int) -> str:
     return os.path.join(PARTS_DIR, f"part-{part:04d}-of-{parts:04d}.json")
 
 
-def open_h5(path: str):
-    """Open a shard read-only through a Python file object.
+@contextlib.contextmanager
+def open_h5(path):
+    """Open a shard (a path, or a binary file object) read-only through a Python file object.
 
     HDF5 then takes no file lock (locks fail on Lustre and NFS), and every open is a Python ``open``
-    that the data benchmark can count.
+    that the data benchmark can count. A file object passed in stays open; one opened here is closed.
     """
     import h5py
 
-    return h5py.File(open(path, "rb"), "r")
+    with contextlib.ExitStack() as stack:
+        raw = stack.enter_context(open(path, "rb")) if isinstance(path, str) else path
+        yield stack.enter_context(h5py.File(raw, "r"))
 
 
 def sha256_file(path: str, block: int = 8 << 20) -> str:

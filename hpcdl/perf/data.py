@@ -1,0 +1,169 @@
+"""``hpcdl bench data``: the shard reader against torchvision's ImageFolder and a bare decode loop.
+
+All run in one process tree, on the same JPEGs with the same train transform (RandomResizedCrop 224 and a
+flip). ImageFolder reads the source files; the reader and the bare loop read the packed bytes (packed
+with ``--short-side``, as a user would pack ImageNet). Each reader is timed the same way: ``workers``
+forked processes each fetch their share of one epoch's shuffled indices, one ``dataset[i]`` at a time,
+which is what a DataLoader worker does before batching. Rounds alternate between the readers and each
+figure is the median round. A last row runs the shard reader through a real DataLoader (batching and
+shared-memory transfer included) for the end-to-end figure.
+
+Files opened per epoch are counted with a Python audit hook in every worker, so the count covers Pillow,
+h5py (the reader opens shards through Python) and anything else, from fresh processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class DataBenchConfig:
+    src: str | None = None  # a class-folder tree of JPEGs; default: synthetic ImageNet-sized JPEGs
+    images: int = 3200
+    classes: int = 16
+    short_side: int = 256
+    workers: int = 2
+    batch_size: int = 32
+    rounds: int = 3
+    json_path: str | None = None
+
+
+_opened = None  # a shared counter of files opened under _roots, set before any process forks
+_roots: tuple[str, ...] = ()
+_cases: dict = {}  # reader name -> function of one index; inherited by the forked workers
+
+
+def _count_opens(*_):
+    def hook(event, args):
+        if event == "open" and isinstance(args[0], (str, bytes)) and os.fsdecode(args[0]).startswith(_roots):
+            with _opened.get_lock():
+                _opened.value += 1
+
+    sys.addaudithook(hook)
+
+
+def _work(task: tuple[str, list[int]]) -> int:
+    name, indices = task
+    fetch = _cases[name]
+    for i in indices:
+        fetch(i)
+    return len(indices)
+
+
+def _round(pool, name: str, order: list[int], workers: int) -> tuple[float, int]:
+    """(images per second per worker, files opened) for one epoch of ``name``."""
+    _opened.value = 0
+    t0 = time.perf_counter()
+    n = sum(pool.map(_work, [(name, order[w::workers]) for w in range(workers)], chunksize=1))
+    return n / (time.perf_counter() - t0) / workers, _opened.value
+
+
+def _dataloader_round(loader) -> tuple[float, int]:
+    _opened.value = 0
+    loader.sampler.set_epoch(loader.sampler.epoch + 1)
+    t0 = time.perf_counter()
+    n = sum(len(labels) for _, labels in loader)
+    return n / (time.perf_counter() - t0) / loader.num_workers, _opened.value
+
+
+def _prepare(cfg: DataBenchConfig, tmp: str) -> tuple[str, str]:
+    from hpcdl.data.pack import PackConfig, pack
+    from hpcdl.data.images import Encoding
+    from hpcdl.data.synthetic import generate
+
+    src = cfg.src
+    if src is None:
+        src = os.path.join(tmp, "jpeg")
+        generate(src, classes=cfg.classes, per_class=max(1, cfg.images // cfg.classes))
+    packed = os.path.join(tmp, "packed")
+    pack(PackConfig(src=src, out=packed, shard_size="32M", encoding=Encoding(short_side=cfg.short_side)))
+    return os.path.abspath(src), packed
+
+
+def bench(cfg: DataBenchConfig) -> dict:
+    global _opened, _roots
+    import torch
+    import torchvision.transforms as T
+    from torchvision.datasets import ImageFolder
+
+    from hpcdl.data.dataset import ShardDataset
+    from hpcdl.data.sampler import DistributedShardSampler
+    from hpcdl.data.transforms import TrainTransform
+
+    _opened = multiprocessing.get_context("fork").Value("l", 0)
+    with tempfile.TemporaryDirectory(prefix="hpcdl-bench-data-") as tmp:
+        src, packed = _prepare(cfg, tmp)
+        _roots = (src, os.path.abspath(packed))
+        reader = ShardDataset(packed, TrainTransform())
+        folder = ImageFolder(src, transform=T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(),
+                                                       T.PILToTensor()]))
+        blobs = [reader.read(s, i)[0] for s in range(len(reader.shard_sizes)) for i in range(reader.shard_sizes[s])]
+        transform = TrainTransform()
+        _cases.update({"shard reader": reader.__getitem__, "ImageFolder": folder.__getitem__,
+                       "bare decode": lambda i: transform(blobs[i])})
+        sampler = DistributedShardSampler(reader.shard_sizes)
+        orders = {"shard reader": lambda: sampler.indices(),
+                  "ImageFolder": lambda: torch.randperm(len(folder)).tolist(),
+                  "bare decode": lambda: torch.randperm(len(blobs)).tolist()}
+        loader = torch.utils.data.DataLoader(reader, batch_size=cfg.batch_size, num_workers=cfg.workers,
+                                             sampler=DistributedShardSampler(reader.shard_sizes),
+                                             worker_init_fn=_count_opens, persistent_workers=True)
+        rounds: dict[str, list] = {k: [] for k in (*orders, "shard reader + DataLoader")}
+        with multiprocessing.get_context("fork").Pool(cfg.workers, initializer=_count_opens) as pool:
+            for _ in range(cfg.rounds):
+                for name, order in orders.items():
+                    sampler.set_epoch(sampler.epoch + 1)
+                    rounds[name].append(_round(pool, name, order(), cfg.workers))
+                rounds["shard reader + DataLoader"].append(_dataloader_round(loader))
+        report = _report(cfg, rounds, len(reader), len(folder), len(reader.shard_sizes))
+    if cfg.json_path:
+        from hpcdl.utils import atomic_write_text
+
+        atomic_write_text(cfg.json_path.replace("%j", os.environ.get("SLURM_JOB_ID", "local")),
+                          json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _report(cfg: DataBenchConfig, rounds: dict, packed: int, source: int, shards: int) -> dict:
+    median = {k: statistics.median(r for r, _ in v) for k, v in rounds.items()}
+    return {
+        "config": asdict(cfg), "images_packed": packed, "images_source": source, "shards": shards,
+        "cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)),
+        # the first round ran in fresh processes: its opens are a whole epoch's
+        "rows": [{"reader": k, "images_per_s_per_worker": median[k], "files_opened_per_epoch": v[0][1],
+                  "rounds": [r for r, _ in v]} for k, v in rounds.items()],
+        "ratios": {"shard reader / ImageFolder": median["shard reader"] / median["ImageFolder"],
+                   "shard reader / bare decode": median["shard reader"] / median["bare decode"],
+                   "with DataLoader / bare decode": median["shard reader + DataLoader"] / median["bare decode"]},
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def format_report(report: dict) -> str:
+    c = report["config"]
+    lines = [f"data bench: {report['images_packed']} packed images (source: {report['images_source']} files, "
+             f"packed --short-side {c['short_side']} into {report['shards']} shards), {c['workers']} workers, "
+             f"{c['rounds']} rounds, {report['cpu']}",
+             f"{'reader':26s} {'img/s/worker':>13s} {'files opened/epoch':>19s}"]
+    for r in report["rows"]:
+        lines.append(f"{r['reader']:26s} {r['images_per_s_per_worker']:13.1f} {r['files_opened_per_epoch']:19d}")
+    lines += [f"{k}: {v:.2f}x" for k, v in report["ratios"].items()]
+    return "\n".join(lines) + "\n"
