@@ -2,8 +2,8 @@
 
 Class ``c`` has its own hue and stripe angle and frequency; each image adds a random phase, a gradient,
 a few blobs and noise, at a size drawn around 500x375 like ImageNet's. Layouts match ``hpcdl pack``:
-``folder`` (``wnid/*.JPEG``), ``imagenet-val`` (flat files, ground-truth file, synset list) and
-``imagenet22k-tars`` (one tar per wnid). ``quirks`` adds the inputs that break naive packers.
+``folder`` (``wnid/*.JPEG``), ``imagenet`` (``train/wnid/*.JPEG``, a flat ``val/`` with ILSVRC2012's
+ground-truth file and synset list, and ``synset_words.txt``) and ``imagenet22k-tars`` (one tar per wnid). ``quirks`` adds the inputs that break naive packers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from PIL import Image
 
 from hpcdl.errors import ConfigError
 
-LAYOUTS = ("folder", "imagenet-val", "imagenet22k-tars")
+LAYOUTS = ("folder", "imagenet", "imagenet22k-tars")
 
 
 def wnid(c: int) -> str:
@@ -53,53 +53,68 @@ class Generated:
     root: str
     count: int = 0
     quirks: dict = field(default_factory=dict)  # quirk -> file path (bytes for the non-UTF-8 name)
-    extra: dict = field(default_factory=dict)  # layout files, e.g. val labels and synset list
+    extra: dict = field(default_factory=dict)  # imagenet: paths of val/, its label files, and truth
 
 
 def generate(out: str, classes: int = 10, per_class: int = 20, layout: str = "folder", quirks: bool = False,
-             seed: int = 0, size: tuple[int, int] | None = None) -> Generated:
+             seed: int = 0, size: tuple[int, int] | None = None, val_per_class: int = 5) -> Generated:
+    """Write the tree; ``quirks`` go into the first class (the train tree's, for ``imagenet``)."""
     if layout not in LAYOUTS:
         raise ConfigError(f"layout {layout!r} is unknown; choose one of {', '.join(LAYOUTS)}")
     if classes < 2 or per_class < 1:
         raise ConfigError("need at least 2 classes and 1 image per class")
+    if quirks and layout == "imagenet22k-tars":
+        raise ConfigError("quirks go into a class folder; use layout folder or imagenet")
     rng = np.random.default_rng(seed)
-    labels = [c for c in range(classes) for _ in range(per_class)]
-    images = [jpeg(synthetic_image(c, classes, rng, size)) for c in labels]
     os.makedirs(out, exist_ok=True)
-    gen = Generated(root=out, count=len(images))
-    {"folder": _folder, "imagenet-val": _val, "imagenet22k-tars": _tars}[layout](gen, labels, images, rng)
+    gen = Generated(root=out)
+    train = os.path.join(out, "train") if layout == "imagenet" else out
+    labels, images = _images(classes, per_class, rng, size)
+    (_tars if layout == "imagenet22k-tars" else _folder)(train, labels, images)
+    gen.count = len(images)
+    if layout == "imagenet":
+        gen.extra = _val(out, *_images(classes, val_per_class, rng, size), rng)
+        _write(os.path.join(out, "synset_words.txt"), "".join(f"{wnid(c)} class {c}\n" for c in range(classes)).encode())
     if quirks:
-        gen.quirks = write_quirks(os.path.join(out, wnid(0)) if layout == "folder" else out, classes, rng)
+        gen.quirks = write_quirks(os.path.join(train, wnid(0)), classes, rng)
     return gen
 
 
-def _folder(gen: Generated, labels, images, rng) -> None:
+def _images(classes: int, per_class: int, rng, size) -> tuple[list[int], list[bytes]]:
+    labels = [c for c in range(classes) for _ in range(per_class)]
+    return labels, [jpeg(synthetic_image(c, classes, rng, size)) for c in labels]
+
+
+def _folder(root: str, labels, images) -> None:
     for i, (c, data) in enumerate(zip(labels, images)):
-        os.makedirs(os.path.join(gen.root, wnid(c)), exist_ok=True)
-        _write(os.path.join(gen.root, wnid(c), f"{wnid(c)}_{i}.JPEG"), data)
+        os.makedirs(os.path.join(root, wnid(c)), exist_ok=True)
+        _write(os.path.join(root, wnid(c), f"{wnid(c)}_{i}.JPEG"), data)
 
 
-def _val(gen: Generated, labels, images, rng) -> None:
+def _val(out: str, labels, images, rng) -> dict:
     """ILSVRC2012's form: IDs number the synsets in an order that is not sorted by wnid."""
     classes = max(labels) + 1
     id_order = [int(c) for c in rng.permutation(classes)]  # ID k+1 is class id_order[k]
     id_of = {c: k + 1 for k, c in enumerate(id_order)}
     order = rng.permutation(len(images))  # files are not grouped by class
-    val = os.path.join(gen.root, "val")
+    val = os.path.join(out, "val")
     os.makedirs(val, exist_ok=True)
-    truth = []
+    truth, lines = {}, []
     for n, i in enumerate(order, start=1):
-        _write(os.path.join(val, f"ILSVRC2012_val_{n:08d}.JPEG"), images[i])
-        truth.append(f"{id_of[labels[i]]}\n")
-    gen.extra = {"dir": val, "val_labels": os.path.join(gen.root, "ground_truth.txt"),
-                 "synsets": os.path.join(gen.root, "map_clsloc.txt")}
-    _write(gen.extra["val_labels"], "".join(truth).encode())
-    _write(gen.extra["synsets"], "".join(f"{wnid(c)} {k + 1} class_{c}\n" for k, c in enumerate(id_order)).encode())
+        name = f"ILSVRC2012_val_{n:08d}.JPEG"
+        _write(os.path.join(val, name), images[i])
+        truth[name] = wnid(labels[i])
+        lines.append(f"{id_of[labels[i]]}\n")
+    extra = {"dir": val, "val_labels": os.path.join(out, "ILSVRC2012_validation_ground_truth.txt"),
+             "synsets": os.path.join(out, "map_clsloc.txt"), "truth": truth}
+    _write(extra["val_labels"], "".join(lines).encode())
+    _write(extra["synsets"], "".join(f"{wnid(c)} {k + 1} class_{c}\n" for k, c in enumerate(id_order)).encode())
+    return extra
 
 
-def _tars(gen: Generated, labels, images, rng) -> None:
+def _tars(root: str, labels, images) -> None:
     for c in sorted(set(labels)):
-        with tarfile.open(os.path.join(gen.root, f"{wnid(c)}.tar"), "w") as t:
+        with tarfile.open(os.path.join(root, f"{wnid(c)}.tar"), "w") as t:
             for i in (i for i, lab in enumerate(labels) if lab == c):
                 info = tarfile.TarInfo(f"{wnid(c)}_{i}.JPEG")
                 info.size = len(images[i])

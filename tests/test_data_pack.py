@@ -1,0 +1,235 @@
+"""The packer and verify, on real JPEG trees written by the synthetic generator."""
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import PYTHON
+from hpcdl.data.format import Manifest, open_h5
+from hpcdl.data.images import Encoding
+from hpcdl.data.pack import PackConfig, detect_part, pack
+from hpcdl.data.synthetic import generate, wnid
+from hpcdl.data.verify import verify
+from hpcdl.errors import ConfigError
+
+SMALL = (160, 120)
+
+
+def hpcdl(*args, check=True, **kw):
+    run = subprocess.run([PYTHON, "-m", "hpcdl", *map(str, args)], capture_output=True, text=True, **kw)
+    if check and run.returncode != 0:
+        raise AssertionError(f"hpcdl {args} exited {run.returncode}:\n{run.stdout}\n{run.stderr}")
+    return run
+
+
+def packed_images(root):
+    """key -> (stored bytes, label, (h, w)) for every image in every shard."""
+    m = Manifest.load(os.path.join(root, "manifest.json"))
+    out = {}
+    for s in m.shards:
+        with open_h5(os.path.join(root, s.file)) as f:
+            offsets, labels, keys, sizes = f["offsets"][:], f["labels"][:], f["keys"].asstr()[:], f["sizes"][:]
+            for i, key in enumerate(keys):
+                assert key not in out, f"{key} packed twice"
+                out[key] = (f["images"][offsets[i]:offsets[i + 1]].tobytes(), int(labels[i]), tuple(sizes[i]))
+    return m, out
+
+
+def pixels(data_or_path):
+    src = io.BytesIO(data_or_path) if isinstance(data_or_path, bytes) else data_or_path
+    return np.asarray(Image.open(src).convert("RGB"), dtype=np.int16)
+
+
+def blur_diff(a, b, k=4):
+    """Mean absolute difference of 4x4 block means: JPEG's loss on noise averages out, real errors do not."""
+    h, w = (min(a.shape[0], b.shape[0]) // k) * k, (min(a.shape[1], b.shape[1]) // k) * k
+    pool = lambda x: x[:h, :w].reshape(h // k, k, w // k, k, 3).mean((1, 3))
+    return np.abs(pool(a) - pool(b)).mean()
+
+
+def test_round_trip_keeps_bytes_labels_and_mixes_classes(tmp_path):
+    gen = generate(str(tmp_path / "src"), classes=4, per_class=12, size=SMALL)
+    m = pack(PackConfig(src=gen.root, out=str(tmp_path / "out"), shard_size="64K", workers=2))
+    manifest, images = packed_images(tmp_path / "out")
+    assert m.complete and manifest.num_images == gen.count == len(images) and not manifest.rejected
+    assert [c["wnid"] for c in manifest.classes] == [wnid(c) for c in range(4)]
+    for key, (data, label, size) in images.items():
+        source = tmp_path / "src" / key
+        assert data == source.read_bytes(), f"{key}: the original bytes were not kept"
+        assert key.startswith(manifest.classes[label]["wnid"] + "/")
+        assert size == Image.open(source).size[::-1]
+    assert len(manifest.shards) > 2
+    for s in manifest.shards:
+        with open_h5(os.path.join(tmp_path / "out", s.file)) as f:
+            assert f.attrs["format_version"] == 1 and f.attrs["num_classes"] == 4
+            if s.count >= 4:
+                assert len(set(f["labels"][:])) > 1, f"{s.file} holds a single class: no shuffle before sharding"
+    assert verify(str(tmp_path / "out"), full=True) == []
+
+
+def test_short_side_resizes_and_reencodes(tmp_path):
+    gen = generate(str(tmp_path / "src"), classes=2, per_class=4)  # ImageNet-sized, about 500x375
+    pack(PackConfig(src=gen.root, out=str(tmp_path / "out"), encoding=Encoding(short_side=128, quality=92), workers=1))
+    _, images = packed_images(tmp_path / "out")
+    for key, (data, _, (h, w)) in images.items():
+        sw, sh = Image.open(tmp_path / "src" / key).size
+        assert min(h, w) == 128 and abs(w / h - sw / sh) < 0.02
+        reference = pixels(tmp_path / "src" / key)
+        resized = np.asarray(Image.fromarray(reference.astype(np.uint8)).resize((w, h), Image.Resampling.LANCZOS),
+                             dtype=np.int16)
+        assert blur_diff(pixels(data), resized) < 3
+
+
+def test_every_quirk_is_packed_or_rejected_with_its_reason(tmp_path):
+    gen = generate(str(tmp_path / "src"), classes=3, per_class=4, quirks=True, size=SMALL)
+    red = tmp_path / "src" / wnid(1) / "solid_red_cmyk.JPEG"
+    Image.new("RGB", (64, 48), (220, 20, 30)).convert("CMYK").save(red, "JPEG", quality=95)
+    run = hpcdl("pack", gen.root, tmp_path / "out", "--workers", 2, "--shard-size", "128K")
+    manifest, images = packed_images(tmp_path / "out")
+    rejected = {r["path"].split("/", 1)[1]: r["reason"] for r in manifest.rejected}
+    assert rejected.keys() == {"quirk_truncated.JPEG", "quirk_corrupt.JPEG", "quirk_empty.JPEG",
+                               "quirk_not_image.JPEG", "quirk_unreadable.JPEG", "quirk_bad_name_\\xff\\xfe.JPEG"}
+    assert rejected["quirk_truncated.JPEG"].startswith("truncated or corrupt")
+    assert rejected["quirk_empty.JPEG"] == "empty file"
+    assert rejected["quirk_not_image.JPEG"].startswith("not an image")
+    assert rejected["quirk_corrupt.JPEG"].startswith(("not an image", "truncated or corrupt"))
+    assert rejected["quirk_unreadable.JPEG"].startswith("unreadable")
+    assert rejected["quirk_bad_name_\\xff\\xfe.JPEG"] == "file name is not valid UTF-8"
+    assert "6 inputs rejected" in run.stderr
+    assert manifest.num_images == 3 * 4 + 3 + 1
+    for quirk in ("png_named_jpeg", "cmyk", "grayscale"):
+        data, label, _ = images[f"{wnid(0)}/quirk_{quirk}.JPEG"]
+        stored = Image.open(io.BytesIO(data))
+        assert (stored.format, stored.mode, label) == ("JPEG", "RGB", 0)
+        assert blur_diff(pixels(data), pixels(gen.quirks[quirk])) < 3, quirk
+    gray = pixels(images[f"{wnid(0)}/quirk_grayscale.JPEG"][0])
+    assert np.abs(gray[..., 0] - gray[..., 2]).max() <= 2
+    red_pixels = pixels(images[f"{wnid(1)}/solid_red_cmyk.JPEG"][0]).reshape(-1, 3).mean(0)
+    assert np.abs(red_pixels - (220, 20, 30)).max() < 12, f"CMYK decoded naively: {red_pixels}"
+    assert verify(str(tmp_path / "out"), full=True) == []
+
+
+def test_killed_pack_resumes_to_a_complete_dataset(tmp_path):
+    gen = generate(str(tmp_path / "src"), classes=4, per_class=30, quirks=True)
+    out = tmp_path / "out"
+    args = ["pack", gen.root, out, "--short-side", "200", "--workers", "1", "--shard-size", "64K"]
+    proc = subprocess.Popen([PYTHON, "-m", "hpcdl", *map(str, args)], stderr=subprocess.PIPE, text=True)
+    progress = out / "parts" / "part-0000-of-0001.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if progress.exists() and len(json.loads(progress.read_text())["shards"]) >= 3:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the pack finished before it could be killed"
+    assert not (out / "manifest.json").exists()
+    kept = json.loads(progress.read_text())["shards"]
+    first_mtime = os.stat(out / kept[0]["file"]).st_mtime_ns
+    assert hpcdl("pack", *args[1:], check=False).returncode == 2  # without --resume: refused, says why
+    run = hpcdl(*args, "--resume")
+    assert f"{kept[-1]['stop']} already packed" in run.stderr
+    assert os.stat(out / kept[0]["file"]).st_mtime_ns == first_mtime
+    assert hpcdl("verify", out, "--full").returncode == 0
+    manifest, images = packed_images(out)
+    sources = {f"{d}/{f}" for d in os.listdir(gen.root) for f in os.listdir(os.path.join(gen.root, d))}
+    rejected = {r["path"] for r in manifest.rejected}
+    assert len(rejected) == 6 and not rejected & images.keys()
+    assert images.keys() | {r for r in rejected if "bad_name" not in r} == {s for s in sources if "bad_name" not in s}
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    root = tmp_path_factory.mktemp("damaged")
+    gen = generate(str(root / "src"), classes=3, per_class=8, size=SMALL)
+    pack(PackConfig(src=gen.root, out=str(root / "good"), shard_size="64K", workers=1))
+    return root
+
+
+def _damage(root, kind):
+    bad = root / kind
+    shutil.copytree(root / "good", bad)
+    shard = sorted(bad.glob("*.h5"))[1]
+    data = bytearray(shard.read_bytes())
+    if kind == "truncated":
+        shard.write_bytes(data[:len(data) * 2 // 3])
+    elif kind == "flipped":
+        data[len(data) // 2] ^= 0xFF  # in the middle of the image bytes
+        shard.write_bytes(bytes(data))
+    else:
+        shard.unlink()
+    return bad, shard
+
+
+@pytest.mark.parametrize("kind", ["truncated", "flipped", "missing"])
+def test_damage_is_named_by_verify_and_by_the_reader(damaged, kind):
+    from hpcdl.data.dataset import ShardDataset
+    from hpcdl.errors import DataError
+
+    bad, shard = _damage(damaged, kind)
+    run = hpcdl("verify", bad, "--full", check=False)
+    assert run.returncode == 1 and str(shard) in run.stdout, run.stdout + run.stderr
+    with pytest.raises(DataError, match=str(shard)):
+        ShardDataset(str(bad), verify="full")
+    if kind == "flipped":  # quick start-up checks pass; the read of the damaged image names it
+        ds = ShardDataset(str(bad))
+        with pytest.raises(DataError, match=f"{shard}: image \\d+ fails its CRC32"):
+            for i in range(len(ds)):
+                ds[i]
+    else:
+        with pytest.raises(DataError, match=str(shard)):
+            ShardDataset(str(bad))
+
+
+def test_parts_pack_separately_and_merge(tmp_path):
+    gen = generate(str(tmp_path / "src"), classes=5, per_class=6, layout="imagenet22k-tars", size=SMALL)
+    out = str(tmp_path / "out")
+    first = pack(PackConfig(src=gen.root, out=out, layout="imagenet22k-tars", part="1/2", workers=1))
+    assert not first.complete or first.parts == 2
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
+    run = hpcdl("pack", gen.root, out, "--layout", "imagenet22k-tars", "--part", "0/2", "--workers", 1)
+    assert "dataset holds 30 images" in run.stderr
+    manifest, images = packed_images(out)
+    assert len(images) == 30 and {s.file[:11] for s in manifest.shards} == {"shard-p0000", "shard-p0001"}
+    for key, (_, label, _) in images.items():
+        assert key.startswith(manifest.classes[label]["wnid"] + ".tar/")
+    assert verify(out, full=True) == []
+
+
+def test_imagenet_val_labels_follow_sorted_file_order(tmp_path):
+    gen = generate(str(tmp_path), classes=6, per_class=2, layout="imagenet", val_per_class=3, size=SMALL)
+    pack(PackConfig(src=os.path.join(gen.root, "train"), out=str(tmp_path / "train-out"), layout="imagenet-train"))
+    hpcdl("pack", gen.extra["dir"], tmp_path / "val-out", "--layout", "imagenet-val", "--val-labels",
+          gen.extra["val_labels"], "--synsets", gen.extra["synsets"], "--names", tmp_path / "synset_words.txt")
+    val, images = packed_images(tmp_path / "val-out")
+    train = Manifest.load(str(tmp_path / "train-out" / "manifest.json"))
+    assert [c["wnid"] for c in val.classes] == [c["wnid"] for c in train.classes]
+    assert val.classes[3]["name"] == "class 3"
+    assert len(images) == 18
+    for key, (_, label, _) in images.items():
+        assert val.classes[label]["wnid"] == gen.extra["truth"][key]
+
+
+def test_bad_options_are_refused_with_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match="--max-side or --short-side"):
+        Encoding(max_side=256, short_side=256)
+    with pytest.raises(ConfigError, match="--shard-size"):
+        PackConfig(src=".", out=".", shard_size="1K")
+    with pytest.raises(ConfigError, match="--part"):
+        detect_part("2/2")
+    assert detect_part(None, {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_MAX": "11",
+                              "SLURM_ARRAY_TASK_COUNT": "8"}) == (3, 8)
+    with pytest.raises(ConfigError, match="contiguous"):
+        detect_part(None, {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": "8",
+                           "SLURM_ARRAY_TASK_COUNT": "3"})
+    run = hpcdl("pack", tmp_path, tmp_path / "out", "--layout", "imagenet-val", check=False)
+    assert run.returncode == 2 and "--val-labels" in run.stderr
