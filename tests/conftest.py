@@ -80,9 +80,10 @@ def start_ranks(world: int, args: list[str], tmp_path: Path) -> list[subprocess.
     return procs
 
 
-def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int = 240) -> str:
-    """Submit, wait for the end, return the job id; raise with the output on failure."""
-    run = subprocess.run(["sbatch", "--parsable", "--wait", *extra, str(script)], capture_output=True, text=True,
+def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int = 240, args: tuple = ()) -> str:
+    """Submit with sbatch options ``extra`` and script arguments ``args``, wait for the end, return the job
+    id; raise with the output on failure."""
+    run = subprocess.run(["sbatch", "--parsable", "--wait", *extra, str(script), *args], capture_output=True, text=True,
                          timeout=timeout, env=env)
     if run.returncode != 0:
         raise AssertionError(f"sbatch failed ({run.returncode}): {run.stdout}\n{run.stderr}")

@@ -1,0 +1,180 @@
+"""The reader: samplers across 2 ranks, the dataset after fork, transforms, staging."""
+
+import io
+from collections import Counter
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, DistributedSampler
+
+from hpcdl.data.dataset import PADDING_LABEL, ShardDataset
+from hpcdl.data.pack import PackConfig, pack
+from hpcdl.data.sampler import DistributedShardSampler, Padding
+from hpcdl.data.stage import stage
+from hpcdl.data.synthetic import generate
+from hpcdl.data.transforms import DecodeOnly, EvalTransform, TrainTransform, normalize_batch
+from hpcdl.errors import ConfigError, DataError
+
+SIZES = [7, 13, 5, 11, 9, 6, 12]  # unequal shards, 63 images: the awkward case
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reader")
+    gen = generate(str(root / "src"), classes=3, per_class=10, size=(150, 110))
+    pack(PackConfig(src=gen.root, out=str(root / "out"), shard_size="64K", workers=1))
+    return root
+
+
+def samplers(mode, world=2, **kw):
+    return [DistributedShardSampler(SIZES, num_replicas=world, rank=r, mode=mode, **kw) for r in range(world)]
+
+
+def epoch(sampler, e):
+    sampler.set_epoch(e)
+    return list(sampler)
+
+
+def test_global_mode_is_distributed_sampler():
+    dataset = list(range(sum(SIZES)))
+    for rank, s in enumerate(samplers("global", seed=5)):
+        ref = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=5)
+        ref.set_epoch(3)
+        assert epoch(s, 3) == list(ref)
+
+
+@pytest.mark.parametrize("mode", ["global", "shard"])
+def test_two_ranks_split_an_epoch(mode):
+    ranks = samplers(mode, seed=1)
+    first = [epoch(s, 0) for s in ranks]
+    assert len(first[0]) == len(first[1]) == ranks[0].num_samples == ranks[1].num_samples
+    counts = Counter(first[0] + first[1])
+    assert set(counts) == set(range(sum(SIZES)))  # covered
+    padding = len(first[0]) + len(first[1]) - sum(SIZES)
+    assert sum(c - 1 for c in counts.values()) == padding < (2 if mode == "global" else max(SIZES))  # disjoint but for padding
+    assert [epoch(s, 1) for s in ranks] != first
+    batches = [len(list(DataLoader(list(range(100)), batch_size=4, sampler=s))) for s in ranks]
+    assert batches[0] == batches[1]
+    if mode == "shard":  # a rank reads whole shards, and only its own
+        starts = np.cumsum([0] + SIZES)
+        shard_of = lambda i: int(np.searchsorted(starts, i, side="right")) - 1
+        owned = [{shard_of(i) for i in set(f)} for f in first]
+        assert not owned[0] & owned[1]
+        for r in range(2):
+            assert sum(SIZES[s] for s in owned[r]) == len(set(first[r]))
+
+
+@pytest.mark.parametrize("mode", ["global", "shard"])
+def test_evaluation_counts_every_image_once(mode):
+    ranks = samplers(mode, shuffle=False)
+    seen = [epoch(s, 0) for s in ranks]
+    assert len(seen[0]) == len(seen[1])
+    real = [i for s in seen for i in s if not isinstance(i, Padding)]
+    assert sorted(real) == list(range(sum(SIZES)))
+
+
+@pytest.mark.parametrize("mode", ["global", "shard"])
+def test_mid_epoch_state_round_trip_resumes_exactly(mode):
+    a = samplers(mode, seed=3)[1]
+    a.set_epoch(2)
+    full = list(a)
+    it = iter(a)
+    head = [next(it) for _ in range(11)]
+    state = a.state_dict()
+    b = samplers(mode, seed=3)[1]
+    b.load_state_dict(state)
+    b.set_epoch(2)  # what a trainer calls after loading: it must not rewind
+    assert len(b) == len(full) - 11
+    assert head + list(b) == full
+    assert a.state_dict(consumed=4)["position"] == 4
+    with pytest.raises(ConfigError, match="num_replicas"):
+        samplers(mode, world=3, seed=3)[0].load_state_dict(state)
+
+
+def test_sampler_refuses_what_cannot_work():
+    with pytest.raises(ConfigError, match="shard per rank"):
+        DistributedShardSampler([5, 5], num_replicas=3, rank=0, mode="shard")
+    with pytest.raises(ConfigError, match="mode"):
+        DistributedShardSampler([5], mode="random")
+
+
+def test_dataloader_workers_after_fork_read_the_right_pixels(packed):
+    ds = ShardDataset(str(packed / "out"), DecodeOnly())
+    keys = _keys(packed / "out")
+    ds[0]  # opens a shard in the parent before the workers fork: they must not use that handle
+    assert ds.files_opened == 1
+    loader = DataLoader(ds, batch_size=None, num_workers=2, sampler=DistributedShardSampler(ds.shard_sizes))
+    checked = 0
+    for index, (image, label) in zip(loader.sampler.indices(), loader):
+        source = np.asarray(Image.open(packed / "src" / keys[index]).convert("RGB"))
+        assert np.array_equal(image.numpy(), source), keys[index]
+        assert keys[index].startswith(ds.classes[label]["wnid"])
+        checked += 1
+    assert checked == len(ds) == 30
+
+
+def _keys(root: Path) -> list[str]:
+    from hpcdl.data.format import Manifest, open_h5
+
+    keys = []
+    for s in Manifest.load(str(root / "manifest.json")).shards:
+        with open_h5(str(root / s.file)) as f:
+            keys += list(f["keys"].asstr()[:])
+    return keys
+
+
+def test_padding_is_labelled_so_evaluation_does_not_count_it(packed):
+    ds = ShardDataset(str(packed / "out"))
+    ranks = [DistributedShardSampler(ds.shard_sizes, num_replicas=4, rank=r, shuffle=False) for r in range(4)]
+    labels = [[ds[i][1] for i in s] for s in ranks]  # 30 images over 4 ranks: 8 each, 2 repeats
+    assert [len(lab) for lab in labels] == [8] * 4
+    assert sum(lab.count(PADDING_LABEL) for lab in labels) == 2
+    assert sorted(lab for r in labels for lab in r if lab >= 0) == sorted(ds[i][1] for i in range(30))
+
+
+def test_transforms_match_torchvision_geometry():
+    rgb = np.random.default_rng(0).integers(0, 255, (375, 500, 3), dtype=np.uint8)
+    rgb[:, :250] = 0  # a left half that is black: a flip shows up
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "JPEG", quality=95)
+    data = buf.getvalue()
+    val = EvalTransform()(data)
+    import torchvision.transforms as T
+
+    ref = T.Compose([T.Resize(256), T.CenterCrop(224), T.PILToTensor()])(Image.open(io.BytesIO(data)))
+    assert val.shape == (224, 224, 3)
+    assert (val.permute(2, 0, 1).float() - ref.float()).abs().mean() < 3
+    crops = [TrainTransform()(data) for _ in range(40)]
+    assert all(c.shape == (224, 224, 3) and c.dtype == torch.uint8 for c in crops)
+    batch = normalize_batch(torch.stack(crops), channels_last=True)
+    assert batch.shape == (40, 3, 224, 224) and batch.is_contiguous(memory_format=torch.channels_last)
+    assert abs(float(batch.mean())) < 2
+
+
+def _stage(root, dest, local_rank, q):
+    try:
+        q.put(stage(root, dest, local_rank, timeout_s=60))
+    except DataError as exc:
+        q.put(exc)
+
+
+def test_staging_copies_once_and_the_other_local_rank_waits(packed, tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_stage, args=(str(packed / "out"), str(tmp_path), r, q)) for r in (1, 0)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join()
+    assert results == [str(tmp_path / "out")] * 2
+    staged = ShardDataset(str(tmp_path / "out"), verify="full")
+    assert len(staged) == 30
+    first = os.stat(tmp_path / "out" / staged.manifest.shards[0].file).st_mtime_ns
+    stage(str(packed / "out"), str(tmp_path), 0)  # a later job on the node reuses the copy
+    assert os.stat(tmp_path / "out" / staged.manifest.shards[0].file).st_mtime_ns == first
