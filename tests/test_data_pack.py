@@ -103,7 +103,7 @@ def test_every_quirk_is_packed_or_rejected_with_its_reason(tmp_path):
     assert rejected["quirk_corrupt.JPEG"].startswith(("not an image", "truncated or corrupt"))
     assert rejected["quirk_unreadable.JPEG"].startswith("unreadable")
     assert rejected["quirk_bad_name_\\xff\\xfe.JPEG"] == "file name is not valid UTF-8"
-    assert "6 inputs rejected" in run.stderr
+    assert "6 inputs rejected" in run.stderr and "img/s, ETA" in run.stderr
     assert manifest.num_images == 3 * 4 + 3 + 1
     for quirk in ("png_named_jpeg", "cmyk", "grayscale"):
         data, label, _ = images[f"{wnid(0)}/quirk_{quirk}.JPEG"]

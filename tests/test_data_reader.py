@@ -1,6 +1,7 @@
 """The reader: samplers across 2 ranks, the dataset after fork, transforms, staging."""
 
 import io
+import json
 from collections import Counter
 import multiprocessing
 import os
@@ -178,3 +179,17 @@ def test_staging_copies_once_and_the_other_local_rank_waits(packed, tmp_path):
     first = os.stat(tmp_path / "out" / staged.manifest.shards[0].file).st_mtime_ns
     stage(str(packed / "out"), str(tmp_path), 0)  # a later job on the node reuses the copy
     assert os.stat(tmp_path / "out" / staged.manifest.shards[0].file).st_mtime_ns == first
+
+
+def test_bench_data_counts_files_opened_per_epoch(tmp_path):
+    from hpcdl.perf.data import DataBenchConfig, bench, format_report
+
+    report = bench(DataBenchConfig(images=48, classes=4, rounds=2, batch_size=8, json_path=str(tmp_path / "r.json")))
+    rows = {r["reader"]: r for r in report["rows"]}
+    assert rows["ImageFolder"]["files_opened_per_epoch"] == 48 == rows["ImageFolder"]["files_opened_next_epochs"] / 1
+    assert 1 <= rows["shard reader"]["files_opened_per_epoch"] <= report["shards"] * 2
+    assert rows["shard reader"]["files_opened_next_epochs"] == 0  # the workers keep their shards open
+    assert rows["bare decode"]["files_opened_per_epoch"] == 0
+    assert all(r["images_per_s_per_worker"] > 0 for r in rows.values())
+    assert "shard reader / ImageFolder" in format_report(report)
+    assert json.loads((tmp_path / "r.json").read_text())["images_packed"] == 48
