@@ -169,6 +169,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def cmd_stage(args: argparse.Namespace) -> int:
+    from hpcdl.data.stage import stage
+    from hpcdl.dist.env import discover
+
+    local_rank = discover().local_rank
+    print(stage(args.root, args.dest, local_rank, timeout_s=args.timeout))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcdl", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hpcdl {__version__}")
@@ -207,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="also compare every shard's sha256")
     p.add_argument("--sample", type=int, default=4, help="images to decode per shard")
     p.set_defaults(fn=cmd_verify)
+
+    p = sub.add_parser("stage", help="copy a packed dataset to node-local disk once per node; prints its path",
+                       description="Local rank 0 copies and verifies; the node's other local ranks wait.")
+    p.add_argument("root", help="the packed dataset (where manifest.json is)")
+    p.add_argument("dest", help="node-local directory, e.g. $TMPDIR")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds the other local ranks wait")
+    p.set_defaults(fn=cmd_stage)
 
     p = sub.add_parser("sbatch", help="print or write an sbatch script that runs an hpcdl command")
     _add_job_flags(p)

@@ -193,3 +193,14 @@ def test_bench_data_counts_files_opened_per_epoch(tmp_path):
     assert all(r["images_per_s_per_worker"] > 0 for r in rows.values())
     assert "shard reader / ImageFolder" in format_report(report)
     assert json.loads((tmp_path / "r.json").read_text())["images_packed"] == 48
+
+
+def test_stage_command_prints_the_staged_root(packed, tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "hpcdl", "stage", str(packed / "out"), str(tmp_path)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(tmp_path / "out")
+    assert len(ShardDataset(run.stdout.strip(), verify="full")) == 30
