@@ -76,6 +76,9 @@ class ShardEntry:
     rejected: list = field(default_factory=list)
 
 
+ENTRY_FIELDS = ("file", "count", "bytes", "sha256")  # what a merged manifest lists per shard
+
+
 def write_shard(path: str, images: list[bytes], labels: list[int], sizes: list[tuple[int, int]],
                 keys: list[str], attrs: dict) -> ShardEntry:
     """Write one shard under a temporary name, fsync, rename into place, and return its entry."""
@@ -131,7 +134,9 @@ class Manifest:
 
     def to_json(self) -> str:
         body = {k: getattr(self, k) for k in self.__slots__}
-        body["shards"] = [{k: getattr(s, k) for k in ShardEntry.__slots__} for s in self.shards]
+        # first, stop and rejected matter to a part's progress only; a merged manifest leaves them at 0
+        body["shards"] = [{k: getattr(s, k) for k in ShardEntry.__slots__ if s.stop or k in ENTRY_FIELDS}
+                          for s in self.shards]
         body["num_images"], body["num_classes"] = self.num_images, self.num_classes
         body["summary"] = summarize(self)
         return json.dumps(body, indent=1, ensure_ascii=False) + "\n"

@@ -177,7 +177,7 @@ def _pack_items(cfg: PackConfig, progress: Manifest, items: list[Item]) -> None:
     start = progress.shards[-1].stop if progress.shards else 0
     bar = Progress(total=len(items) - start, what=f"part {progress.part}/{progress.parts}")
     buf = _ShardBuffer()
-    with _results(cfg, items[start:]) as results:
+    with _Results(cfg, items[start:]) as results:
         for pos, (item, result) in enumerate(zip(items[start:], results), start=start):
             if result[0] == "rejected":
                 buf.rejected.append({"path": item.key, "reason": result[1]})
@@ -193,7 +193,7 @@ def _pack_items(cfg: PackConfig, progress: Manifest, items: list[Item]) -> None:
     progress.save(path)
 
 
-class _results:
+class _Results:
     """Encoded results in item order, from a process pool (or in this process with one worker)."""
 
     def __init__(self, cfg: PackConfig, items: list[Item]):
@@ -212,18 +212,15 @@ class _results:
 
 
 def _flush(cfg: PackConfig, progress: Manifest, buf: _ShardBuffer, stop: int, path: str) -> _ShardBuffer:
-    first = progress.shards[-1].stop if progress.shards else 0
+    """Write the buffered images as the part's next shard and record it with the inputs it covers."""
     if buf.images:
-        name = shard_name(progress.part, len(progress.shards))
-        entry = write_shard(os.path.join(cfg.out, name), buf.images, buf.labels, buf.sizes, buf.keys,
-                            {"num_classes": progress.num_classes, "part": progress.part})
-    else:  # only rejected inputs since the last shard: record them without a file
-        entry = ShardEntry(file="", count=0, bytes=0, sha256="")
-    entry.first, entry.stop, entry.rejected = first, stop, buf.rejected
-    if entry.file:
+        entry = write_shard(os.path.join(cfg.out, shard_name(progress.part, len(progress.shards))), buf.images,
+                            buf.labels, buf.sizes, buf.keys, {"num_classes": progress.num_classes, "part": progress.part})
+        entry.first, entry.stop, entry.rejected = progress.shards[-1].stop if progress.shards else 0, stop, buf.rejected
         progress.shards.append(entry)
-    elif progress.shards:
-        progress.shards[-1].stop, progress.shards[-1].rejected = stop, progress.shards[-1].rejected + buf.rejected
+    elif progress.shards:  # only rejected inputs since the last shard: its range takes them in
+        last = progress.shards[-1]
+        last.stop, last.rejected = stop, last.rejected + buf.rejected
     progress.rejected.extend(buf.rejected)
     progress.save(path)
     return _ShardBuffer()

@@ -26,12 +26,10 @@ def check_dataset(root: str, manifest: Manifest, full: bool = False, rank: int =
 def verify(root: str, full: bool = False, sample: int = 4) -> list[str]:
     """All problems found: shards (counts, sizes, sha256 with ``full``), a sample decode, stray files."""
     manifest = load_manifest(root)
-    problems = check_dataset(root, manifest, full=full)
-    bad = {p.split(": ")[0] for p in problems}
+    problems = []
     for entry in manifest.shards:
-        path = os.path.join(root, entry.file)
-        if path not in bad:
-            problems += _sample_decode(path, sample)
+        found = check_shard(root, entry, manifest.num_classes, full=full)
+        problems += found or _sample_decode(os.path.join(root, entry.file), sample)
     listed = {s.file for s in manifest.shards}
     for f in sorted(glob.glob(os.path.join(glob.escape(root), "*.h5"))):
         if os.path.basename(f) not in listed:
