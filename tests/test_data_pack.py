@@ -31,15 +31,17 @@ def hpcdl(*args, check=True, **kw):
 
 
 def packed_images(root):
-    """key -> (stored bytes, label, (h, w)) for every image in every shard."""
+    """key -> (stored bytes, label, (h, w), original (h, w)) for every image in every shard."""
     m = Manifest.load(os.path.join(root, "manifest.json"))
     out = {}
     for s in m.shards:
         with open_h5(os.path.join(root, s.file)) as f:
             offsets, labels, keys, sizes = f["offsets"][:], f["labels"][:], f["keys"].asstr()[:], f["sizes"][:]
+            orig_sizes = f["orig_sizes"][:]
             for i, key in enumerate(keys):
                 assert key not in out, f"{key} packed twice"
-                out[key] = (f["images"][offsets[i]:offsets[i + 1]].tobytes(), int(labels[i]), tuple(sizes[i]))
+                out[key] = (f["images"][offsets[i]:offsets[i + 1]].tobytes(), int(labels[i]), tuple(sizes[i]),
+                            tuple(orig_sizes[i]))
     return m, out
 
 
@@ -61,7 +63,7 @@ def test_round_trip_keeps_bytes_labels_and_mixes_classes(tmp_path):
     manifest, images = packed_images(tmp_path / "out")
     assert m.complete and manifest.num_images == gen.count == len(images) and not manifest.rejected
     assert [c["wnid"] for c in manifest.classes] == [wnid(c) for c in range(4)]
-    for key, (data, label, size) in images.items():
+    for key, (data, label, size, _) in images.items():
         source = tmp_path / "src" / key
         assert data == source.read_bytes(), f"{key}: the original bytes were not kept"
         assert key.startswith(manifest.classes[label]["wnid"] + "/")
@@ -79,8 +81,9 @@ def test_short_side_resizes_and_reencodes(tmp_path):
     gen = generate(str(tmp_path / "src"), classes=2, per_class=4)  # ImageNet-sized, about 500x375
     pack(PackConfig(src=gen.root, out=str(tmp_path / "out"), encoding=Encoding(short_side=128, quality=92), workers=1))
     _, images = packed_images(tmp_path / "out")
-    for key, (data, _, (h, w)) in images.items():
+    for key, (data, _, (h, w), original) in images.items():
         sw, sh = Image.open(tmp_path / "src" / key).size
+        assert original == (sh, sw)
         assert min(h, w) == 128 and abs(w / h - sw / sh) < 0.02
         reference = pixels(tmp_path / "src" / key)
         resized = np.asarray(Image.fromarray(reference.astype(np.uint8)).resize((w, h), Image.Resampling.LANCZOS),
@@ -106,7 +109,7 @@ def test_every_quirk_is_packed_or_rejected_with_its_reason(tmp_path):
     assert "6 inputs rejected" in run.stderr and "img/s, ETA" in run.stderr
     assert manifest.num_images == 3 * 4 + 3 + 1
     for quirk in ("png_named_jpeg", "cmyk", "grayscale"):
-        data, label, _ = images[f"{wnid(0)}/quirk_{quirk}.JPEG"]
+        data, label, _, _ = images[f"{wnid(0)}/quirk_{quirk}.JPEG"]
         stored = Image.open(io.BytesIO(data))
         assert (stored.format, stored.mode, label) == ("JPEG", "RGB", 0)
         assert blur_diff(pixels(data), pixels(gen.quirks[quirk])) < 3, quirk
@@ -200,7 +203,7 @@ def test_parts_pack_separately_and_merge(tmp_path):
     assert "dataset holds 30 images" in run.stderr
     manifest, images = packed_images(out)
     assert len(images) == 30 and {s.file[:11] for s in manifest.shards} == {"shard-p0000", "shard-p0001"}
-    for key, (_, label, _) in images.items():
+    for key, (_, label, _, _) in images.items():
         assert key.startswith(manifest.classes[label]["wnid"] + ".tar/")
     assert verify(out, full=True) == []
 
@@ -215,7 +218,7 @@ def test_imagenet_val_labels_follow_sorted_file_order(tmp_path):
     assert [c["wnid"] for c in val.classes] == [c["wnid"] for c in train.classes]
     assert val.classes[3]["name"] == "class 3"
     assert len(images) == 18
-    for key, (_, label, _) in images.items():
+    for key, (_, label, _, _) in images.items():
         assert val.classes[label]["wnid"] == gen.extra["truth"][key]
 
 

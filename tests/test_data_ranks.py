@@ -56,3 +56,16 @@ def test_imagenet1k_recipe_packs_as_a_slurm_array(slurm, tmp_path):
     assert val["num_images"] == 12 and val["classes"] == train["classes"]
     assert train["classes"][2]["name"] == "class 2"
     assert verify(str(out / "train"), full=True) == [] and verify(str(out / "val"), full=True) == []
+
+
+def test_mpi_ranks_pack_their_parts_and_merge(mpiexec, tmp_path):
+    gen = generate(str(tmp_path / "src"), classes=4, per_class=5, size=(96, 72))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "OMPI_", "MPI_"))}
+    run = subprocess.run([mpiexec, "-n", "2", PYTHON, "-m", "hpcdl", "pack", gen.root, str(tmp_path / "out"),
+                          "--workers", "1", "--shard-size", "64K"], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    parts = sorted(p.name for p in (tmp_path / "out" / "parts").iterdir())
+    assert parts == ["part-0000-of-0002.json", "part-0001-of-0002.json"]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["num_images"] == 20 and manifest["options"]["parts"] == 2
+    assert verify(str(tmp_path / "out"), full=True) == []

@@ -26,7 +26,7 @@ PARTS_DIR = "parts"
 TMP_SUFFIX = ".tmp"
 # Shard datasets and attributes; docs/data-format.md describes each.
 REQUIRED_DATASETS = ("images", "offsets", "labels", "crc32")
-OPTIONAL_DATASETS = ("sizes", "keys")
+OPTIONAL_DATASETS = ("sizes", "orig_sizes", "keys")
 
 
 def shard_name(part: int, index: int) -> str:
@@ -79,8 +79,8 @@ class ShardEntry:
 ENTRY_FIELDS = ("file", "count", "bytes", "sha256")  # what a merged manifest lists per shard
 
 
-def write_shard(path: str, images: list[bytes], labels: list[int], sizes: list[tuple[int, int]],
-                keys: list[str], attrs: dict) -> ShardEntry:
+def write_shard(path: str, images: list[bytes], labels: list[int], keys: list[str], sizes: list[tuple[int, int]],
+                orig_sizes: list[tuple[int, int]], attrs: dict) -> ShardEntry:
     """Write one shard under a temporary name, fsync, rename into place, and return its entry."""
     import h5py
 
@@ -95,6 +95,7 @@ def write_shard(path: str, images: list[bytes], labels: list[int], sizes: list[t
             f.create_dataset("labels", data=np.asarray(labels, dtype=np.int64))
             f.create_dataset("crc32", data=np.asarray([crc32(b) for b in images], dtype=np.uint32))
             f.create_dataset("sizes", data=np.asarray(sizes, dtype=np.int32).reshape(-1, 2))
+            f.create_dataset("orig_sizes", data=np.asarray(orig_sizes, dtype=np.int32).reshape(-1, 2))
             f.create_dataset("keys", data=keys, dtype=h5py.string_dtype())
             f.attrs.update({"format": SHARD_FORMAT, "format_version": FORMAT_VERSION, "encoding": "jpeg",
                             "count": len(images), **attrs})

@@ -45,8 +45,8 @@ class Encoding:
         return max(1, round(width * s)), max(1, round(height * s))
 
 
-def prepare(data: bytes, enc: Encoding) -> tuple[bytes, tuple[int, int], bool]:
-    """-> (JPEG bytes, (height, width), kept original bytes). Raises Rejected."""
+def prepare(data: bytes, enc: Encoding) -> tuple[bytes, tuple[int, int], tuple[int, int]]:
+    """-> (JPEG bytes, stored (height, width), original (height, width)). Raises Rejected."""
     if not data:
         raise Rejected("empty file")
     try:
@@ -57,6 +57,7 @@ def prepare(data: bytes, enc: Encoding) -> tuple[bytes, tuple[int, int], bool]:
         raise Rejected("not an image: no image format Pillow knows starts these bytes") from None
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
         raise Rejected(f"not an image: {exc}") from None
+    original = (im.height, im.width)
     target = enc.target(*im.size)
     if target and im.format == "JPEG":
         im.draft("RGB", target)  # decode at 1/2, 1/4 or 1/8 scale when that still covers the target
@@ -66,13 +67,13 @@ def prepare(data: bytes, enc: Encoding) -> tuple[bytes, tuple[int, int], bool]:
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise Rejected(f"truncated or corrupt: {exc}") from None
     if fmt == "JPEG" and mode == "RGB" and target is None:
-        return data, (im.height, im.width), True
+        return data, original, original
     im = to_rgb(im)
     if target:
         im = im.resize(target, Image.Resampling.LANCZOS)
     out = io.BytesIO()
     im.save(out, "JPEG", quality=enc.quality)
-    return out.getvalue(), (im.height, im.width), False
+    return out.getvalue(), (im.height, im.width), original
 
 
 def to_rgb(im: Image.Image) -> Image.Image:

@@ -161,13 +161,14 @@ def _encode(enc: Encoding, item: Item) -> tuple:
 
 class _ShardBuffer:
     def __init__(self):
-        self.images, self.labels, self.sizes, self.keys, self.rejected = [], [], [], [], []
+        self.images, self.labels, self.sizes, self.orig_sizes, self.keys, self.rejected = [], [], [], [], [], []
         self.bytes = 0
 
-    def add(self, item: Item, data: bytes, size: tuple[int, int]) -> None:
+    def add(self, item: Item, data: bytes, size: tuple[int, int], orig_size: tuple[int, int]) -> None:
         self.images.append(data)
         self.labels.append(item.label)
         self.sizes.append(size)
+        self.orig_sizes.append(orig_size)
         self.keys.append(item.key)
         self.bytes += len(data)
 
@@ -182,7 +183,7 @@ def _pack_items(cfg: PackConfig, progress: Manifest, items: list[Item]) -> None:
             if result[0] == "rejected":
                 buf.rejected.append({"path": item.key, "reason": result[1]})
             else:
-                buf.add(item, result[1], result[2])
+                buf.add(item, *result[1:])
             bar.update(rejected=len(buf.rejected) + len(progress.rejected))
             if buf.bytes >= cfg.shard_size:
                 buf = _flush(cfg, progress, buf, pos + 1, path)
@@ -215,7 +216,7 @@ def _flush(cfg: PackConfig, progress: Manifest, buf: _ShardBuffer, stop: int, pa
     """Write the buffered images as the part's next shard and record it with the inputs it covers."""
     if buf.images:
         entry = write_shard(os.path.join(cfg.out, shard_name(progress.part, len(progress.shards))), buf.images,
-                            buf.labels, buf.sizes, buf.keys, {"num_classes": progress.num_classes, "part": progress.part})
+                            buf.labels, buf.keys, buf.sizes, buf.orig_sizes, {"num_classes": progress.num_classes, "part": progress.part})
         entry.first, entry.stop, entry.rejected = progress.shards[-1].stop if progress.shards else 0, stop, buf.rejected
         progress.shards.append(entry)
     elif progress.shards:  # only rejected inputs since the last shard: its range takes them in
