@@ -1,0 +1,44 @@
+"""Models as a registry. Models know nothing of ranks, devices or data: ``build_model(name, num_classes)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.nn as nn
+
+from hpcdl.errors import ConfigError
+from hpcdl.models.alexnet_bn import AlexNetBN
+from hpcdl.models.tiny import TinyCNN
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    build: Callable[[int], nn.Module]  # num_classes -> model
+    crop: int  # the training crop it is defined for
+    description: str
+
+
+def _torchvision(name: str) -> Callable[[int], nn.Module]:
+    def build(num_classes: int) -> nn.Module:
+        import torchvision.models
+
+        return getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+
+    return build
+
+
+MODELS: dict[str, ModelInfo] = {m.name: m for m in (
+    ModelInfo("alexnet_bn", AlexNetBN, 227, "AlexNet with BN after each pool/conv, as in the Stampede2 LARS runs"),
+    ModelInfo("resnet18", _torchvision("resnet18"), 224, "torchvision ResNet-18"),
+    ModelInfo("resnet50", _torchvision("resnet50"), 224, "torchvision ResNet-50 (v1.5)"),
+    ModelInfo("resnet101", _torchvision("resnet101"), 224, "torchvision ResNet-101 (v1.5)"),
+    ModelInfo("tiny_cnn", TinyCNN, 32, "a small CNN for tests and the demo; any input size"),
+)}
+
+
+def build_model(name: str, num_classes: int = 1000) -> nn.Module:
+    if name not in MODELS:
+        raise ConfigError(f"model {name!r} is unknown; choose one of {', '.join(MODELS)}")
+    return MODELS[name].build(num_classes)

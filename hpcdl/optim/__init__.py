@@ -1,0 +1,1 @@
+"""Large-batch optimization: LARS, LAMB, the optimizer registry, and per-step lr schedules."""

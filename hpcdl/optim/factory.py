@@ -1,0 +1,126 @@
+"""Optimizers as data, and :func:`build_optimizer`, which turns a model and an :class:`OptimConfig`
+into parameter groups and an optimizer.
+
+Semantics decide the default groups:
+
+- ``mlperf``: tensors with ndim <= 1 (BatchNorm weights and biases, every bias) get no weight decay and,
+  for the adaptive optimizers, no trust ratio: plain momentum SGD (LARS) or AdamW (LAMB) at the global lr.
+- ``caffe``: every tensor is adapted and decayed, as Intel Caffe's LARS did in the Stampede2 runs.
+
+``groups`` rules come first: each is a regular expression over parameter names (``model.named_parameters()``)
+with the options it sets (``weight_decay``, ``adapt``); the first rule that matches a name wins, and a rule
+that matches nothing is an error.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from hpcdl.errors import ConfigError
+from hpcdl.optim.lamb import LAMB
+from hpcdl.optim.lars import LARS
+
+SEMANTICS = ("mlperf", "caffe")
+
+
+@dataclass(frozen=True, slots=True)
+class OptimInfo:
+    name: str
+    build: Callable  # (param_groups, **options) -> Optimizer
+    options: tuple[str, ...]  # the OptimConfig fields it takes
+    defaults: dict = field(default_factory=dict)
+    adaptive: bool = False  # has a per-tensor trust ratio (groups may set adapt)
+    description: str = ""
+
+
+OPTIMIZERS: dict[str, OptimInfo] = {i.name: i for i in (
+    OptimInfo("sgd", torch.optim.SGD, ("lr", "momentum", "weight_decay"), {"foreach": True},
+              description="torch.optim.SGD with momentum (Goyal et al.'s recipe)"),
+    OptimInfo("lars", LARS, ("lr", "momentum", "weight_decay", "eta", "eps"), adaptive=True,
+              description="LARS, the MLPerf/Intel Caffe update (hpcdl.optim.lars)"),
+    OptimInfo("larc", LARS, ("lr", "momentum", "weight_decay", "eta", "eps"), {"trust_clip": True}, adaptive=True,
+              description="LARS with LARC's clip: local lr = min(trust, lr)"),
+    OptimInfo("lamb", LAMB, ("lr", "betas", "eps", "weight_decay"), adaptive=True,
+              description="LAMB with bias correction (You et al. 2019)"),
+    OptimInfo("adamw", torch.optim.AdamW, ("lr", "betas", "eps", "weight_decay"), {"foreach": True},
+              description="torch.optim.AdamW"),
+)}
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRule:
+    pattern: str  # a regular expression, searched in each parameter name
+    weight_decay: float | None = None
+    adapt: bool | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    name: str = "lars"
+    lr: float = 0.1  # the peak lr; the schedule sets each step's
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    eta: float = 0.001
+    eps: float | None = None  # default: 0 for LARS, 1e-6 for LAMB, 1e-8 for AdamW
+    betas: tuple[float, float] = (0.9, 0.999)
+    trust_clip: bool = False
+    semantics: str = "mlperf"
+    groups: tuple[GroupRule, ...] = ()
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"optimizer {self.name!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
+        if self.semantics not in SEMANTICS:
+            raise ConfigError(f"optimizer semantics {self.semantics!r} is unknown; choose one of {', '.join(SEMANTICS)}")
+        info = OPTIMIZERS[self.name]
+        if not info.adaptive and (self.trust_clip or any(r.adapt is not None for r in self.groups)):
+            raise ConfigError(f"optimizer {self.name!r} has no trust ratio: trust_clip and group 'adapt' need "
+                              "lars, larc or lamb")
+
+    def options(self) -> dict:
+        info = OPTIMIZERS[self.name]
+        eps = self.eps if self.eps is not None else {"lars": 0.0, "larc": 0.0, "lamb": 1e-6}.get(self.name, 1e-8)
+        values = {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay, "eta": self.eta,
+                  "eps": eps, "betas": self.betas}
+        out = {k: values[k] for k in info.options} | info.defaults
+        if info.adaptive and self.trust_clip:
+            out["trust_clip"] = True
+        return out
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    info = OPTIMIZERS[cfg.name]
+    return info.build(param_groups(model, cfg), **cfg.options())
+
+
+def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Parameters grouped by the options their rule (or the semantics) gives them."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    rules = [(re.compile(r.pattern), r) for r in cfg.groups]
+    used, groups = set(), {}
+    for name, p in named:
+        options = _default_options(p, cfg)
+        for i, (rx, rule) in enumerate(rules):
+            if rx.search(name):
+                used.add(i)
+                options |= {k: v for k, v in (("weight_decay", rule.weight_decay), ("adapt", rule.adapt))
+                            if v is not None}
+                break
+        groups.setdefault(tuple(sorted(options.items())), []).append(p)
+    unused = [cfg.groups[i].pattern for i in range(len(rules)) if i not in used]
+    if unused:
+        raise ConfigError(f"optimizer group patterns {unused} match no parameter; names look like "
+                          f"{[n for n, _ in named[:4]]}")
+    return [{"params": ps, **dict(key)} for key, ps in groups.items()]
+
+
+def _default_options(p: torch.Tensor, cfg: OptimConfig) -> dict:
+    excluded = cfg.semantics == "mlperf" and p.ndim <= 1
+    options = {"weight_decay": 0.0 if excluded else cfg.weight_decay}
+    if OPTIMIZERS[cfg.name].adaptive:
+        options["adapt"] = not excluded
+    return options

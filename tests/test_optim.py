@@ -1,0 +1,215 @@
+"""LARS and LAMB against per-parameter references written from the formulas; the registry; schedules."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hpcdl.errors import ConfigError
+from hpcdl.optim.factory import OPTIMIZERS, GroupRule, OptimConfig, build_optimizer, param_groups
+from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 8, 3, bias=False),
+                      nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    nn.init.zeros_(m[9].bias)  # a zero-initialised bias must still move
+    return m.double()
+
+
+def batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (16,), generator=g))
+            for _ in range(n)]
+
+
+def schedule(steps: int, peak: float = 2.0) -> ScheduleConfig:
+    return ScheduleConfig(base_lr=peak, steps_per_epoch=steps // 10, epochs=10, warmup_epochs=3, warmup_start_lr=0.1,
+                          decay="poly", power=2, end_lr=1e-3)
+
+
+def grads_of(model, x, y):
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def excluded(p, semantics):
+    return semantics == "mlperf" and p.ndim <= 1
+
+
+def ref_lars(params, state, lr, cfg):
+    """The LARS formulas, one tensor at a time."""
+    for p in params:
+        g, v = p.grad, state.setdefault(p, torch.zeros_like(p))
+        wd = 0.0 if excluded(p, cfg.semantics) else cfg.weight_decay
+        if excluded(p, cfg.semantics):
+            local = lr
+        else:
+            wn, gn = p.norm().item(), g.norm().item()
+            trust = cfg.eta * wn / (gn + wd * wn + 0.0) if wn > 0 and gn > 0 else 1.0
+            local = min(trust, lr) if cfg.trust_clip else lr * trust
+        v.mul_(cfg.momentum).add_(local * (g + wd * p))
+        p.sub_(v)
+
+
+def ref_lamb(params, state, lr, cfg, t):
+    b1, b2, eps = cfg.betas[0], cfg.betas[1], 1e-6
+    for p in params:
+        g = p.grad
+        m, v = state.setdefault(p, (torch.zeros_like(p), torch.zeros_like(p)))
+        wd = 0.0 if excluded(p, cfg.semantics) else cfg.weight_decay
+        m.mul_(b1).add_((1 - b1) * g)
+        v.mul_(b2).add_((1 - b2) * g * g)
+        r = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps) + wd * p
+        trust = 1.0
+        if not excluded(p, cfg.semantics):
+            wn, rn = p.norm().item(), r.norm().item()
+            trust = wn / rn if wn > 0 and rn > 0 else 1.0
+            trust = min(trust, 1.0) if cfg.trust_clip else trust
+        p.sub_(lr * trust * r)
+
+
+CASES = [("lars", "mlperf", False), ("lars", "caffe", False), ("lars", "mlperf", True), ("lars", "caffe", True),
+         ("lamb", "mlperf", False), ("lamb", "caffe", False), ("lamb", "mlperf", True)]
+
+
+@pytest.mark.parametrize("name,semantics,clip", CASES)
+def test_matches_the_per_parameter_reference(name, semantics, clip):
+    steps = 60
+    cfg = OptimConfig(name=name, lr=1.0, weight_decay=5e-4, semantics=semantics, trust_clip=clip)
+    model, ref = small_model(), small_model()
+    opt = build_optimizer(model, cfg)
+    sched = LRSchedule(opt, schedule(steps, peak=2.0 if name == "lars" else 0.01))
+    state, lrs = {}, set()
+    for t, (x, y) in enumerate(batches(steps), start=1):
+        lr = sched.current_lr()
+        lrs.add(lr)
+        grads_of(model, x, y)
+        grads_of(ref, x, y)
+        opt.step()
+        with torch.no_grad():
+            (ref_lars(list(ref.parameters()), state, lr, cfg) if name == "lars"
+             else ref_lamb(list(ref.parameters()), state, lr, cfg, t))
+        sched.step()
+    assert len(lrs) == steps  # the lr changed every step
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        rel = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+        assert rel < 1e-6, f"{n}: relative difference {rel:.2e}"
+    bias = model[9].bias
+    assert bias.abs().sum() > 0, "the zero-initialised bias did not move"
+
+
+def test_mlperf_excludes_bn_and_bias_from_decay_and_trust():
+    model = small_model()
+    groups = param_groups(model, OptimConfig(name="lars", weight_decay=1e-4, semantics="mlperf"))
+    by_param = {id(p): g for g in groups for p in g["params"]}
+    for n, p in model.named_parameters():
+        g = by_param[id(p)]
+        if p.ndim <= 1:
+            assert (g["weight_decay"], g["adapt"]) == (0.0, False), n
+        else:
+            assert (g["weight_decay"], g["adapt"]) == (1e-4, True), n
+    caffe = param_groups(model, OptimConfig(name="lars", weight_decay=1e-4, semantics="caffe"))
+    assert len(caffe) == 1 and caffe[0]["adapt"] and caffe[0]["weight_decay"] == 1e-4
+
+
+def test_an_excluded_tensor_takes_plain_momentum_sgd():
+    """Under mlperf, a bias step equals torch SGD without weight decay at the same lr."""
+    model, twin = small_model(), small_model()
+    lars = build_optimizer(model, OptimConfig(name="lars", lr=0.5, weight_decay=1e-2, semantics="mlperf"))
+    sgd = torch.optim.SGD([twin[9].bias], lr=0.5, momentum=0.9)
+    for x, y in batches(3):
+        grads_of(model, x, y)
+        grads_of(twin, x, y)
+        twin_before = twin[9].bias.detach().clone()
+        lars.step()
+        sgd.step()
+        with torch.no_grad():  # keep the twin's other weights equal to the model's
+            for (n, a), b in zip(model.named_parameters(), twin.parameters()):
+                if n != "9.bias":
+                    b.copy_(a)
+        assert not torch.equal(twin_before, twin[9].bias)
+    assert torch.allclose(model[9].bias, twin[9].bias, rtol=1e-12, atol=1e-14)
+
+
+# Settings that learn the batch below in 40 steps; a new registry entry without one fails here.
+LEARNS = {"sgd": dict(lr=0.5), "lars": dict(lr=20.0), "larc": dict(lr=1.0, eta=0.1), "lamb": dict(lr=0.05),
+          "adamw": dict(lr=0.05)}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_registered_optimizer_builds_and_learns(name):
+    model = small_model()
+    opt = build_optimizer(model, OptimConfig(name=name, **LEARNS[name]))
+    data = batches(1) * 40
+    losses = []
+    for x, y in data:
+        model.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] * 0.7 and all(math.isfinite(v) for v in losses)
+    state = opt.state_dict()
+    again = build_optimizer(small_model(), OptimConfig(name=name))
+    again.load_state_dict(state)
+
+
+def test_group_rules_apply_first_match_and_unmatched_patterns_fail():
+    model = small_model()
+    cfg = OptimConfig(name="lars", groups=(GroupRule(r"^9\.", weight_decay=0.0, adapt=False),))
+    groups = param_groups(model, cfg)
+    fc = {id(model[9].weight), id(model[9].bias)}
+    assert all(not g["adapt"] for g in groups if {id(p) for p in g["params"]} & fc)
+    with pytest.raises(ConfigError, match="match no parameter"):
+        param_groups(model, OptimConfig(name="lars", groups=(GroupRule("classifier"),)))
+    with pytest.raises(ConfigError, match="no trust ratio"):
+        OptimConfig(name="sgd", trust_clip=True)
+    with pytest.raises(ConfigError, match="choose one of"):
+        OptimConfig(name="adam")
+
+
+def test_schedule_boundaries():
+    c = ScheduleConfig(base_lr=0.1, base_batch=256, global_batch=8192, steps_per_epoch=100, epochs=90,
+                       warmup_epochs=5, warmup_start_lr=0.1, decay="poly", power=2, end_lr=1e-4)
+    peak = 0.1 * 8192 / 256
+    assert c.peak_lr == pytest.approx(3.2) == pytest.approx(peak)
+    assert c.lr(0) == pytest.approx(0.1)  # the first warmup step
+    assert c.lr(499) == pytest.approx(0.1 + (peak - 0.1) * 499 / 500)  # the last warmup step
+    assert c.lr(500) == pytest.approx(peak)  # the first decay step
+    assert c.lr(501) == pytest.approx(1e-4 + (peak - 1e-4) * (1 - 1 / 8500) ** 2)
+    assert c.lr(9000) == pytest.approx(1e-4) and c.lr(12000) == pytest.approx(1e-4)  # the end lr, and after
+    caffe = ScheduleConfig(base_lr=33, global_batch=32768, steps_per_epoch=40, epochs=100, warmup_epochs=10,
+                           warmup_start_lr=1, decay="poly_caffe", power=2)
+    assert caffe.lr(399) == pytest.approx(1 + 32 * 399 / 400)
+    assert caffe.lr(400) == pytest.approx(33 * (1 - 400 / 4000) ** 2)  # counted from step 0
+    steps = ScheduleConfig(base_lr=0.1, base_batch=256, global_batch=8192, steps_per_epoch=100, epochs=90,
+                           warmup_epochs=5, warmup_start_lr=0.1, decay="multistep")
+    assert steps.lr(2999) == pytest.approx(3.2) and steps.lr(3000) == pytest.approx(0.32)  # epoch 30
+    assert steps.lr(6000) == pytest.approx(0.032) and steps.lr(8000) == pytest.approx(0.0032)
+    cos = ScheduleConfig(base_lr=1.0, steps_per_epoch=10, epochs=10, decay="cosine", end_lr=0.0)
+    assert cos.lr(0) == 1.0 and cos.lr(50) == pytest.approx(0.5) and cos.lr(100) == pytest.approx(0.0)
+
+
+def test_schedule_state_round_trip_continues_identically():
+    cfg = schedule(100)
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0)
+    a = LRSchedule(opt, cfg)
+    for _ in range(37):
+        a.step()
+    b = LRSchedule(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0), cfg)
+    b.load_state_dict(a.state_dict())
+    assert b.optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    seq_a, seq_b = [], []
+    for _ in range(80):
+        a.step()
+        b.step()
+        seq_a.append(opt.param_groups[0]["lr"])
+        seq_b.append(b.optimizer.param_groups[0]["lr"])
+    assert seq_a == seq_b
+    other = LRSchedule(opt, ScheduleConfig(base_lr=3.0, steps_per_epoch=10, epochs=10))
+    with pytest.raises(ConfigError, match="base_lr"):
+        other.load_state_dict(a.state_dict())
