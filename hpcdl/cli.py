@@ -135,6 +135,41 @@ def cmd_bench_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_optim(args: argparse.Namespace) -> int:
+    from hpcdl.perf.optim import OptimBenchConfig, bench, format_report
+
+    sys.stdout.write(format_report(bench(OptimBenchConfig(model=args.model, steps=args.steps, rounds=args.rounds,
+                                                          threads=args.threads))))
+    return 0
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from hpcdl.config import PRESETS, describe, get_preset
+
+    if args.action == "show":
+        if not args.name:
+            raise HpcdlError("hpcdl presets show NAME: name a preset (hpcdl presets lists them)")
+        sys.stdout.write(describe(get_preset(args.name)))
+        return 0
+    for name, fn in PRESETS.items():
+        cfg = fn()
+        first = (fn.__doc__ or describe(cfg).splitlines()[0]).strip().splitlines()[0]
+        print(f"{name:28s} {cfg.model:10s} batch {cfg.global_batch:>6,} x {cfg.ranks:>4} ranks  {first}")
+    return 0
+
+
+def cmd_bench_large_batch(args: argparse.Namespace) -> int:
+    from hpcdl.perf.largebatch import LargeBatchConfig, bench, format_report
+
+    report = bench(LargeBatchConfig(epochs=args.epochs, seeds=args.seeds))
+    sys.stdout.write(format_report(report))
+    if args.json:
+        from hpcdl.utils import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(report, indent=1) + "\n")
+    return 0
+
+
 def cmd_pack(args: argparse.Namespace) -> int:
     from hpcdl.data.format import summarize
     from hpcdl.data.images import Encoding
@@ -210,6 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the report here (%%j: job id)")
     p.set_defaults(fn=cmd_bench_data)
 
+    p = bench.add_parser("optim", help="one optimizer step: LARS and LAMB against torch SGD(foreach)")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--steps", type=int, default=10, help="steps per round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds per optimizer, alternating; the median counts")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.set_defaults(fn=cmd_bench_optim)
+
+    p = bench.add_parser("large-batch", help="LARS + warmup at batch N/8 vs small-batch SGD vs linear-scaled SGD, "
+                                             "on scikit-learn's digits")
+    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--json", help="also write the report here")
+    p.set_defaults(fn=cmd_bench_large_batch)
+
     _add_pack_parser(sub)
     p = sub.add_parser("verify", help="check a packed dataset's shards against its manifest")
     p.add_argument("dir", help="the dataset root (where manifest.json is)")
@@ -243,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-threads", type=int, default=0)
     p.add_argument("--data-workers", type=int, default=0)
     p.set_defaults(fn=cmd_tune)
+
+    p = sub.add_parser("presets", help="list the presets of published runs, or show one resolved")
+    p.add_argument("action", nargs="?", choices=("list", "show"), default="list")
+    p.add_argument("name", nargs="?")
+    p.set_defaults(fn=cmd_presets)
 
     sub.add_parser("env", help="print this process's rank discovery as JSON").set_defaults(fn=cmd_env)
     sub.add_parser("profiles", help="list the cluster profiles").set_defaults(fn=cmd_profiles)

@@ -1,0 +1,190 @@
+"""The typed run config, and presets of published runs as plain functions that return one.
+
+A preset's docstring cites where each number comes from. A variant is a copy with changes
+(:func:`with_ranks`). ``hpcdl presets`` lists them; ``hpcdl presets show NAME`` prints one resolved,
+with the derived numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hpcdl.errors import ConfigError
+from hpcdl.optim.factory import OptimConfig
+from hpcdl.optim.schedule import ScheduleConfig, steps_per_epoch
+
+IMAGENET_TRAIN, IMAGENET_VAL = 1_281_167, 50_000
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    name: str
+    model: str
+    global_batch: int
+    epochs: float
+    optimizer: OptimConfig
+    schedule: ScheduleConfig
+    ranks: int = 1  # processes; each takes global_batch / ranks images per step
+    num_classes: int = 1000
+    train_images: int = IMAGENET_TRAIN
+    val_images: int = IMAGENET_VAL
+    crop: int = 224
+    label_smoothing: float = 0.0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.ranks < 1 or self.global_batch % self.ranks:
+            raise ConfigError(f"{self.name}: global_batch {self.global_batch} does not split over ranks={self.ranks}; "
+                              "choose ranks that divide it (or derive the variant with with_ranks)")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"{self.name}: label_smoothing {self.label_smoothing} must lie in [0, 1)")
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.global_batch // self.ranks
+
+    def derived(self) -> dict:
+        s = self.schedule
+        return {"steps_per_epoch": s.steps_per_epoch, "images_per_step": self.global_batch,
+                "exact_steps_per_epoch": round(self.train_images / self.global_batch, 2),
+                "warmup_steps": s.warmup_steps, "total_steps": s.total_steps, "per_rank_batch": self.per_rank_batch,
+                "peak_lr": s.peak_lr}
+
+
+def imagenet_schedule(global_batch: int, epochs: float, **kw) -> ScheduleConfig:
+    return ScheduleConfig(global_batch=global_batch, epochs=epochs,
+                          steps_per_epoch=steps_per_epoch(IMAGENET_TRAIN, global_batch), **kw)
+
+
+def alexnet_bn_b32k() -> RunConfig:
+    """AlexNet-BN with LARS at batch 32K: the Stampede2 runs of You et al., "ImageNet Training in Minutes"
+    (ICPP 2018, arXiv:1709.05011), in Intel Caffe.
+
+    - global batch 32,768; 100 epochs; crop 227 (the paper's AlexNet-BN setup);
+    - base lr 33 at that batch, LARS eta 0.001, momentum 0.9, weight decay 5e-4 (the paper's LARS AlexNet-BN
+      hyperparameters, as carried in Intel Caffe's solver);
+    - warmup linear from lr 1 over 10 epochs ("about 10 epochs" of gradual warmup in the paper), then poly
+      power 2 over the 100 epochs counted from iteration 0 (Caffe's ``poly`` policy: ``poly_caffe``);
+    - ``caffe`` semantics: Intel Caffe's LARS adapts every blob, biases and BN included.
+    """
+    return RunConfig(
+        name="alexnet_bn_b32k", model="alexnet_bn", global_batch=32768, epochs=100, crop=227,
+        optimizer=OptimConfig(name="lars", lr=33.0, momentum=0.9, weight_decay=5e-4, eta=0.001, eps=0.0,
+                              semantics="caffe"),
+        schedule=imagenet_schedule(32768, 100, base_lr=33.0, warmup_epochs=10, warmup_start_lr=1.0,
+                                   decay="poly_caffe", power=2.0, end_lr=0.0))
+
+
+def mlperf_lars_lr(global_batch: int) -> tuple[float, float]:
+    """(base lr, warmup epochs) by batch size, the MLPerf LARS reference's rule: 31.2 and 25 epochs at 32K
+    and above, 25.0 and 5 below 32K, 10.0 and 5 below 16K."""
+    if global_batch >= 32768:
+        return 31.2, 25.0
+    return (25.0, 5.0) if global_batch >= 16384 else (10.0, 5.0)
+
+
+def resnet50_b32k_lars() -> RunConfig:
+    """ResNet-50 with LARS at batch 32K: the MLPerf training LARS reference (TensorFlow ResNet-50,
+    ``lars_util.py``), whose rules MLPerf submissions follow.
+
+    - global batch 32,768, 90 epochs; base lr 31.2 with 25 warmup epochs (:func:`mlperf_lars_lr`);
+    - warmup linear from 0, then poly power 2 to end lr 1e-4 counted after warmup (``poly``);
+    - LARS eta 0.001, eps 0, momentum 0.9, weight decay 1e-4; label smoothing 0.1;
+    - ``mlperf`` semantics: BN and bias tensors skip weight decay and the trust ratio.
+    """
+    lr, warmup = mlperf_lars_lr(32768)
+    return RunConfig(
+        name="resnet50_b32k_lars", model="resnet50", global_batch=32768, epochs=90, label_smoothing=0.1,
+        optimizer=OptimConfig(name="lars", lr=lr, momentum=0.9, weight_decay=1e-4, eta=0.001, eps=0.0,
+                              semantics="mlperf"),
+        schedule=imagenet_schedule(32768, 90, base_lr=lr, warmup_epochs=warmup, decay="poly", power=2.0, end_lr=1e-4))
+
+
+def resnet50_b8k_goyal() -> RunConfig:
+    """ResNet-50 with SGD at batch 8K: Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in
+    1 Hour" (arXiv:1706.02677).
+
+    - lr 0.1 x batch / 256 (the linear scaling rule; 3.2 at 8,192), momentum 0.9, weight decay 1e-4;
+    - gradual warmup from 0.1 over 5 epochs; x0.1 at epochs 30, 60 and 80; 90 epochs;
+    - weight decay on every tensor (``caffe`` semantics; the paper states no exclusion).
+    """
+    return RunConfig(
+        name="resnet50_b8k_goyal", model="resnet50", global_batch=8192, epochs=90,
+        optimizer=OptimConfig(name="sgd", lr=3.2, momentum=0.9, weight_decay=1e-4, semantics="caffe"),
+        schedule=imagenet_schedule(8192, 90, base_lr=0.1, base_batch=256, warmup_epochs=5, warmup_start_lr=0.1,
+                                   decay="multistep", milestones=(30, 60, 80), gamma=0.1))
+
+
+def resnet50_mlperf_cpu() -> RunConfig:
+    """ResNet-50 with LARS as Intel's MLPerf Training v3.0 CPU submission ran it.
+
+    - global batch 3,264, base lr 10.5, 2 warmup epochs, poly power 2, weight decay 5e-5, label smoothing
+      0.1, 37 epochs (the submission's hyperparameters);
+    - end lr 1e-4, eta 0.001, momentum 0.9 and ``mlperf`` semantics from the MLPerf LARS reference.
+    """
+    return RunConfig(
+        name="resnet50_mlperf_cpu", model="resnet50", global_batch=3264, epochs=37, label_smoothing=0.1,
+        optimizer=OptimConfig(name="lars", lr=10.5, momentum=0.9, weight_decay=5e-5, eta=0.001, eps=0.0,
+                              semantics="mlperf"),
+        schedule=imagenet_schedule(3264, 37, base_lr=10.5, warmup_epochs=2, decay="poly", power=2.0, end_lr=1e-4))
+
+
+def with_ranks(cfg: RunConfig, ranks: int, name: str) -> RunConfig:
+    """``cfg`` on ``ranks`` processes. When the batch does not split evenly, each rank takes the floor and
+    the peak lr follows the global batch by the linear scaling rule."""
+    per_rank = cfg.global_batch // ranks
+    if per_rank < 1:
+        raise ConfigError(f"{cfg.name}: {ranks} ranks leave no image per rank at global batch {cfg.global_batch}")
+    batch = per_rank * ranks
+    s = cfg.schedule
+    schedule = dataclasses.replace(s, global_batch=batch, steps_per_epoch=steps_per_epoch(cfg.train_images, batch),
+                                   base_batch=s.base_batch or (cfg.global_batch if batch != cfg.global_batch else None))
+    notes = cfg.notes + ((f"{cfg.global_batch} does not split over {ranks} ranks: {per_rank} per rank, "
+                          f"global batch {batch}, peak lr scaled linearly",) if batch != cfg.global_batch else ())
+    return dataclasses.replace(cfg, name=name, ranks=ranks, global_batch=batch, schedule=schedule, notes=notes)
+
+
+def _variant(base: Callable[[], RunConfig], ranks: int, name: str, where: str) -> Callable[[], RunConfig]:
+    def preset() -> RunConfig:
+        return with_ranks(base(), ranks, name)
+
+    preset.__doc__ = f"{base.__name__} on {where}, one rank per processor (the paper's Stampede2 layout)."
+    return preset
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {f.__name__: f for f in (
+    alexnet_bn_b32k, resnet50_b32k_lars, resnet50_b8k_goyal, resnet50_mlperf_cpu)}
+for _base, _ranks, _suffix, _where in (
+        (alexnet_bn_b32k, 1024, "skx1024", "1,024 Skylake processors (Xeon Platinum 8160, 512 SKX nodes)"),
+        (alexnet_bn_b32k, 512, "knl512", "512 Xeon Phi 7250 (KNL) nodes"),
+        (resnet50_b32k_lars, 1600, "skx1600", "1,600 Skylake processors (800 SKX nodes)"),
+        (resnet50_b32k_lars, 2048, "knl2048", "2,048 Xeon Phi 7250 (KNL) nodes")):
+    _name = f"{_base.__name__}_{_suffix}"
+    PRESETS[_name] = _variant(_base, _ranks, _name, _where)
+
+
+def get_preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"preset {name!r} is unknown; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+def describe(cfg: RunConfig) -> str:
+    d = cfg.derived()
+    s, o = cfg.schedule, cfg.optimizer
+    lines = [
+        f"{cfg.name}: {cfg.model}, crop {cfg.crop}, {cfg.epochs:g} epochs, label smoothing {cfg.label_smoothing:g}",
+        f"  global batch {cfg.global_batch:,} = {cfg.ranks:,} ranks x {d['per_rank_batch']} per rank",
+        f"  steps per epoch {d['steps_per_epoch']} ({cfg.train_images:,} / {cfg.global_batch:,} = "
+        f"{d['exact_steps_per_epoch']}, rounded up: the last batch of an epoch is partial)",
+        f"  optimizer {o.name} ({o.semantics} semantics): momentum {o.momentum:g}, weight decay {o.weight_decay:g}"
+        + (f", eta {o.eta:g}" if o.name in ("lars", "larc") else ""),
+        f"  peak lr {d['peak_lr']:.6g}" + (f" (= {s.base_lr:g} x {s.global_batch} / {s.base_batch})" if s.base_batch else ""),
+        f"  warmup {s.warmup_epochs:g} epochs = {d['warmup_steps']} steps, from lr {s.warmup_start_lr:g}",
+        f"  decay {s.decay}" + (f" power {s.power:g} to {s.end_lr:g}" if s.decay.startswith("poly") else "")
+        + (f" x{s.gamma:g} at epochs {', '.join(f'{m:g}' for m in s.milestones)}" if s.decay == "multistep" else ""),
+        f"  total {d['total_steps']:,} steps",
+    ]
+    return "\n".join(lines + [f"  note: {n}" for n in cfg.notes]) + "\n"

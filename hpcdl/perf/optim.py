@@ -1,0 +1,66 @@
+"""``hpcdl bench optim``: one optimizer step over a model's parameters (ResNet-50 by default), for LARS,
+LAMB and torch SGD(foreach=True), side by side: rounds alternate between them and each figure is the
+median. Gradients are fixed random tensors, so the step is all that is timed."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hpcdl.models import build_model
+from hpcdl.optim.factory import OptimConfig, build_optimizer
+
+CASES = {  # name -> optimizer config; "sgd" is the baseline of the ratios
+    "sgd": OptimConfig(name="sgd", lr=0.1, weight_decay=1e-4),
+    "lars": OptimConfig(name="lars", lr=10.0, weight_decay=1e-4, semantics="mlperf"),
+    "lars (caffe)": OptimConfig(name="lars", lr=10.0, weight_decay=1e-4, semantics="caffe"),
+    "lamb": OptimConfig(name="lamb", lr=1e-3, weight_decay=1e-4),
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimBenchConfig:
+    model: str = "resnet50"
+    steps: int = 10
+    rounds: int = 5
+    threads: int = 0  # 0: torch's default
+
+
+def bench(cfg: OptimBenchConfig) -> dict:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    runs = {name: _stepper(cfg.model, oc) for name, oc in CASES.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for name, step in runs.items():
+        step()  # creates the optimizer state outside the timing
+    for _ in range(cfg.rounds):
+        for name, step in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(cfg.steps):
+                step()
+            times[name].append((time.perf_counter() - t0) / cfg.steps * 1e3)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    return {"config": asdict(cfg), "parameters": params, "threads": torch.get_num_threads(),
+            "ms_per_step": median, "rounds_ms": times, "ratio_to_sgd": {k: v / median["sgd"] for k, v in median.items()}}
+
+
+def _stepper(model_name: str, oc: OptimConfig):
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-2
+    opt = build_optimizer(model, oc)
+    return opt.step
+
+
+def format_report(r: dict) -> str:
+    lines = [f"optimizer step over {r['config']['model']} ({r['parameters'] / 1e6:.1f}M parameters), "
+             f"{r['threads']} threads, median of {r['config']['rounds']} rounds of {r['config']['steps']} steps",
+             f"{'optimizer':14s} {'ms/step':>9s} {'vs sgd':>8s}"]
+    for name, ms in r["ms_per_step"].items():
+        lines.append(f"{name:14s} {ms:9.1f} {r['ratio_to_sgd'][name]:7.2f}x")
+    return "\n".join(lines) + "\n"
