@@ -18,13 +18,13 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim import Optimizer
 
 from hpcdl.errors import ConfigError
+from hpcdl.optim.base import MultiTensorOptimizer
 from hpcdl.optim.lars import trust_ratio
 
 
-class LAMB(Optimizer):
+class LAMB(MultiTensorOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
                  trust_clip: bool = False, adapt: bool = True):
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -34,28 +34,15 @@ class LAMB(Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       trust_clip=trust_clip, adapt=adapt, step=0))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                group["step"] += 1
-                self._update(group, params, [p.grad for p in params], [self._moments(p) for p in params])
-        return loss
-
-    def _moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _state(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # the two moments
         state = self.state[p]
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state["exp_avg"], state["exp_avg_sq"]
 
-    @staticmethod
-    def _update(group: dict, params: list, grads: list, moments: list) -> None:
+    def _update(self, group: dict, params: list, grads: list, moments: list) -> None:
+        group["step"] += 1
         (b1, b2), t, wd = group["betas"], group["step"], group["weight_decay"]
         m, v = [a for a, _ in moments], [b for _, b in moments]
         torch._foreach_lerp_(m, grads, 1 - b1)

@@ -19,12 +19,12 @@ group, and ``_foreach`` updates; no per-parameter Python arithmetic.
 from __future__ import annotations
 
 import torch
-from torch.optim import Optimizer
 
 from hpcdl.errors import ConfigError
+from hpcdl.optim.base import MultiTensorOptimizer
 
 
-class LARS(Optimizer):
+class LARS(MultiTensorOptimizer):
     def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0, eta: float = 0.001,
                  eps: float = 0.0, trust_clip: bool = False, adapt: bool = True):
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay), ("eta", eta),
@@ -34,26 +34,13 @@ class LARS(Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta, eps=eps,
                                       trust_clip=trust_clip, adapt=adapt))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                self._update(group, params, [p.grad for p in params], [self._buffer(p) for p in params])
-        return loss
-
-    def _buffer(self, p: torch.Tensor) -> torch.Tensor:
+    def _state(self, p: torch.Tensor) -> torch.Tensor:  # the momentum buffer
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state["momentum_buffer"]
 
-    @staticmethod
-    def _update(group: dict, params: list, grads: list, bufs: list) -> None:
+    def _update(self, group: dict, params: list, grads: list, bufs: list) -> None:
         wd = group["weight_decay"]
         scale = local_lr(params, grads, group) if group["adapt"] else torch.full((len(params),), float(group["lr"]), dtype=torch.float64)
         torch._foreach_mul_(bufs, group["momentum"])
