@@ -41,6 +41,14 @@ class RunConfig:
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"{self.name}: label_smoothing {self.label_smoothing} must lie in [0, 1)")
 
+    def criterion(self):
+        """Cross entropy with this run's label smoothing; evaluation padding (label -1) counts for nothing."""
+        import torch.nn as nn
+
+        from hpcdl.data.dataset import PADDING_LABEL
+
+        return nn.CrossEntropyLoss(label_smoothing=self.label_smoothing, ignore_index=PADDING_LABEL)
+
     @property
     def per_rank_batch(self) -> int:
         return self.global_batch // self.ranks

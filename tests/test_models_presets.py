@@ -98,3 +98,13 @@ def test_bench_large_batch_trains_the_three_recipes():
     assert rows["large-batch SGD (linear scaling)"]["batch"] == 1437 // 8
     assert rows["large-batch SGD (linear scaling)"]["peak_lr"] == pytest.approx(0.02 * 179 / 4)
     assert rows["small-batch SGD"]["mean"] > 80  # it learns: the digits are real and separable
+
+
+def test_criterion_smooths_labels_and_ignores_evaluation_padding():
+    cfg = get_preset("resnet50_b32k_lars")
+    loss = cfg.criterion()
+    logits = torch.tensor([[4.0, 0.0, 0.0], [0.0, 4.0, 0.0]])
+    smoothed = loss(logits, torch.tensor([0, 1]))
+    plain = nn.functional.cross_entropy(logits, torch.tensor([0, 1]))
+    assert cfg.label_smoothing == 0.1 and smoothed > plain
+    assert loss(logits, torch.tensor([0, -1])) == pytest.approx(loss(logits[:1], torch.tensor([0])).item())
