@@ -15,7 +15,7 @@ from hpcdl.errors import ConfigError
 from hpcdl.optim.factory import OptimConfig
 from hpcdl.optim.schedule import ScheduleConfig, steps_per_epoch
 
-IMAGENET_TRAIN, IMAGENET_VAL = 1_281_167, 50_000
+IMAGENET_TRAIN = 1_281_167
 
 
 @dataclass(kw_only=True, slots=True)
@@ -29,7 +29,6 @@ class RunConfig:
     ranks: int = 1  # processes; each takes global_batch / ranks images per step
     num_classes: int = 1000
     train_images: int = IMAGENET_TRAIN
-    val_images: int = IMAGENET_VAL
     crop: int = 224
     label_smoothing: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
