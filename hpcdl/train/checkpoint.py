@@ -1,0 +1,102 @@
+"""Checkpoints that stay loadable: written to a temporary name, fsynced, renamed; the last K are kept;
+loading falls back past an unreadable newest one and says so.
+
+A checkpoint is one ``torch.save`` of a dict of tensors, numbers, strings, lists and dicts, so it loads
+with ``torch.load(weights_only=True)``: no pickled code runs when a run resumes.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import random
+import re
+
+import numpy as np
+import torch
+
+from hpcdl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+NAME = re.compile(r"ckpt-(\d{9})\.pt")
+
+
+class CheckpointManager:
+    def __init__(self, folder: str, keep: int = 3):
+        if keep < 1:
+            raise ConfigError(f"checkpoint keep={keep}: keep at least 1 checkpoint")
+        self.folder, self.keep = folder, keep
+        os.makedirs(folder, exist_ok=True)
+        for stale in glob.glob(os.path.join(glob.escape(folder), ".ckpt-*.tmp")):
+            os.unlink(stale)  # a write that was killed; one rank writes a run's checkpoints
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.folder, f"ckpt-{step:09d}.pt")
+
+    def save(self, step: int, state: dict) -> str:
+        """Write ``state`` as the checkpoint of ``step``; older ones beyond ``keep`` are removed after."""
+        path = self.path(step)
+        tmp = os.path.join(self.folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        _fsync_dir(self.folder)
+        for old in self.checkpoints()[self.keep:]:
+            os.unlink(old)
+        return path
+
+    def checkpoints(self) -> list[str]:
+        """Complete checkpoints, newest first (temporary files of interrupted writes are not listed)."""
+        found = [p for p in glob.glob(os.path.join(glob.escape(self.folder), "ckpt-*.pt"))
+                 if NAME.fullmatch(os.path.basename(p))]
+        return sorted(found, reverse=True)
+
+    def load_latest(self) -> tuple[str, dict] | None:
+        """(path, state) of the newest checkpoint that loads; None when there is none."""
+        skipped = []
+        for path in self.checkpoints():
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, zipfile errors...
+                skipped.append(f"{path} ({type(exc).__name__}: {exc})")
+                continue
+            if skipped:
+                log.warning("checkpoint: skipped unreadable %s; resuming from %s", "; ".join(skipped), path)
+            return path, state
+        if skipped:
+            log.warning("checkpoint: no readable checkpoint in %s (skipped %s); starting fresh", self.folder,
+                        "; ".join(skipped))
+        return None
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict:
+    """This process's torch, numpy and Python RNG states, in types ``weights_only`` loading accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, py_state, py_gauss = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "gauss": float(gauss)},
+            "python": {"version": version, "state": list(py_state), "gauss": py_gauss}}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))

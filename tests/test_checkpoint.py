@@ -1,0 +1,86 @@
+"""Checkpoints: atomic writes, the last K kept, fallback past a corrupt newest one, RNG states."""
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hpcdl.errors import ConfigError
+from hpcdl.train.checkpoint import CheckpointManager, rng_state, set_rng_state
+
+
+def state_of(step: int) -> dict:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
+            "config": {"name": "test", "lr": 0.1, "milestones": [30, 60]}}
+
+
+def test_round_trip_loads_weights_only_and_restores_rng(tmp_path):
+    mgr = CheckpointManager(str(tmp_path))
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    saved = state_of(7)
+    path = mgr.save(7, saved)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    found, state = mgr.load_latest()
+    assert found == path and state["step"] == 7 and state["config"] == saved["config"]
+    assert torch.equal(state["model"]["weight"], saved["model"]["weight"])
+    set_rng_state(state["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    torch.load(path, weights_only=True)  # no pickled code needed
+
+
+def test_keeps_the_last_k(tmp_path):
+    mgr = CheckpointManager(str(tmp_path), keep=2)
+    for step in (10, 20, 30):
+        mgr.save(step, {"step": step})
+    assert [os.path.basename(p) for p in mgr.checkpoints()] == ["ckpt-000000030.pt", "ckpt-000000020.pt"]
+    with pytest.raises(ConfigError, match="keep"):
+        CheckpointManager(str(tmp_path), keep=0)
+
+
+def test_corrupt_newest_falls_back_and_says_so(tmp_path, caplog):
+    mgr = CheckpointManager(str(tmp_path))
+    mgr.save(1, state_of(1))
+    newest = mgr.save(2, state_of(2))
+    with open(newest, "r+b") as f:
+        f.truncate(os.path.getsize(newest) // 2)
+    with caplog.at_level(logging.WARNING):
+        path, state = mgr.load_latest()
+    assert state["step"] == 1 and path.endswith("ckpt-000000001.pt")
+    assert "ckpt-000000002.pt" in caplog.text and "resuming from" in caplog.text
+
+
+WRITER = """
+import sys, torch
+from hpcdl.train.checkpoint import CheckpointManager
+mgr = CheckpointManager(sys.argv[1])
+mgr.save(1, {"step": 1, "w": torch.ones(4)})
+print("saved 1", flush=True)
+mgr.save(2, {"step": 2, "w": torch.ones(150_000_000)})  # 600 MB: long enough to be killed mid-write
+"""
+
+
+def test_sigkill_during_a_write_leaves_the_previous_checkpoint(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "saved 1"
+    deadline = time.monotonic() + 60
+    while not any(n.endswith(".tmp") for n in os.listdir(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (tmp_path / "ckpt-000000002.pt").exists(), "the write finished before the kill"
+    mgr = CheckpointManager(str(tmp_path))
+    path, state = mgr.load_latest()
+    assert state["step"] == 1 and path.endswith("ckpt-000000001.pt")
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))  # the dead write's file is gone
