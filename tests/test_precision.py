@@ -1,0 +1,24 @@
+import platform
+
+import pytest
+
+from hpcdl.errors import ConfigError
+from hpcdl.train.precision import choose_precision, cpu_flags
+
+
+def test_auto_follows_the_cpu_flags():
+    assert choose_precision("auto", {"avx2", "avx512f", "avx512_bf16"}) == ("bf16", "auto: the CPU has avx512_bf16")
+    assert choose_precision("auto", {"avx2", "amx_bf16", "amx_tile"})[0] == "bf16"
+    precision, why = choose_precision("auto", {"avx2", "fma"})
+    assert precision == "fp32" and "no avx512_bf16 or amx_bf16" in why
+    assert "emulated" in choose_precision("bf16", {"avx2"})[1]
+    with pytest.raises(ConfigError, match="auto, fp32, bf16"):
+        choose_precision("fp16")
+
+
+def test_this_machine_reads_its_flags():
+    flags = cpu_flags()
+    if platform.machine() == "x86_64":
+        assert {"sse2", "avx2"} <= flags, flags  # every x86-64 CPU hpcdl targets has them
+    expected = "bf16" if {"avx512_bf16", "amx_bf16"} & flags else "fp32"
+    assert choose_precision("auto")[0] == expected
