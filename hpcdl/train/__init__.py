@@ -1,1 +1,2 @@
-"""Training: the loop, evaluation, checkpoints and exact resume, metrics (issue 5, in progress)."""
+"""Training. So far: checkpoints (``checkpoint``) and the choice of precision (``precision``); the training
+loop, evaluation and metrics build on them."""
