@@ -1,0 +1,39 @@
+"""Distributed evaluation: top-1, top-5 and loss, each validation image counted exactly once.
+
+The sampler pads ranks to equal length with :class:`hpcdl.data.sampler.Padding` indices, which the
+dataset labels ``PADDING_LABEL``; they are left out of every count here, and one all-reduce of the sums
+at the end makes the totals.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hpcdl.data.dataset import PADDING_LABEL
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             group=None) -> dict:
+    """-> {"images", "top1", "top5", "loss"} over all ranks (percentages; loss per image)."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64)  # images, top-1 hits, top-5 hits, summed loss
+    for images, labels in loader:
+        logits = model(prepare(images) if prepare else images)
+        real = labels != PADDING_LABEL
+        logits, labels = logits[real], labels[real]
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]
+        sums += torch.tensor([len(labels), top[:, 0].sum().item(), top.any(1).sum().item(),
+                              F.cross_entropy(logits.float(), labels, reduction="sum").item() if len(labels) else 0.0],
+                             dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sums, group=group)
+    model.train(was_training)
+    n = max(sums[0].item(), 1.0)
+    return {"images": int(sums[0].item()), "top1": 100 * sums[1].item() / n, "top5": 100 * sums[2].item() / n,
+            "loss": sums[3].item() / n}
