@@ -1,0 +1,74 @@
+"""Stopping for the wall-clock limit or preemption: every rank stops at the same step boundary.
+
+Slurm sends the requeue signal (USR2 by default; ``#SBATCH --signal=B:USR2@120`` or ``--signal=USR2@120``)
+to the ranks it reaches, not necessarily all of them at the same moment. Each rank only notes the
+signal. At every step boundary rank 0 broadcasts whether *it* has seen one, so all ranks act on the same
+answer at the same step: checkpoint, then rank 0 requeues the job (:func:`requeue`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from hpcdl.errors import ConfigError, LaunchError
+
+log = logging.getLogger(__name__)
+
+
+class StopSignal:
+    """Notes ``signame`` (e.g. ``USR2``) in this process; :meth:`agreed` is the collective answer."""
+
+    def __init__(self, signame: str = "USR2"):
+        try:
+            self.signum = signal.Signals[f"SIG{signame.upper().removeprefix('SIG')}"]
+        except KeyError:
+            raise ConfigError(f"requeue signal {signame!r} is not a signal name; use e.g. USR2 or TERM") from None
+        self.seen = False
+        self._previous = signal.signal(self.signum, self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.seen = True
+
+    def agreed(self, group=None) -> bool:
+        """Rank 0's answer on every rank (one broadcast of one byte); this rank's alone without a group."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.seen
+        flag = torch.tensor([1 if self.seen else 0], dtype=torch.uint8)
+        dist.broadcast(flag, src=0, group=group)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        signal.signal(self.signum, self._previous)
+
+
+def requeue_target(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The id ``scontrol requeue`` needs: ``ARRAYJOBID_TASKID`` for an array task, else the job id."""
+    if "SLURM_ARRAY_JOB_ID" in environ and "SLURM_ARRAY_TASK_ID" in environ:
+        return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    return environ.get("SLURM_JOB_ID")
+
+
+def requeue(max_requeues: int, environ: Mapping[str, str] = os.environ) -> bool:
+    """Requeue this Slurm job unless it has been requeued ``max_requeues`` times; True when requeued."""
+    target = requeue_target(environ)
+    if target is None:
+        log.warning("requeue: not in a Slurm job; stopping after the checkpoint")
+        return False
+    done = int(environ.get("SLURM_RESTART_COUNT") or 0)
+    if done >= max_requeues:
+        log.warning("requeue: job %s was requeued %d times already (max %d); stopping after the checkpoint",
+                    target, done, max_requeues)
+        return False
+    run = subprocess.run(["scontrol", "requeue", target], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise LaunchError(f"scontrol requeue {target} failed: {run.stderr.strip() or run.stdout.strip()}; "
+                          "the job needs --requeue (hpcdl's sbatch scripts set it) and a partition that allows it")
+    log.info("requeue: job %s requeued (%d of at most %d)", target, done + 1, max_requeues)
+    return True
