@@ -21,7 +21,7 @@ loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2)
 epochs = []
 for epoch in range(2):
     sampler.set_epoch(epoch)
-    seen, steps = list(sampler.indices()), 0
+    seen, steps = [i for i, _ in sampler.indices()], 0
     for images, labels in loader:
         dist.all_reduce(torch.ones(1))  # a rank with fewer batches would leave the other waiting here
         steps += 1

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from hpcdl.data.dataset import PADDING_LABEL, ShardDataset
 from hpcdl.data.pack import PackConfig, pack
-from hpcdl.data.sampler import DistributedShardSampler, Padding
+from hpcdl.data.sampler import DistributedShardSampler, Sample
 from hpcdl.data.stage import stage
 from hpcdl.data.synthetic import generate
 from hpcdl.data.transforms import DecodeOnly, EvalTransform, TrainTransform, normalize_batch
@@ -75,7 +75,8 @@ def test_evaluation_counts_every_image_once(mode):
     ranks = samplers(mode, shuffle=False)
     seen = [epoch(s, 0) for s in ranks]
     assert len(seen[0]) == len(seen[1])
-    real = [i for s in seen for i in s if not isinstance(i, Padding)]
+    assert all(isinstance(i, Sample) and i.epoch == 0 for s in seen for i in s)
+    real = [i for s in seen for i in s if not i.padding]
     assert sorted(real) == list(range(sum(SIZES)))
 
 
@@ -111,7 +112,7 @@ def test_dataloader_workers_after_fork_read_the_right_pixels(packed):
     assert ds.files_opened == 1
     loader = DataLoader(ds, batch_size=None, num_workers=2, sampler=DistributedShardSampler(ds.shard_sizes))
     checked = 0
-    for index, (image, label) in zip(loader.sampler.indices(), loader):
+    for (index, _), (image, label) in zip(loader.sampler.indices(), loader):
         source = np.asarray(Image.open(packed / "src" / keys[index]).convert("RGB"))
         assert np.array_equal(image.numpy(), source), keys[index]
         assert keys[index].startswith(ds.classes[label]["wnid"])
@@ -204,3 +205,24 @@ def test_stage_command_prints_the_staged_root(packed, tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(tmp_path / "out")
     assert len(ShardDataset(run.stdout.strip(), verify="full")) == 30
+
+
+def test_seeded_augmentation_ignores_workers_and_resume_point(packed):
+    ds = ShardDataset(str(packed / "out"), TrainTransform(size=48), seed=11)
+
+    def run(workers, sampler):
+        return [x for x, _ in DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers)]
+
+    def sampler_at(epoch):
+        s = DistributedShardSampler(ds.shard_sizes, seed=3)
+        s.set_epoch(epoch)
+        return s
+
+    serial, parallel = run(0, sampler_at(1)), run(2, sampler_at(1))
+    assert all(torch.equal(a, b) for a, b in zip(serial, parallel)) and len(serial) == 8
+    other_epoch = run(0, sampler_at(2))
+    assert not all(torch.equal(a, b) for a, b in zip(serial, other_epoch))
+    s = sampler_at(1)
+    s.load_state_dict({**s.state_dict(), "position": 12})  # resume after 3 batches of 4
+    resumed = run(2, s)
+    assert len(resumed) == 5 and all(torch.equal(a, b) for a, b in zip(serial[3:], resumed))

@@ -8,6 +8,7 @@ that start-up checks did not look for is reported with the shard and image, not 
 from __future__ import annotations
 
 import os
+import random
 import resource
 from dataclasses import dataclass
 from typing import Callable
@@ -16,7 +17,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from hpcdl.data.format import Manifest, crc32, open_h5
-from hpcdl.data.sampler import Padding
+from hpcdl.data.sampler import Sample
 from hpcdl.data.verify import check_dataset, load_manifest
 from hpcdl.errors import ConfigError, DataError
 
@@ -37,16 +38,21 @@ class _OpenShard:
 class ShardDataset(Dataset):
     """``dataset[i]`` -> (transform(encoded bytes), label); without a transform, the bytes themselves.
 
+    ``seed``: when given, each sample's augmentation draws from ``random.Random`` seeded by (seed, epoch,
+    index), and the transform is called as ``transform(bytes, rng)``: the same sample gets the same crop
+    whatever the number of workers and wherever a run resumed. Without it the transform is called as
+    ``transform(bytes)`` and draws from the worker's global RNG.
+
     ``verify``: ``quick`` (default) checks at start-up that every shard is present, of the size the
     manifest says, and holds consistent index arrays; ``full`` also compares sha256 sums, each caller
     hashing the shards ``i % world == rank``; ``none`` skips both.
     """
 
     def __init__(self, root: str, transform: Callable | None = None, verify: str = "quick", rank: int = 0,
-                 world: int = 1):
+                 world: int = 1, seed: int | None = None):
         if verify not in VERIFY:
             raise ConfigError(f"verify={verify!r} is unknown; choose one of {', '.join(VERIFY)}")
-        self.root, self.transform = root, transform
+        self.root, self.transform, self.seed = root, transform, seed
         self.manifest: Manifest = load_manifest(root)
         if verify != "none":
             problems = check_dataset(root, self.manifest, full=verify == "full", rank=rank, world=world)
@@ -70,8 +76,16 @@ class ShardDataset(Dataset):
             raise IndexError(f"index {index} outside the {len(self)} images of {self.root}")
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         data, label = self.read(shard, int(index - self.starts[shard]))
-        sample = self.transform(data) if self.transform else data
-        return sample, (PADDING_LABEL if isinstance(index, Padding) else label)
+        sample = self._transform(data, index)
+        return sample, (PADDING_LABEL if isinstance(index, Sample) and index.padding else label)
+
+    def _transform(self, data: bytes, index: int):
+        if self.transform is None:
+            return data
+        if self.seed is None:
+            return self.transform(data)
+        epoch = index.epoch if isinstance(index, Sample) else 0
+        return self.transform(data, random.Random(f"{self.seed}:{epoch}:{int(index)}"))
 
     def read(self, shard: int, i: int) -> tuple[bytes, int]:
         s = self._shard(shard)

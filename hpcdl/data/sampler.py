@@ -8,9 +8,12 @@ the rank with the fewest images so far), and each rank shuffles the images of it
 rank reads only its shards.
 
 Either way every rank yields the same number of indices, so every rank runs the same number of steps
-and DDP never waits on a rank that ran out. Padding repeats a rank's own first indices. For evaluation
-(``shuffle=False``) the padded indices are :class:`Padding`, which :class:`ShardDataset` labels
-``PADDING_LABEL`` so they are not counted.
+and DDP never waits on a rank that ran out. Padding repeats a rank's own first indices.
+
+Each index is yielded as a :class:`Sample`, an ``int`` that also carries its epoch and whether it is
+evaluation padding. :class:`ShardDataset` seeds a sample's augmentation from (seed, epoch, index), so
+augmentations do not depend on the number of workers or on where a run resumed; it labels evaluation
+padding (``shuffle=False``) ``PADDING_LABEL`` so that it is not counted.
 """
 
 from __future__ import annotations
@@ -26,11 +29,19 @@ from hpcdl.errors import ConfigError
 MODES = ("global", "shard")
 
 
-class Padding(int):
-    """An index repeated only to even out the ranks; its sample must not be counted."""
+class Sample(int):
+    """A dataset index with its epoch; ``padding``: repeated only to even out the ranks, not to be counted."""
+
+    epoch: int
+    padding: bool
+
+    def __new__(cls, index: int, epoch: int = 0, padding: bool = False):
+        obj = super().__new__(cls, index)
+        obj.epoch, obj.padding = epoch, padding
+        return obj
 
     def __reduce__(self):
-        return (Padding, (int(self),))
+        return (Sample, (int(self), self.epoch, self.padding))
 
 
 class DistributedShardSampler(Sampler[int]):
@@ -68,13 +79,13 @@ class DistributedShardSampler(Sampler[int]):
     def __iter__(self):
         indices = self.indices()
         start, self._yielded = self.position, 0
-        for i in indices[start:]:
+        for i, padding in indices[start:]:
             self._yielded += 1
-            yield i
+            yield Sample(i, self.epoch, padding)
         self.position = 0  # the epoch is over; the next pass starts at its beginning
 
-    def indices(self) -> list[int]:
-        """This rank's whole epoch, padded entries included."""
+    def indices(self) -> list[tuple[int, bool]]:
+        """This rank's whole epoch as (index, is evaluation padding), padded entries included."""
         return self._global() if self.mode == "global" else self._padded(self._indices_of(self.rank))
 
     def _global(self) -> list[int]:
@@ -85,7 +96,8 @@ class DistributedShardSampler(Sampler[int]):
         else:
             order = list(range(self.total))
         total = self.num_samples * self.num_replicas
-        padded = order + [self._pad(i) for i in (order * math.ceil(total / max(self.total, 1)))[:total - self.total]]
+        extra = (order * math.ceil(total / max(self.total, 1)))[:total - self.total]
+        padded = [(i, False) for i in order] + [(i, not self.shuffle) for i in extra]
         return padded[self.rank:total:self.num_replicas]
 
     def _deal(self) -> list[list[int]]:
@@ -109,10 +121,7 @@ class DistributedShardSampler(Sampler[int]):
     def _padded(self, mine: list[int]) -> list[int]:
         longest = self.num_samples
         extra = (mine * math.ceil(longest / max(len(mine), 1)))[:longest - len(mine)]
-        return mine + [self._pad(i) for i in extra]
-
-    def _pad(self, i: int) -> int:
-        return i if self.shuffle else Padding(i)
+        return [(i, False) for i in mine] + [(i, not self.shuffle) for i in extra]
 
     def state_dict(self, consumed: int | None = None) -> dict:
         """Where to resume: ``consumed`` indices of this epoch are done (default: all yielded so far).

@@ -33,7 +33,7 @@ def _to_tensor(im: Image.Image) -> torch.Tensor:
 class DecodeOnly:
     """The whole image at full resolution, as stored."""
 
-    def __call__(self, data: bytes) -> torch.Tensor:
+    def __call__(self, data: bytes, rng: random.Random | None = None) -> torch.Tensor:
         return _to_tensor(_decode(Image.open(io.BytesIO(data)), None))
 
 
@@ -44,30 +44,31 @@ class TrainTransform:
                  draft: bool = True):
         self.size, self.scale, self.ratio, self.flip, self.draft = size, scale, ratio, flip, draft
 
-    def __call__(self, data: bytes) -> torch.Tensor:
+    def __call__(self, data: bytes, rng: random.Random | None = None) -> torch.Tensor:
+        rng = rng or random  # the module's functions: the RNG DataLoader seeds in each worker
         im = Image.open(io.BytesIO(data))
         w, h = im.size
-        top, left, ch, cw = crop_params(w, h, self.scale, self.ratio)
+        top, left, ch, cw = crop_params(w, h, self.scale, self.ratio, rng)
         want = (math.ceil(w * self.size / cw), math.ceil(h * self.size / ch)) if self.draft else None
         im = _decode(im, want)
         sx, sy = im.width / w, im.height / h
         im = im.resize((self.size, self.size), Image.Resampling.BILINEAR,
                        box=(left * sx, top * sy, (left + cw) * sx, (top + ch) * sy))
-        if random.random() < self.flip:
+        if rng.random() < self.flip:
             im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return _to_tensor(im)
 
 
-def crop_params(w: int, h: int, scale, ratio) -> tuple[int, int, int, int]:
-    """(top, left, height, width): torchvision's RandomResizedCrop.get_params, on Python's RNG."""
+def crop_params(w: int, h: int, scale, ratio, rng=random) -> tuple[int, int, int, int]:
+    """(top, left, height, width): torchvision's RandomResizedCrop.get_params, drawing from ``rng``."""
     area = w * h
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
-        target = area * random.uniform(*scale)
-        aspect = math.exp(random.uniform(*log_ratio))
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
         cw, ch = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
         if 0 < cw <= w and 0 < ch <= h:
-            return random.randint(0, h - ch), random.randint(0, w - cw), ch, cw
+            return rng.randint(0, h - ch), rng.randint(0, w - cw), ch, cw
     in_ratio = w / h
     if in_ratio < min(ratio):
         cw, ch = w, int(round(w / min(ratio)))
@@ -84,7 +85,7 @@ class EvalTransform:
     def __init__(self, resize: int = 256, size: int = 224, draft: bool = True):
         self.resize, self.size, self.draft = resize, size, draft
 
-    def __call__(self, data: bytes) -> torch.Tensor:
+    def __call__(self, data: bytes, rng: random.Random | None = None) -> torch.Tensor:
         im = Image.open(io.BytesIO(data))
         w, h = im.size
         nw, nh = (self.resize, int(self.resize * h / w)) if w <= h else (int(self.resize * w / h), self.resize)

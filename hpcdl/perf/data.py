@@ -113,7 +113,7 @@ def bench(cfg: DataBenchConfig) -> dict:
         _cases.update({"shard reader": reader.__getitem__, "ImageFolder": folder.__getitem__,
                        "bare decode": lambda i: transform(blobs[i])})
         sampler = DistributedShardSampler(reader.shard_sizes)
-        orders = {"shard reader": lambda: sampler.indices(),
+        orders = {"shard reader": lambda: [i for i, _ in sampler.indices()],
                   "ImageFolder": lambda: torch.randperm(len(folder)).tolist(),
                   "bare decode": lambda: torch.randperm(len(blobs)).tolist()}
         loader = torch.utils.data.DataLoader(reader, batch_size=cfg.batch_size, num_workers=cfg.workers,

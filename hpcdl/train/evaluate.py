@@ -1,8 +1,8 @@
 """Distributed evaluation: top-1, top-5 and loss, each validation image counted exactly once.
 
-The sampler pads ranks to equal length with :class:`hpcdl.data.sampler.Padding` indices, which the
-dataset labels ``PADDING_LABEL``; they are left out of every count here, and one all-reduce of the sums
-at the end makes the totals.
+The sampler pads ranks to equal length with :class:`hpcdl.data.sampler.Sample` indices marked
+``padding``, which the dataset labels ``PADDING_LABEL``; they are left out of every count here, and one
+all-reduce of the sums at the end makes the totals.
 """
 
 from __future__ import annotations
