@@ -236,3 +236,9 @@ def test_bad_options_are_refused_with_the_flag(tmp_path):
                            "SLURM_ARRAY_TASK_COUNT": "3"})
     run = hpcdl("pack", tmp_path, tmp_path / "out", "--layout", "imagenet-val", check=False)
     assert run.returncode == 2 and "--val-labels" in run.stderr
+
+
+def test_mpi_parts_need_no_rendezvous_address():
+    hydra = {"MPI_LOCALRANKID": "1", "PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALNRANKS": "2"}  # no MASTER_ADDR
+    assert detect_part(None, hydra) == (5, 8)
+    assert detect_part(None, {}) == (0, 1)

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from hpcdl import __version__
 from hpcdl.data.format import (MANIFEST, PARTS_DIR, TMP_SUFFIX, Manifest, ShardEntry, check_shard, part_name,
@@ -66,10 +67,9 @@ def detect_part(spec: str | None, environ=os.environ) -> tuple[int, int]:
             raise ConfigError(f"the Slurm array {lo}-{hi} has gaps or a step; pack with a contiguous "
                               f"--array={lo}-{hi}, or give --part i/n")
         return int(environ["SLURM_ARRAY_TASK_ID"]) - lo, hi - lo + 1
-    from hpcdl.dist.env import discover
+    from hpcdl.dist.env import rank_and_world
 
-    env = discover(environ)
-    return env.rank, env.world_size
+    return rank_and_world(environ)  # no rendezvous needed: mpiexec across nodes works without MASTER_ADDR
 
 
 def pack(cfg: PackConfig) -> Manifest:
@@ -276,8 +276,6 @@ class Progress:
 
     def _draw(self, now: float) -> None:
         rate = self.done / max(now - self.t0, 1e-9)
-        from datetime import timedelta
-
         eta = format_duration(timedelta(seconds=(self.total - self.done) / rate)) if rate else "?"
         line = (f"pack {self.what}: {self.done}/{self.total} images, {self.rejected} rejected, "
                 f"{rate:.0f} img/s, ETA {eta}")

@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from hpcdl.dist.hostlist import expand_hostlist
 from hpcdl.errors import ConfigError
 
-__all__ = ["LAUNCHERS", "Launcher", "RankEnv", "discover", "rendezvous_port", "resolve_node_address"]
+__all__ = ["LAUNCHERS", "Launcher", "RankEnv", "discover", "rank_and_world", "rendezvous_port",
+           "resolve_node_address"]
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +98,29 @@ def discover(environ: Mapping[str, str] | None = None) -> RankEnv:
     if launcher is None:
         _warn_if_batch_step(environ)
         return _single_process(environ)
-    rank = _int(environ, launcher.rank, launcher)
-    world_size = _int(environ, launcher.world_size, launcher)
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"{launcher.rank}={rank} is outside 0..{world_size - 1} "
-                          f"({launcher.world_size}={world_size}); the {launcher.name} environment is inconsistent")
+    rank, world_size = _rank_and_world(environ, launcher)
     local_rank, local_size, node_rank, nodes = _placement(environ, launcher, rank, world_size)
     master_addr, master_port = _rendezvous(environ, nodes)
     return RankEnv(launcher=launcher.name, rank=rank, world_size=world_size, local_rank=local_rank,
                    local_size=local_size, node_rank=node_rank, nodes=nodes, master_addr=master_addr,
                    master_port=master_port, hostname=socket.gethostname(), job_id=_job_id(environ),
                    restart_count=_restart_count(environ))
+
+
+def rank_and_world(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(rank, world size) alone, for work that needs no rendezvous (e.g. packing a dataset's parts)."""
+    environ = os.environ if environ is None else environ
+    launcher = next((row for row in LAUNCHERS if row.marker in environ), None)
+    return _rank_and_world(environ, launcher) if launcher else (0, 1)
+
+
+def _rank_and_world(environ: Mapping[str, str], launcher: Launcher) -> tuple[int, int]:
+    rank = _int(environ, launcher.rank, launcher)
+    world_size = _int(environ, launcher.world_size, launcher)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"{launcher.rank}={rank} is outside 0..{world_size - 1} "
+                          f"({launcher.world_size}={world_size}); the {launcher.name} environment is inconsistent")
+    return rank, world_size
 
 
 def _single_process(environ: Mapping[str, str]) -> RankEnv:
