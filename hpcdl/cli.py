@@ -144,12 +144,12 @@ def cmd_bench_optim(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from hpcdl.config import PRESETS, describe, get_preset
+    from hpcdl.config import PRESETS, describe, resolve
 
     if args.action == "show":
         if not args.name:
             raise HpcdlError("hpcdl presets show NAME: name a preset (hpcdl presets lists them)")
-        sys.stdout.write(describe(get_preset(args.name)))
+        sys.stdout.write(describe(resolve(args.name, args.set)))
         return 0
     for name, fn in PRESETS.items():
         cfg = fn()
@@ -296,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the presets of published runs, or show one resolved")
     p.add_argument("action", nargs="?", choices=("list", "show"), default="list")
     p.add_argument("name", nargs="?")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set global_batch=16384 --set optimizer.lr=25 (repeatable)")
     p.set_defaults(fn=cmd_presets)
 
     sub.add_parser("env", help="print this process's rank discovery as JSON").set_defaults(fn=cmd_env)

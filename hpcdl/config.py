@@ -34,6 +34,10 @@ class RunConfig:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
+        # The schedule's batch, epochs and steps per epoch follow the run's: set them here, not there.
+        self.schedule = dataclasses.replace(self.schedule, global_batch=self.global_batch, epochs=self.epochs,
+                                            steps_per_epoch=steps_per_epoch(self.train_images, self.global_batch))
+        self.optimizer = dataclasses.replace(self.optimizer, lr=self.schedule.peak_lr)  # the schedule sets it per step
         if self.ranks < 1 or self.global_batch % self.ranks:
             raise ConfigError(f"{self.name}: global_batch {self.global_batch} does not split over ranks={self.ranks}; "
                               "choose ranks that divide it (or derive the variant with with_ranks)")
@@ -78,7 +82,7 @@ def alexnet_bn_b32k() -> RunConfig:
     """
     return RunConfig(
         name="alexnet_bn_b32k", model="alexnet_bn", global_batch=32768, epochs=100, crop=227,
-        optimizer=OptimConfig(name="lars", lr=33.0, momentum=0.9, weight_decay=5e-4, eta=0.001, eps=0.0,
+        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.001, eps=0.0,
                               semantics="caffe"),
         schedule=imagenet_schedule(32768, 100, base_lr=33.0, warmup_epochs=10, warmup_start_lr=1.0,
                                    decay="poly_caffe", power=2.0, end_lr=0.0))
@@ -104,7 +108,7 @@ def resnet50_b32k_lars() -> RunConfig:
     lr, warmup = mlperf_lars_lr(32768)
     return RunConfig(
         name="resnet50_b32k_lars", model="resnet50", global_batch=32768, epochs=90, label_smoothing=0.1,
-        optimizer=OptimConfig(name="lars", lr=lr, momentum=0.9, weight_decay=1e-4, eta=0.001, eps=0.0,
+        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=1e-4, eta=0.001, eps=0.0,
                               semantics="mlperf"),
         schedule=imagenet_schedule(32768, 90, base_lr=lr, warmup_epochs=warmup, decay="poly", power=2.0, end_lr=1e-4))
 
@@ -119,7 +123,7 @@ def resnet50_b8k_goyal() -> RunConfig:
     """
     return RunConfig(
         name="resnet50_b8k_goyal", model="resnet50", global_batch=8192, epochs=90,
-        optimizer=OptimConfig(name="sgd", lr=3.2, momentum=0.9, weight_decay=1e-4, semantics="caffe"),
+        optimizer=OptimConfig(name="sgd", momentum=0.9, weight_decay=1e-4, semantics="caffe"),
         schedule=imagenet_schedule(8192, 90, base_lr=0.1, base_batch=256, warmup_epochs=5, warmup_start_lr=0.1,
                                    decay="multistep", milestones=(30, 60, 80), gamma=0.1))
 
@@ -133,7 +137,7 @@ def resnet50_mlperf_cpu() -> RunConfig:
     """
     return RunConfig(
         name="resnet50_mlperf_cpu", model="resnet50", global_batch=3264, epochs=37, label_smoothing=0.1,
-        optimizer=OptimConfig(name="lars", lr=10.5, momentum=0.9, weight_decay=5e-5, eta=0.001, eps=0.0,
+        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-5, eta=0.001, eps=0.0,
                               semantics="mlperf"),
         schedule=imagenet_schedule(3264, 37, base_lr=10.5, warmup_epochs=2, decay="poly", power=2.0, end_lr=1e-4))
 
@@ -146,8 +150,7 @@ def with_ranks(cfg: RunConfig, ranks: int, name: str) -> RunConfig:
         raise ConfigError(f"{cfg.name}: {ranks} ranks leave no image per rank at global batch {cfg.global_batch}")
     batch = per_rank * ranks
     s = cfg.schedule
-    schedule = dataclasses.replace(s, global_batch=batch, steps_per_epoch=steps_per_epoch(cfg.train_images, batch),
-                                   base_batch=s.base_batch or (cfg.global_batch if batch != cfg.global_batch else None))
+    schedule = dataclasses.replace(s, base_batch=s.base_batch or (cfg.global_batch if batch != cfg.global_batch else None))
     notes = cfg.notes + ((f"{cfg.global_batch} does not split over {ranks} ranks: {per_rank} per rank, "
                           f"global batch {batch}, peak lr scaled linearly",) if batch != cfg.global_batch else ())
     return dataclasses.replace(cfg, name=name, ranks=ranks, global_batch=batch, schedule=schedule, notes=notes)
@@ -170,6 +173,20 @@ for _base, _ranks, _suffix, _where in (
         (resnet50_b32k_lars, 2048, "knl2048", "2,048 Xeon Phi 7250 (KNL) nodes")):
     _name = f"{_base.__name__}_{_suffix}"
     PRESETS[_name] = _variant(_base, _ranks, _name, _where)
+
+
+# Schedule fields that RunConfig derives (see RunConfig.__post_init__): --set refuses them.
+DERIVED = {"schedule.global_batch": "follows global_batch; set global_batch",
+           "schedule.epochs": "follows epochs; set epochs",
+           "schedule.steps_per_epoch": "follows train_images / global_batch; set those",
+           "optimizer.lr": "the schedule sets the lr every step; set schedule.base_lr (and schedule.base_batch)"}
+
+
+def resolve(name: str, overrides: list[str] = ()) -> RunConfig:
+    """A preset with ``--set key=value`` overrides applied and checked."""
+    from hpcdl.overrides import apply_overrides
+
+    return apply_overrides(get_preset(name), list(overrides), frozen=DERIVED)
 
 
 def get_preset(name: str) -> RunConfig:

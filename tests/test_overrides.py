@@ -1,0 +1,39 @@
+"""--set overrides on typed configs: keys and types are checked, derived values follow."""
+
+import pytest
+
+from hpcdl.config import get_preset, resolve
+from hpcdl.errors import ConfigError
+from hpcdl.overrides import from_dict, to_dict
+
+
+def test_overrides_apply_with_types_and_derived_values_follow():
+    cfg = resolve("resnet50_b32k_lars", ["schedule.base_lr=20", "global_batch=16384", "epochs=45",
+                                         "optimizer.betas=[0.9, 0.99]", "label_smoothing=0", "optimizer.semantics=caffe"])
+    assert cfg.schedule.peak_lr == cfg.optimizer.lr == 20.0 and isinstance(cfg.schedule.base_lr, float)
+    assert cfg.optimizer.betas == (0.9, 0.99) and cfg.optimizer.semantics == "caffe"
+    assert cfg.schedule.global_batch == 16384 and cfg.schedule.epochs == 45
+    assert cfg.schedule.steps_per_epoch == 79  # ceil(1,281,167 / 16,384)
+    assert cfg.derived()["total_steps"] == 79 * 45
+
+
+@pytest.mark.parametrize("item,message", [
+    ("optimizer.lrr=1", "no key 'lrr'; valid: name='lars', lr=31.2"),
+    ("global_batch=big", "global_batch: 'big' is not a int"),
+    ("ranks=3", "does not split over ranks=3"),
+    ("optimizer.name=adam", "choose one of sgd, lars, larc, lamb, adamw"),
+    ("schedule.steps_per_epoch=10", "follows train_images / global_batch"),
+    ("optimizer.lr=25", "set schedule.base_lr"),
+    ("lr", "write key=value"),
+])
+def test_bad_overrides_name_the_key_and_the_fix(item, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        resolve("resnet50_b32k_lars", [item])
+
+
+def test_round_trip_through_plain_data():
+    cfg = get_preset("alexnet_bn_b32k_skx1024")
+    again = from_dict(type(cfg), to_dict(cfg))
+    assert again == cfg
+    with pytest.raises(ConfigError, match="unknown keys \\['bogus'\\]"):
+        from_dict(type(cfg), {**to_dict(cfg), "bogus": 1})
