@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from hpcdl.dist.affinity import allocator_env, allocator_exports, apply_cpu_plan, plan_cpus
+from hpcdl.dist.affinity import allocator_env, apply_cpu_plan, plan_cpus
 from hpcdl.errors import ConfigError
 
 

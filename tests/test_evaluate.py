@@ -1,7 +1,6 @@
 """Evaluation over 2 gloo ranks counts every image once, on a set whose size is odd."""
 
 import json
-import os
 import subprocess
 
 import pytest

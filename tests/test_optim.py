@@ -1,6 +1,5 @@
 """LARS and LAMB against per-parameter references written from the formulas; the registry; schedules."""
 
-import copy
 import math
 
 import pytest

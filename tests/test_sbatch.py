@@ -1,7 +1,5 @@
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 

@@ -4,7 +4,6 @@ import json
 import os
 import socket
 import subprocess
-from pathlib import Path
 
 import pytest
 

@@ -24,9 +24,8 @@ MANIFEST_FORMAT = "hpcdl-dataset"
 MANIFEST = "manifest.json"
 PARTS_DIR = "parts"
 TMP_SUFFIX = ".tmp"
-# Shard datasets and attributes; docs/data-format.md describes each.
+# The shard datasets a reader needs; docs/data-format.md describes these and the optional ones.
 REQUIRED_DATASETS = ("images", "offsets", "labels", "crc32")
-OPTIONAL_DATASETS = ("sizes", "orig_sizes", "keys")
 
 
 def shard_name(part: int, index: int) -> str:

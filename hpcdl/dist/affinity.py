@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import logging
 import os
 import shlex
 
 from hpcdl.errors import ConfigError
 
 __all__ = ["ALLOCATORS", "CpuPlan", "allocator_exports", "allocator_in_use", "apply_cpu_plan", "plan_cpus"]
-
-log = logging.getLogger(__name__)
 
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 # mmap_max=0 keeps large tensors in the heap instead of mmap/munmap on every step; the big

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import logging
 from collections.abc import Mapping
 
 from hpcdl.dist.affinity import CpuPlan
@@ -12,8 +11,6 @@ from hpcdl.dist.env import RankEnv
 from hpcdl.errors import ConfigError
 
 __all__ = ["BACKENDS", "BackendChoice", "ccl_environment", "ccl_status", "choose_backend"]
-
-log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "ccl", "mpi")
 MPI_LAUNCHERS = ("openmpi", "mpi-hydra")

@@ -15,7 +15,6 @@ h5py (the reader opens shards through Python) and anything else, from fresh proc
 from __future__ import annotations
 
 import json
-import logging
 import multiprocessing
 import os
 import statistics
@@ -23,8 +22,6 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
