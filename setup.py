@@ -15,6 +15,9 @@ setup(
         "submitit>=1.5",
         "numpy>=1.24",
         "pillow>=10.0",
+        "pyyaml>=6.0",  # config files
+        "tqdm>=4.60",  # the progress bar
+        "tensorboard>=2.10",  # torch.utils.tensorboard writes the scalars
     ],
     extras_require={
         "mpi": ["mpi4py>=3.1"],

@@ -51,7 +51,10 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     from hpcdl.launch.sbatch import render_sbatch
     from hpcdl.utils import atomic_write_text
 
-    script = render_sbatch(job_request(**_job_params(args), python=args.python), _command(args))
+    command = _command(args)
+    if command[0] == "train":
+        _checked_train_config(build_parser().parse_args(command), args.nodes * args.tasks_per_node)
+    script = render_sbatch(job_request(**_job_params(args), python=args.python), command)
     if args.write:
         atomic_write_text(args.write, script, mode=0o755)
         print(f"wrote {args.write}; submit it with: sbatch {args.write}", file=sys.stderr)
@@ -63,13 +66,48 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     from hpcdl.launch.executor import hpcdl_command, submit
 
-    job = submit(hpcdl_command(_command(args)), folder=args.folder, cluster=args.cluster, **_job_params(args))
+    command = _command(args)
+    if command[0] == "train":  # a checkpointable job object: submitit's requeue protocol reaches the trainer
+        train_args = build_parser().parse_args(command)
+        cfg = _checked_train_config(train_args, args.nodes * args.tasks_per_node)
+        from hpcdl.train.job import TrainJob
+
+        job = submit(TrainJob(train_args.config, train_args.set), folder=args.folder, cluster=args.cluster,
+                     **_job_params(args) | {"job_name": args.job_name if args.job_name != "hpcdl" else cfg.name})
+    else:
+        job = submit(hpcdl_command(command), folder=args.folder, cluster=args.cluster, **_job_params(args))
     print(f"submitted job {job.job_id}; logs in {job.paths.folder}", file=sys.stderr)
     if args.no_wait:
         return 0
     outputs = job.results()  # raises submitit.core.utils.FailedJobError with the task's traceback
+    if outputs and isinstance(outputs[0], dict):
+        from hpcdl.train.metrics import summary_text
+
+        print(summary_text(outputs[0]))
+        return 0 if outputs[0]["outcome"] == "finished" else 3
     sys.stdout.write(outputs[0] if outputs and isinstance(outputs[0], str) else "")
     return 0
+
+
+def _checked_train_config(args: argparse.Namespace, ranks: int):
+    """The train command's config as it will run on ``ranks`` ranks: errors before anything is submitted."""
+    from hpcdl.config import resolve
+    from hpcdl.train.trainer import preflight
+
+    return preflight(resolve(args.config, args.set), ranks)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from hpcdl.config import dump_yaml, resolve
+
+    cfg = resolve(args.config, args.set)
+    if args.print_config:
+        sys.stdout.write(dump_yaml(cfg))
+        return 0
+    from hpcdl.train.trainer import train
+
+    summary = train(cfg)
+    return 0 if summary["outcome"] in ("finished", "requeued") else 3
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -299,6 +337,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set global_batch=16384 --set optimizer.lr=25 (repeatable)")
     p.set_defaults(fn=cmd_presets)
+
+    p = sub.add_parser("train", help="train a preset or a YAML config on this job's ranks",
+                       description="Runs the same under srun, mpiexec, torchrun, submitit and as one process; "
+                                   "resumes from the newest checkpoint in the run folder.")
+    p.add_argument("config", help="a preset name (hpcdl presets) or a YAML file (a run folder's config.yaml, or "
+                                   "'preset: NAME' plus the keys to change)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set data.train=$SCRATCH/imagenet1k/train (repeatable)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.set_defaults(fn=cmd_train)
 
     sub.add_parser("env", help="print this process's rank discovery as JSON").set_defaults(fn=cmd_env)
     sub.add_parser("profiles", help="list the cluster profiles").set_defaults(fn=cmd_profiles)

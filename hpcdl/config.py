@@ -8,6 +8,7 @@ with the derived numbers.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,6 +17,65 @@ from hpcdl.optim.factory import OptimConfig
 from hpcdl.optim.schedule import ScheduleConfig, steps_per_epoch
 
 IMAGENET_TRAIN = 1_281_167
+SAMPLER_MODES = ("global", "shard")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    train: str = ""  # a packed dataset root (hpcdl pack); $VARS are expanded on the compute node
+    val: str = ""  # "" : no evaluation
+    workers: int = 4  # DataLoader worker processes per rank
+    sampler: str = "global"  # global | shard (see hpcdl.data.sampler)
+    seed: int = 0  # the shuffle and each sample's augmentation (seed, epoch, index)
+    verify: str = "quick"  # none | quick | full: shard checks at start-up
+    min_scale: float = 0.08  # RandomResizedCrop's smallest area fraction
+    eval_resize: int = 256  # evaluation: short side, then a center crop of the run's crop
+
+    def __post_init__(self):
+        if self.sampler not in SAMPLER_MODES:
+            raise ConfigError(f"data.sampler={self.sampler!r}; choose one of {', '.join(SAMPLER_MODES)}")
+        if self.workers < 0:
+            raise ConfigError(f"data.workers={self.workers} must be >= 0 (0: load in the training process)")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoopConfig:
+    precision: str = "auto"  # auto | fp32 | bf16; auto: bf16 only with avx512_bf16 or amx_bf16
+    channels_last: bool = True
+    compile: bool = False  # torch.compile the model
+    ipex: str = "auto"  # auto: ipex.optimize when intel_extension_for_pytorch imports and matches torch; off
+    accum_steps: int = 1  # micro-batches per optimizer step; each is per_rank_batch / accum_steps images
+    backend: str = "auto"  # auto | gloo | ccl | mpi
+    timeout_s: float = 300.0  # collective timeout once the first step is done (start-up allows 10 minutes)
+    max_steps: int = 0  # stop after this many steps (0: the schedule's total)
+    eval_every: int = 1  # epochs between evaluations (0: at the end only)
+    log_every: int = 10  # steps between progress lines and TensorBoard points (the JSONL log has every step)
+    seed: int = 0  # the model's initial weights
+    target_top1: float = 0.0  # time-to-accuracy: first evaluation at or above this top-1 (0: none)
+
+    def __post_init__(self):
+        from hpcdl.train.precision import PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"loop.precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.ipex not in ("auto", "off"):
+            raise ConfigError(f"loop.ipex={self.ipex!r}; choose auto or off")
+        if self.accum_steps < 1 or self.log_every < 1:
+            raise ConfigError(f"loop.accum_steps={self.accum_steps} and loop.log_every={self.log_every} must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every_steps: int = 0  # 0: not by steps
+    every_minutes: float = 30.0  # 0: not by time
+    keep: int = 3
+    signal: str = "USR2"  # the requeue signal: #SBATCH --signal=USR2@120 (hpcdl's train scripts set it)
+    max_requeues: int = 20
+
+    def __post_init__(self):
+        if self.keep < 1 or self.every_steps < 0 or self.every_minutes < 0 or self.max_requeues < 0:
+            raise ConfigError(f"checkpoint: keep={self.keep} must be >= 1, every_steps, every_minutes and "
+                              "max_requeues >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,6 +91,10 @@ class RunConfig:
     train_images: int = IMAGENET_TRAIN
     crop: int = 224
     label_smoothing: float = 0.0
+    run_dir: str = "runs/{name}-{job}"  # {name}: this config's; {job}: the Slurm job id (kept across requeues)
+    data: DataConfig = field(default_factory=DataConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
@@ -41,6 +105,9 @@ class RunConfig:
         if self.ranks < 1 or self.global_batch % self.ranks:
             raise ConfigError(f"{self.name}: global_batch {self.global_batch} does not split over ranks={self.ranks}; "
                               "choose ranks that divide it (or derive the variant with with_ranks)")
+        if self.per_rank_batch % self.loop.accum_steps:
+            raise ConfigError(f"{self.name}: the per-rank batch {self.per_rank_batch} does not split into "
+                              f"loop.accum_steps={self.loop.accum_steps} micro-batches; choose a divisor of it")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"{self.name}: label_smoothing {self.label_smoothing} must lie in [0, 1)")
 
@@ -142,6 +209,23 @@ def resnet50_mlperf_cpu() -> RunConfig:
         schedule=imagenet_schedule(3264, 37, base_lr=10.5, warmup_epochs=2, decay="poly", power=2.0, end_lr=1e-4))
 
 
+def demo_tiny_lars() -> RunConfig:
+    """The demo (``make demo``): TinyCNN on hpcdl's synthetic classes (``datasets/synthetic``) with LARS.
+
+    - 10 classes, 64-pixel crops of images packed with ``--short-side 72``; 2 ranks x 64 images;
+    - LARS (mlperf semantics) at base lr 8 with 1 warmup epoch, poly power 2; label smoothing 0.1;
+    - evaluation every epoch; ``target_top1`` 95 gives the time-to-accuracy in the summary.
+    """
+    return RunConfig(
+        name="demo_tiny_lars", model="tiny_cnn", global_batch=128, epochs=8, crop=64, num_classes=10, ranks=2,
+        train_images=1500, label_smoothing=0.1,
+        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.001, eps=0.0, semantics="mlperf"),
+        schedule=ScheduleConfig(base_lr=8.0, warmup_epochs=1, decay="poly", power=2.0, end_lr=0.0),
+        data=DataConfig(workers=1, eval_resize=72, min_scale=0.25),
+        loop=LoopConfig(target_top1=95.0, log_every=5),
+        checkpoint=CheckpointConfig(every_minutes=2.0))
+
+
 def with_ranks(cfg: RunConfig, ranks: int, name: str) -> RunConfig:
     """``cfg`` on ``ranks`` processes. When the batch does not split evenly, each rank takes the floor and
     the peak lr follows the global batch by the linear scaling rule."""
@@ -165,7 +249,7 @@ def _variant(base: Callable[[], RunConfig], ranks: int, name: str, where: str) -
 
 
 PRESETS: dict[str, Callable[[], RunConfig]] = {f.__name__: f for f in (
-    alexnet_bn_b32k, resnet50_b32k_lars, resnet50_b8k_goyal, resnet50_mlperf_cpu)}
+    alexnet_bn_b32k, resnet50_b32k_lars, resnet50_b8k_goyal, resnet50_mlperf_cpu, demo_tiny_lars)}
 for _base, _ranks, _suffix, _where in (
         (alexnet_bn_b32k, 1024, "skx1024", "1,024 Skylake processors (Xeon Platinum 8160, 512 SKX nodes)"),
         (alexnet_bn_b32k, 512, "knl512", "512 Xeon Phi 7250 (KNL) nodes"),
@@ -183,10 +267,45 @@ DERIVED = {"schedule.global_batch": "follows global_batch; set global_batch",
 
 
 def resolve(name: str, overrides: list[str] = ()) -> RunConfig:
-    """A preset with ``--set key=value`` overrides applied and checked."""
+    """A preset, or a YAML config file, with ``--set key=value`` overrides applied and checked.
+
+    A YAML file holds either a whole config (as ``config.yaml`` in a run folder) or ``preset: NAME`` and
+    the keys that change it, nested as in ``hpcdl presets show NAME --yaml``.
+    """
     from hpcdl.overrides import apply_overrides
 
+    if name.endswith((".yaml", ".yml")):
+        return apply_overrides(load_yaml(name), list(overrides), frozen=DERIVED)
     return apply_overrides(get_preset(name), list(overrides), frozen=DERIVED)
+
+
+def load_yaml(path: str) -> RunConfig:
+    import yaml
+
+    from hpcdl.overrides import apply_overrides, flatten, from_dict
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read the config ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    try:
+        if "preset" in data:
+            base = get_preset(str(data.pop("preset")))
+            return apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in flatten(data).items()], frozen=DERIVED)
+        return from_dict(RunConfig, data, where=path)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    import yaml
+
+    from hpcdl.overrides import to_dict
+
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, width=120)
 
 
 def get_preset(name: str) -> RunConfig:

@@ -19,3 +19,7 @@ class RankLostError(HpcdlError):
 
 class DataError(HpcdlError):
     """A dataset, shard or manifest is missing, damaged or inconsistent; the message names the file."""
+
+
+class TrainingDiverged(HpcdlError):
+    """The loss became NaN or infinite; the run stopped without writing a checkpoint."""

@@ -20,6 +20,17 @@ def to_dict(obj) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(obj)))
 
 
+def flatten(data: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; mappings are walked, lists and scalars are values."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def from_dict(cls, data: dict, where: str = "config"):
     """Build ``cls`` from ``data``, coercing each value to its field's type; nested dataclasses recurse."""
     if not isinstance(data, dict):

@@ -1,2 +1,5 @@
-"""Training. So far: checkpoints (``checkpoint``) and the choice of precision (``precision``); the training
-loop, evaluation and metrics build on them."""
+"""Training: the trainer (``trainer``), its step (``step``), checkpoints, evaluation, metrics, precision,
+the requeue signal (``preempt``) and the submitit job (``job``).
+
+``python -m hpcdl.train CONFIG --set key=value`` is ``hpcdl train``.
+"""

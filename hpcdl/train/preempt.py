@@ -72,3 +72,18 @@ def requeue(max_requeues: int, environ: Mapping[str, str] = os.environ) -> bool:
                           "the job needs --requeue (hpcdl's sbatch scripts set it) and a partition that allows it")
     log.info("requeue: job %s requeued (%d of at most %d)", target, done + 1, max_requeues)
     return True
+
+
+def hand_to_submitit(stop: StopSignal) -> bool:
+    """Under submitit, pass the signal on to the handler submitit had installed; False elsewhere.
+
+    That handler, on global rank 0, calls the job object's ``checkpoint()`` (hpcdl's returns the same
+    job, which resumes from the run folder), requeues within submitit's bound and exits.
+    """
+    handler = stop._previous
+    owner = getattr(handler, "__self__", None)
+    if type(owner).__name__ != "SignalHandler" or not type(owner).__module__.startswith("submitit."):
+        return False
+    log.info("requeue: handing the signal to submitit (checkpoint() and requeue)")
+    handler(stop.signum, None)
+    return True

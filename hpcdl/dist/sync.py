@@ -1,0 +1,47 @@
+"""Gradient synchronization for the trainer: DDP over the job's process group, timed.
+
+DDP all-reduces gradient buckets while backward still runs and waits for the last of them before
+backward returns. A communication hook notes when each bucket is handed over; the last hand-over is
+the end of the gradient computation, so what backward spends after it is communication that
+computation did not hide (``exposed``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["CommTimer", "data_parallel"]
+
+
+class CommTimer:
+    """When the last gradient bucket of the current backward was handed to the process group."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.last_handover = 0.0
+        self.buckets = 0
+
+    def reset(self) -> None:
+        self.last_handover, self.buckets = 0.0, 0
+
+
+def _timed_allreduce(timer: CommTimer, bucket):
+    timer.last_handover = time.perf_counter()
+    timer.buckets += 1
+    return default_hooks.allreduce_hook(timer.group, bucket)
+
+
+def data_parallel(model: torch.nn.Module, world_size: int, group=None,
+                  bucket_cap_mb: float = 25.0) -> tuple[torch.nn.Module, CommTimer | None]:
+    """``model`` wrapped in DDP over ``group`` (its buckets timed); on one rank, ``model`` itself."""
+    if world_size == 1:
+        return model, None
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
+                                  gradient_as_bucket_view=True)
+    timer = CommTimer(group)
+    ddp.register_comm_hook(timer, _timed_allreduce)
+    return ddp, timer

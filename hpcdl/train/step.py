@@ -1,0 +1,112 @@
+"""One optimizer step over its micro-batches, timed by phase, with the ranks' control exchange.
+
+Phases, in seconds, summed over the micro-batches of the step:
+
+- ``data``: waiting for the loader, and normalizing the batch;
+- ``forward``: the model and the loss;
+- ``backward``: gradients, with the bucket all-reduces that overlap them (DDP);
+- ``comm_wait``: backward's wait for buckets still in flight after the last gradient, plus the control
+  all-reduce below: communication that computation did not hide;
+- ``optimizer``: the update, the lr schedule and zeroing the gradients.
+
+The control all-reduce carries four numbers: this rank's loss sum and image count, whether its loss
+was finite, and flags only rank 0 contributes (stop, checkpoint now). Every rank therefore takes the
+same decisions at the same step, and a NaN on any rank skips the update everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from hpcdl.dist.sync import CommTimer
+
+PHASES = ("data", "forward", "backward", "comm_wait", "optimizer")
+
+
+@dataclasses.dataclass(slots=True)
+class StepResult:
+    loss: float  # mean over the step's images on all ranks (nan when any rank's was not finite)
+    images: int  # on all ranks
+    finite: bool
+    stop: bool  # rank 0 asked every rank to stop after this step
+    save: bool  # rank 0 asked every rank to checkpoint after this step
+    times: dict[str, float]
+
+
+class Stepper:
+    """The hot path, shared by the trainer and ``hpcdl bench step``."""
+
+    def __init__(self, net: torch.nn.Module, criterion: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 schedule, *, precision: str = "fp32", comm: CommTimer | None = None, group=None,
+                 distributed: bool = True):
+        self.net, self.criterion, self.optimizer, self.schedule = net, criterion, optimizer, schedule
+        self.comm, self.group, self.distributed = comm, group, distributed
+        self.autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" \
+            else contextlib.nullcontext
+
+    def step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int,
+             flags: Callable[[], tuple[bool, bool]] = lambda: (False, False)) -> StepResult | None:
+        """Train on the next ``count`` micro-batches of ``batches`` (fewer at the end of an epoch).
+
+        ``flags`` gives rank 0's (stop, save) wishes; other ranks' are ignored. None when ``batches``
+        is already exhausted.
+        """
+        times = dict.fromkeys(PHASES, 0.0)
+        loss_sum, images, done = torch.zeros((), dtype=torch.float64), 0, 0
+        t = time.perf_counter()
+        for x, y in batches:
+            now = time.perf_counter()
+            times["data"] += now - t
+            last = done + 1 == count
+            loss_sum += self._micro_step(x, y, count, last, times) * len(y)
+            images, done, t = images + len(y), done + 1, time.perf_counter()
+            if last:
+                break
+        if done == 0:
+            return None
+        t = time.perf_counter()
+        result = self._control(loss_sum, images, flags(), times)
+        times["comm_wait"] += time.perf_counter() - t
+        t = time.perf_counter()
+        if result.finite:
+            self.optimizer.step()
+            self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        times["optimizer"] = time.perf_counter() - t
+        return result
+
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, count: int, last: bool, times: dict) -> float:
+        t0 = time.perf_counter()
+        sync = contextlib.nullcontext() if last or not hasattr(self.net, "no_sync") else self.net.no_sync()
+        with sync:
+            with self.autocast():
+                loss = self.criterion(self.net(x), y)
+            t1 = time.perf_counter()
+            if self.comm is not None:
+                self.comm.reset()
+            (loss / count).backward()
+        t2 = time.perf_counter()
+        handed = self.comm.last_handover if (self.comm is not None and last and self.comm.buckets) else t2
+        times["forward"] += t1 - t0
+        times["backward"] += handed - t1
+        times["comm_wait"] += t2 - handed
+        return loss.item()
+
+    def _control(self, loss_sum: torch.Tensor, images: int, wishes: tuple[bool, bool], times: dict) -> StepResult:
+        finite = math.isfinite(loss_sum.item())
+        rank0 = not self.distributed or dist.get_rank(self.group) == 0
+        stop, save = wishes if rank0 else (False, False)
+        control = torch.tensor([loss_sum.item() if finite else 0.0, images, 0 if finite else 1, stop, save],
+                               dtype=torch.float64)
+        if self.distributed:
+            dist.all_reduce(control, group=self.group)
+        total, n, bad, stop_n, save_n = control.tolist()
+        return StepResult(loss=total / max(n, 1) if not bad else math.nan, images=int(n), finite=not bad,
+                          stop=stop_n > 0, save=save_n > 0, times=times)

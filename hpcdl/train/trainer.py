@@ -1,0 +1,335 @@
+"""The trainer: wires data, model, optimizer, gradient sync, checkpoints and signals; owns none of them.
+
+:func:`train` runs one config on the ranks of the job it is started in (srun, mpiexec, torchrun,
+submitit or a single process: :mod:`hpcdl.dist.env` tells them apart). It resumes from the newest
+readable checkpoint in the run folder, so a requeued job simply runs again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from hpcdl.config import RunConfig, dump_yaml
+from hpcdl.data.dataset import ShardDataset
+from hpcdl.data.sampler import DistributedShardSampler
+from hpcdl.data.transforms import EvalTransform, TrainTransform, normalize_batch
+from hpcdl.data.verify import load_manifest
+from hpcdl.dist.affinity import allocator_in_use
+from hpcdl.dist.process_group import DistContext, fail_fast, init_distributed, set_timeout, shutdown
+from hpcdl.dist.sync import data_parallel
+from hpcdl.errors import ConfigError, TrainingDiverged
+from hpcdl.models import build_model
+from hpcdl.optim.factory import build_optimizer
+from hpcdl.optim.schedule import LRSchedule
+from hpcdl.overrides import flatten, to_dict
+from hpcdl.train.accel import apply_ipex
+from hpcdl.train.checkpoint import CheckpointManager, rng_state, set_rng_state
+from hpcdl.train.evaluate import evaluate
+from hpcdl.train.metrics import RunLog, phase_shares, summary_text
+from hpcdl.train.precision import choose_precision
+from hpcdl.train.preempt import StopSignal, hand_to_submitit, requeue, requeue_target
+from hpcdl.train.step import Stepper
+from hpcdl.utils import atomic_write_text
+
+__all__ = ["Trainer", "preflight", "run_dir", "train"]
+
+log = logging.getLogger(__name__)
+CHECKPOINT_FORMAT = 1
+
+
+def train(cfg: RunConfig) -> dict:
+    """Train ``cfg`` on this job's ranks; returns the run's summary (the same on every rank)."""
+    stop = StopSignal(cfg.checkpoint.signal)  # before any worker forks: they inherit the handler
+    ctx = init_distributed(cfg.loop.backend, data_workers=cfg.data.workers)
+    with fail_fast(ctx):
+        set_timeout(ctx, timedelta(seconds=cfg.loop.timeout_s))
+        summary = Trainer(cfg, ctx, stop).fit()
+    stop.close()
+    shutdown(ctx)
+    return summary
+
+
+def preflight(cfg: RunConfig, world_size: int) -> RunConfig:
+    """``cfg`` as it will run on ``world_size`` ranks; raises before anything is submitted when it cannot."""
+    if not cfg.data.train:
+        raise ConfigError(f"{cfg.name}: data.train is not set; --set data.train=/path/to/packed/train "
+                          "(a folder hpcdl pack wrote)")
+    train_root = os.path.expandvars(cfg.data.train)
+    manifest = load_manifest(train_root)  # DataError naming the path when it is not a packed dataset
+    if cfg.data.val:
+        load_manifest(os.path.expandvars(cfg.data.val))
+    if len(manifest.classes) > cfg.num_classes:
+        raise ConfigError(f"{train_root} holds {len(manifest.classes)} classes but num_classes={cfg.num_classes}; "
+                          f"--set num_classes={len(manifest.classes)}")
+    if cfg.global_batch % world_size:
+        divisors = [n for n in range(1, min(cfg.global_batch, 4096) + 1) if cfg.global_batch % n == 0]
+        raise ConfigError(f"global_batch={cfg.global_batch} does not split over {world_size} ranks; run on one of "
+                          f"{divisors[-12:]} ranks, or --set global_batch to a multiple of {world_size}")
+    images = sum(s.count for s in manifest.shards)
+    if (cfg.ranks, cfg.train_images) != (world_size, images):
+        log.info("config %s: ranks %d -> %d (this job), train_images %d -> %d (%s)", cfg.name, cfg.ranks,
+                 world_size, cfg.train_images, images, train_root)
+    return dataclasses.replace(cfg, ranks=world_size, train_images=images)
+
+
+def run_dir(cfg: RunConfig) -> str:
+    return os.path.expandvars(cfg.run_dir.format(name=cfg.name, job=requeue_target() or "local"))
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, ctx: DistContext, stop: StopSignal):
+        self.cfg, self.ctx, self.stop = preflight(cfg, ctx.world_size), ctx, stop
+        cfg = self.cfg
+        self.dir = run_dir(cfg)
+        os.makedirs(self.dir, exist_ok=True)
+        if ctx.rank == 0:
+            atomic_write_text(os.path.join(self.dir, "config.yaml"), dump_yaml(cfg))
+        self.precision, self.precision_why = choose_precision(cfg.loop.precision)
+        self.step = self.epoch = self.consumed = 0
+        self.elapsed, self.best, self.time_to_target = 0.0, None, None
+        self.last_save_step, self.last_save_time = -1, time.monotonic()
+        self.ckpt = CheckpointManager(os.path.join(self.dir, "checkpoints"), cfg.checkpoint.keep) \
+            if ctx.rank == 0 else None
+        self._build_model()
+        self._build_data()
+        self.resumed_from = self._resume()
+        self._wrap()
+        self.last_step = min(cfg.schedule.total_steps, cfg.loop.max_steps or cfg.schedule.total_steps)
+
+    # -- set-up ---------------------------------------------------------------------------------------
+    def _build_model(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.loop.seed)
+        model = build_model(cfg.model, cfg.num_classes)
+        if cfg.loop.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        optimizer = build_optimizer(model, cfg.optimizer)
+        self.model, self.optimizer, self.ipex_note = apply_ipex(model, optimizer, precision=self.precision,
+                                                                mode=cfg.loop.ipex)
+        self.schedule = LRSchedule(self.optimizer, cfg.schedule)
+        self.criterion = cfg.criterion()
+
+    def _build_data(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        micro = cfg.per_rank_batch // cfg.loop.accum_steps
+        train = ShardDataset(os.path.expandvars(cfg.data.train), TrainTransform(cfg.crop, (cfg.data.min_scale, 1.0)),
+                             verify=cfg.data.verify, rank=ctx.rank, world=ctx.world_size, seed=cfg.data.seed)
+        self.sampler = DistributedShardSampler(train.shard_sizes, ctx.world_size, ctx.rank, cfg.data.sampler,
+                                               shuffle=True, seed=cfg.data.seed)
+        self.train_loader = _loader(train, self.sampler, micro, cfg.data.workers)
+        self.val_loader = None
+        if cfg.data.val:
+            val = ShardDataset(os.path.expandvars(cfg.data.val), EvalTransform(cfg.data.eval_resize, cfg.crop),
+                               verify=cfg.data.verify, rank=ctx.rank, world=ctx.world_size)
+            sampler = DistributedShardSampler(val.shard_sizes, ctx.world_size, ctx.rank, "global", shuffle=False)
+            self.val_loader = _loader(val, sampler, micro, cfg.data.workers)
+
+    def _wrap(self) -> None:
+        net, comm = data_parallel(self.model, self.ctx.world_size, self.ctx.group)
+        self.compile_note = "compile: off"
+        if self.cfg.loop.compile:
+            net, self.compile_note = torch.compile(net), "compile: torch.compile (the first steps compile)"
+        self.net = net
+        self.stepper = Stepper(net, self.criterion, self.optimizer, self.schedule, precision=self.precision,
+                               comm=comm, group=self.ctx.group, distributed=self.ctx.world_size > 1)
+
+    def _prepare(self, images: torch.Tensor) -> torch.Tensor:
+        return normalize_batch(images, channels_last=self.cfg.loop.channels_last)
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def _state(self) -> dict:
+        rngs = [None] * self.ctx.world_size
+        dist.all_gather_object(rngs, rng_state(), group=self.ctx.group)
+        return {"format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch, "world_size": self.ctx.world_size,
+                "sampler": self.sampler.state_dict(consumed=self.consumed), "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(), "rng": rngs,
+                "elapsed_s": self._elapsed(), "best": self.best, "time_to_target_s": self.time_to_target,
+                "config": to_dict(self.cfg)}
+
+    def _save(self, why: str) -> None:
+        """Collective: every rank gives its RNG state; rank 0 writes."""
+        if self.last_save_step == self.step:
+            return
+        state = self._state()
+        if self.ckpt is not None:
+            path = self.ckpt.save(self.step, state)
+            log.info("checkpoint (%s): %s", why, path)
+        self.last_save_step, self.last_save_time = self.step, time.monotonic()
+
+    def _resume(self) -> str | None:
+        found = [None]
+        if self.ckpt is not None:
+            latest = self.ckpt.load_latest()
+            found = [latest[0] if latest else None]
+        dist.broadcast_object_list(found, src=0, group=self.ctx.group)  # every rank loads the same one
+        if found[0] is None:
+            return None
+        state = torch.load(found[0], map_location="cpu", weights_only=True)
+        if state["world_size"] != self.ctx.world_size:
+            raise ConfigError(f"{found[0]} was written by {state['world_size']} ranks, this job has "
+                              f"{self.ctx.world_size}: an exact resume needs the same number; run on "
+                              f"{state['world_size']} ranks or set run_dir to a new folder")
+        self._warn_changed(found[0], state["config"])
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"][self.ctx.rank])
+        self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["sampler"]["position"]
+        self.elapsed, self.best, self.time_to_target = state["elapsed_s"], state["best"], state["time_to_target_s"]
+        self.last_save_step = self.step
+        return found[0]
+
+    def _warn_changed(self, path: str, saved: dict) -> None:
+        now, then = flatten(to_dict(self.cfg)), flatten(saved)
+        changed = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
+        if changed and self.ctx.rank == 0:
+            log.warning("resuming %s with a changed config: %s", path,
+                        ", ".join(f"{k} {then.get(k)!r} -> {now.get(k)!r}" for k in changed))
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        self._announce()
+        self.t0 = time.monotonic()
+        self.runlog = RunLog(self.dir, rank=self.ctx.rank, total_steps=self.last_step, start_step=self.step,
+                             log_every=self.cfg.loop.log_every)
+        try:
+            outcome = self._loop()
+            if outcome == "stop":
+                return self._preempted()
+            self._finish()
+            return self._summary("finished")
+        finally:
+            self.runlog.close()
+
+    def _loop(self) -> str:
+        while self.step < self.last_step:
+            outcome = self._train_epoch()
+            if outcome != "epoch":
+                return outcome
+            self.epoch, self.consumed = self.epoch + 1, 0
+            every = self.cfg.loop.eval_every
+            if every and self.epoch % every == 0 and self.step < self.last_step:
+                self._evaluate()
+        return "done"
+
+    def _train_epoch(self) -> str:
+        self.sampler.set_epoch(self.epoch)
+        batches = self._batches()
+        while self.step < self.last_step:
+            result = self.stepper.step(batches, self.cfg.loop.accum_steps, self._wishes)
+            if result is None:
+                return "epoch"
+            if not result.finite:
+                self._diverged()
+            self.step += 1
+            self.runlog.step(self.step, self._epochs(), self.schedule.current_lr(), result)
+            every = self.cfg.checkpoint.every_steps
+            if result.save or result.stop or (every and self.step % every == 0):
+                self._save("signal" if result.stop else "periodic")
+            if result.stop:
+                return "stop"
+        return "done"
+
+    def _batches(self):
+        for images, labels in self.train_loader:
+            self.consumed += len(labels)
+            yield self._prepare(images), labels
+
+    def _wishes(self) -> tuple[bool, bool]:
+        """Rank 0's (stop, checkpoint now); the step's control all-reduce hands them to every rank."""
+        minutes = self.cfg.checkpoint.every_minutes
+        due = bool(minutes) and time.monotonic() - self.last_save_time >= 60 * minutes
+        return self.stop.seen, due
+
+    def _diverged(self) -> None:
+        last = self.ckpt.checkpoints()[0] if self.ckpt is not None and self.ckpt.checkpoints() else None
+        raise TrainingDiverged(
+            f"the loss is not finite at step {self.step + 1} (epoch {self.epoch}); stopped without updating the "
+            f"weights or writing a checkpoint. Last good checkpoint: {last or 'none'}. Lower schedule.base_lr, "
+            "lengthen schedule.warmup_epochs, or check the data; the run resumes from that checkpoint")
+
+    def _evaluate(self) -> None:
+        if self.val_loader is None:
+            return
+        metrics = evaluate(self.net, self.val_loader, self._prepare, group=self.ctx.group)
+        self.runlog.evaluation(self.step, self._epochs(), metrics)
+        if self.best is None or metrics["top1"] > self.best["top1"]:
+            self.best = {"step": self.step, **metrics}
+        target = self.cfg.loop.target_top1
+        if target and self.time_to_target is None and metrics["top1"] >= target:
+            self.time_to_target = self._elapsed()
+
+    def _finish(self) -> None:
+        if self.best is None or self.best["step"] != self.step:
+            self._evaluate()
+        self._save("end")
+
+    def _preempted(self) -> dict:
+        log.warning("stopping at step %d on the requeue signal (%s); checkpoint written", self.step,
+                    self.cfg.checkpoint.signal)
+        outcome = "stopped"
+        if self.ctx.rank == 0:
+            self.runlog.close()
+            if hand_to_submitit(self.stop):  # submitit checkpoints the job object and requeues (then exits)
+                outcome = "requeued"
+            elif requeue(self.cfg.checkpoint.max_requeues):
+                outcome = "requeued"
+        return self._summary(outcome)
+
+    def _epochs(self) -> float:
+        """Epochs done, fractional: this rank's share of the current epoch that it has trained on."""
+        return self.epoch + self.consumed / max(self.sampler.num_samples, 1)
+
+    def _elapsed(self) -> float:
+        return self.elapsed + time.monotonic() - self.t0 if hasattr(self, "t0") else self.elapsed
+
+    def _summary(self, outcome: str) -> dict:
+        cfg, elapsed = self.cfg, self._elapsed()
+        jsonl = os.path.join(self.dir, "train.jsonl")
+        s = {"outcome": outcome, "name": cfg.name, "steps": self.step, "world_size": self.ctx.world_size,
+             "epochs": self._epochs(), "train_s": elapsed,
+             "images_per_s": self.step * cfg.global_batch / elapsed if elapsed else 0.0,
+             "best_top1": self.best and self.best["top1"], "best_top5": self.best and self.best["top5"],
+             "best_step": self.best and self.best["step"], "target_top1": cfg.loop.target_top1,
+             "time_to_target_s": self.time_to_target, "run_dir": self.dir,
+             "phases": phase_shares(jsonl) if self.ctx.rank == 0 and os.path.exists(jsonl) else {}}
+        if self.ctx.rank == 0:
+            atomic_write_text(os.path.join(self.dir, "summary.json"), json.dumps(s, indent=1) + "\n")
+            log.info("%s", summary_text(s))
+        return s
+
+    def _announce(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        if ctx.rank != 0:
+            return
+        s = cfg.schedule
+        lines = [
+            f"run {cfg.name} in {self.dir}" + (f", resuming from {self.resumed_from} (step {self.step}, "
+                                               f"epoch {self.epoch})" if self.resumed_from else ", from scratch"),
+            f"world size {ctx.world_size}; batch per rank {cfg.per_rank_batch} = {cfg.loop.accum_steps} x "
+            f"{cfg.per_rank_batch // cfg.loop.accum_steps}; global batch {cfg.global_batch}",
+            f"{cfg.train_images} training images: {s.steps_per_epoch} steps per epoch, {s.warmup_steps} warmup steps, "
+            f"{self.last_step} steps to run of {s.total_steps}; peak lr {s.peak_lr:.5g}",
+            f"backend {ctx.backend.name}; {ctx.cpu.threads} threads per rank; allocator {allocator_in_use()}",
+            f"precision {self.precision} ({self.precision_why}); channels_last {cfg.loop.channels_last}",
+            self.ipex_note, self.compile_note,
+        ]
+        for line in lines:
+            log.info("%s", line)
+
+
+def _loader(dataset, sampler, batch: int, workers: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, drop_last=False,
+                      persistent_workers=False, prefetch_factor=4 if workers else None)
+
+

@@ -1,0 +1,149 @@
+"""The trainer end to end, on real gloo ranks and packed synthetic JPEGs: the run folder, exact resume,
+NaN and dead-rank handling, and configs refused before submission."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, start_ranks
+from hpcdl.data.pack import PackConfig, pack
+from hpcdl.data.synthetic import generate
+
+BASE = ["demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
+        "--set", "data.min_scale=0.5", "--set", "epochs=4", "--set", "loop.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """240 training images in 10 classes (several shards) and 35 validation images, packed."""
+    root = tmp_path_factory.mktemp("train-data")
+    train = generate(str(root / "src-train"), classes=10, per_class=24, size=(80, 64), seed=1)
+    val = generate(str(root / "src-val"), classes=10, per_class=3, size=(80, 64), seed=2)
+    os.unlink(os.path.join(val.root, "n90000009", sorted(os.listdir(os.path.join(val.root, "n90000009")))[0]))
+    pack(PackConfig(src=train.root, out=str(root / "train"), shard_size="64K", workers=1))
+    pack(PackConfig(src=val.root, out=str(root / "val"), shard_size="64K", workers=1))
+    return root
+
+
+def args_for(data: Path, run: Path, *extra: str) -> list[str]:
+    return ["train", *BASE, "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}",
+            "--set", f"run_dir={run}", *extra]
+
+
+def hpcdl(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "PMI_"))}
+    return subprocess.run([PYTHON, "-m", "hpcdl", *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env=env)
+
+
+def model_state(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def steps_logged(run: Path) -> int:
+    path = run / "train.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if '"kind": "step"' in line) if path.exists() else 0
+
+
+def wait_all(procs, timeout=240) -> list[int]:
+    return [p.wait(timeout=timeout) for p in procs]
+
+
+def test_one_process_writes_the_run_folder(data, tmp_path):
+    run = tmp_path / "run"
+    done = hpcdl(*args_for(data, run, "--set", "loop.max_steps=20", "--set", "checkpoint.every_steps=5",
+                           "--set", "checkpoint.keep=2"), "--set", "data.workers=0")
+    assert done.returncode == 0, done.stderr
+    for line in ("world size 1; batch per rank 16", "15 steps per epoch", "precision fp32 (auto:", "ipex: not used",
+                 "allocator", "threads per rank", "summary: 20 steps"):
+        assert line in done.stderr, line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt-000000015.pt", "ckpt-000000020.pt"]
+    records = [json.loads(line) for line in (run / "train.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert all(r["t_forward"] > 0 and r["t_backward"] > 0 and r["t_data"] >= 0 and r["images"] == 16 for r in steps[:14])
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [15, 20] and all(e["images"] == 29 for e in evals)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["steps"] == 20 and summary["best_top1"] is not None
+    assert "global_batch: 16" in (run / "config.yaml").read_text()
+    saved = torch.load(run / "checkpoints" / "ckpt-000000020.pt", weights_only=True)
+    assert saved["config"]["global_batch"] == 16 and saved["step"] == 20
+    assert any(p.name.startswith("events.out.tfevents") for p in (run / "tensorboard").iterdir())
+    again = hpcdl("train", str(run / "config.yaml"), "--print-config")  # the run folder's config reproduces it
+    assert again.returncode == 0 and again.stdout == (run / "config.yaml").read_text()
+
+
+def test_two_ranks_resume_exactly_after_the_requeue_signal(data, tmp_path):
+    """Reference and interrupted runs side by side; the interrupted one stops on USR2 mid-epoch, then resumes."""
+    extra = ("--set", "checkpoint.every_minutes=0", "--set", "data.workers=1")
+    ref = start_ranks(2, args_for(data, tmp_path / "ref", *extra), tmp_path)
+    cut_dir = tmp_path / "cut"
+    cut_dir.mkdir()
+    cut = start_ranks(2, args_for(data, tmp_path / "cut-run", *extra), cut_dir)
+    deadline = time.monotonic() + 120
+    while steps_logged(tmp_path / "cut-run") < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in cut:  # Slurm signals every rank
+        p.send_signal(signal.SIGUSR2)
+    assert wait_all(cut) == [3, 3], (cut_dir / "rank0.log").read_text()
+    stopped = sorted((tmp_path / "cut-run" / "checkpoints").iterdir())
+    assert len(stopped) == 1 and 4 <= int(stopped[0].stem.split("-")[1]) < 15  # mid-epoch 1
+    assert "stopping at step" in (cut_dir / "rank0.log").read_text()
+    again_dir = tmp_path / "again"
+    again_dir.mkdir()
+    resumed = start_ranks(2, args_for(data, tmp_path / "cut-run", *extra), again_dir)
+    assert wait_all(resumed + ref) == [0, 0, 0, 0], (again_dir / "rank0.log").read_text()
+    assert f"resuming from {stopped[0]}" in (again_dir / "rank0.log").read_text()
+    final = "ckpt-000000060.pt"
+    a, b = model_state(tmp_path / "ref" / "checkpoints" / final), model_state(tmp_path / "cut-run" / "checkpoints" / final)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data, tmp_path):
+    run = tmp_path / "run"
+    done = hpcdl(*args_for(data, run, "--set", "optimizer.name=sgd", "--set", "schedule.base_lr=1e30",
+                           "--set", "schedule.warmup_epochs=0", "--set", "checkpoint.every_steps=1",
+                           "--set", "data.workers=0"))
+    assert done.returncode == 2, done.stderr
+    assert "the loss is not finite at step" in done.stderr and "Last good checkpoint" in done.stderr
+    kept = sorted((run / "checkpoints").iterdir())
+    assert kept, done.stderr
+    state = torch.load(kept[-1], weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert f"Last good checkpoint: {kept[-1]}" in done.stderr
+
+
+def test_a_killed_rank_ends_the_job_and_is_named(data, tmp_path):
+    run = tmp_path / "run"
+    procs = start_ranks(2, args_for(data, run, "--set", "loop.timeout_s=30", "--set", "data.workers=0"), tmp_path)
+    deadline = time.monotonic() + 120
+    while steps_logged(run) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGKILL)
+    t = time.monotonic()
+    assert procs[0].wait(timeout=60) != 0
+    assert time.monotonic() - t < 30 + 15
+    assert "lost rank 1" in (tmp_path / "rank0.log").read_text()
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--set", "global_batch=18"], "does not split over 4 ranks"),  # the job's 4 ranks, not the preset's 2
+    (["--set", "data.train=/nonexistent/train"], "/nonexistent/train"),
+    (["--set", "loop.precison=fp32"], "no key 'precison'"),
+    (["--set", "loop.precision=fp16"], "choose one of auto, fp32, bf16"),
+    (["--set", "num_classes=4"], "--set num_classes=10"),
+])
+def test_bad_configs_are_refused_before_submission(data, tmp_path, change, message):
+    run = hpcdl("sbatch", "--nodes", "1", "--tasks-per-node", "4", "--", *args_for(data, tmp_path / "run"), *change)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+    assert "#SBATCH" not in run.stdout
