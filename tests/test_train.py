@@ -147,3 +147,56 @@ def test_bad_configs_are_refused_before_submission(data, tmp_path, change, messa
     run = hpcdl("sbatch", "--nodes", "1", "--tasks-per-node", "4", "--", *args_for(data, tmp_path / "run"), *change)
     assert run.returncode == 2 and message in run.stderr, run.stderr
     assert "#SBATCH" not in run.stdout
+
+
+def _train_script(data: Path, tmp_path: Path, name: str, run: Path, *extra: str) -> Path:
+    script = tmp_path / f"{name}.sbatch"
+    made = hpcdl("sbatch", "--profile", "local", "--nodes", 1, "--tasks-per-node", 2, "--time", 5, "--job-name", name,
+                 "--output", f"{tmp_path}/{name}-%j.out", "--python", PYTHON, "--write", script, "--",
+                 *args_for(data, run, "--set", "checkpoint.every_minutes=0", "--set", "data.workers=1", *extra))
+    assert made.returncode == 0, made.stderr
+    return script
+
+
+def test_slurm_job_requeues_itself_and_resumes_bit_for_bit(slurm, data, tmp_path):
+    """On the local Slurm: the signal mid-epoch, checkpoint, scontrol requeue, resume; weights equal the
+    uninterrupted job's."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    jobs = {}
+    for name in ("ref", "cut"):
+        script = _train_script(data, tmp_path, name, tmp_path / name)
+        jobs[name] = subprocess.Popen(["sbatch", "--parsable", "--wait", f"--chdir={tmp_path}", str(script)],
+                                      stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 180
+    while steps_logged(tmp_path / "cut") < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    job_id = subprocess.run(["squeue", "-h", "-n", "cut", "-o", "%i"], capture_output=True, text=True).stdout.split()
+    assert job_id, "the cut job is not running"
+    subprocess.run(["scancel", "--signal=USR2", job_id[0]], check=True)  # what --signal=USR2@180 sends
+    assert [jobs[n].wait(timeout=300) for n in ("ref", "cut")] == [0, 0]
+    out = (tmp_path / f"cut-{job_id[0]}.out").read_text()
+    assert "requeue: job" in out and "requeued (1 of at most" in out and "resuming from" in out, out
+    final = "ckpt-000000060.pt"
+    a, b = model_state(tmp_path / "ref" / "checkpoints" / final), model_state(tmp_path / "cut" / "checkpoints" / final)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_submitit_job_checkpoints_through_its_protocol_and_resumes(slurm, data, tmp_path, monkeypatch):
+    from hpcdl.launch import submit
+    from hpcdl.train.job import TrainJob
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    run = tmp_path / "run"
+    job = submit(TrainJob(BASE[0], args_for(data, run, "--set", "checkpoint.every_minutes=0")[3::2]),
+                 folder=str(tmp_path / "jobs" / "%j"), cluster="slurm", profile="local", nodes=1, tasks_per_node=2,
+                 time="5", job_name="submitit-train")
+    deadline = time.monotonic() + 180
+    while steps_logged(run) < 4 and time.monotonic() < deadline and not job.done():
+        time.sleep(0.1)
+    assert not job.done(), job.task(0).stderr()
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True)
+    summaries = job.results()
+    assert [s["outcome"] for s in summaries] == ["finished", "finished"] and summaries[0]["steps"] == 60
+    logs = job.task(0).stderr() or ""
+    assert "handing the signal to submitit" in logs and "submitit checkpoint()" in logs, logs
+    assert "resuming from" in logs, logs

@@ -29,7 +29,31 @@ READY_SCRIPTS: dict[str, tuple[dict, list[str]]] = {
                                   job_name="hpcdl-allreduce"), ["bench", "allreduce", "--json", "allreduce-%j.json"]),
     "generic.sbatch": (dict(profile="generic", nodes=1, tasks_per_node=2, time="00:30:00",
                             job_name="hpcdl-allreduce"), ["bench", "allreduce", "--json", "allreduce-%j.json"]),
+    # The published Stampede2 runs (docs/reproduce-stampede2.md). $SCRATCH is expanded on the nodes.
+    "train-alexnet-bn-skx1024.sbatch": (
+        dict(profile="stampede2-skx", partition="skx-large", nodes=512, tasks_per_node=2, time="01:00:00",
+             job_name="alexnet-bn-b32k", output="alexnet-bn-b32k-%j.out"),
+        ["train", "alexnet_bn_b32k_skx1024", "--set", "data.train=$SCRATCH/imagenet1k/train",
+         "--set", "data.val=$SCRATCH/imagenet1k/val", "--set", "run_dir=$SCRATCH/hpcdl-runs/{name}-{job}"]),
+    "train-resnet50-skx1600.sbatch": (
+        dict(profile="stampede2-skx", partition="skx-large", nodes=800, tasks_per_node=2, time="02:00:00",
+             job_name="resnet50-b32k", output="resnet50-b32k-%j.out"),
+        ["train", "resnet50_b32k_lars_skx1600", "--set", "data.train=$SCRATCH/imagenet1k/train",
+         "--set", "data.val=$SCRATCH/imagenet1k/val", "--set", "run_dir=$SCRATCH/hpcdl-runs/{name}-{job}"]),
+    "train-resnet50-knl2048.sbatch": (
+        dict(profile="stampede2-knl", partition="large", nodes=2048, tasks_per_node=1, time="02:00:00",
+             job_name="resnet50-b32k", output="resnet50-b32k-%j.out"),
+        ["train", "resnet50_b32k_lars_knl2048", "--set", "data.train=$SCRATCH/imagenet1k/train",
+         "--set", "data.val=$SCRATCH/imagenet1k/val", "--set", "run_dir=$SCRATCH/hpcdl-runs/{name}-{job}"]),
+    "train-generic.sbatch": (
+        dict(profile="generic", nodes=4, tasks_per_node=2, time="12:00:00", job_name="resnet50-b8k",
+             output="resnet50-b8k-%j.out"),
+        ["train", "resnet50_b8k_goyal", "--set", "data.train=$SCRATCH/imagenet1k/train",
+         "--set", "data.val=$SCRATCH/imagenet1k/val"]),
 }
+# Seconds before the time limit at which Slurm sends the requeue signal to a training job's ranks:
+# enough for every rank to finish its step and rank 0 to write a ResNet-50 checkpoint to Lustre.
+TRAIN_SIGNAL_GRACE_S = 180
 
 
 _PLAIN = re.compile(r"[A-Za-z0-9_.,:%/@+=-]+")
@@ -42,12 +66,16 @@ def sbatch_quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _directives(req: JobRequest) -> list[tuple[str, str | None]]:
+def _directives(req: JobRequest, command: list[str]) -> list[tuple[str, str | None]]:
+    training = command[:1] == ["train"]
     return [
         ("job-name", req.job_name), ("partition", req.partition_name), ("account", req.account),
         ("qos", req.qos), ("nodes", str(req.nodes)), ("ntasks-per-node", str(req.tasks_per_node)),
         ("cpus-per-task", None if req.cpus_per_task is None else str(req.cpus_per_task)),
         ("time", format_duration(req.walltime)), ("output", req.output),
+        # A training job checkpoints on the signal, requeues itself and appends to the same output file.
+        ("signal", f"USR2@{TRAIN_SIGNAL_GRACE_S}" if training else None),
+        ("requeue", "" if training else None), ("open-mode", "append" if training else None),
     ]
 
 
@@ -82,7 +110,8 @@ def _header(req: JobRequest, command: list[str]) -> list[str]:
 def render_sbatch(req: JobRequest, command: list[str]) -> str:
     """The script: #SBATCH lines, tuning exports evaluated on the node, then srun of ``hpcdl COMMAND``."""
     lines = _header(req, command)
-    lines += [f"#SBATCH --{key}={sbatch_quote(value)}" for key, value in _directives(req) if value is not None]
+    lines += [f"#SBATCH --{key}" + (f"={sbatch_quote(value)}" if value else "")
+              for key, value in _directives(req, command) if value is not None]
     lines += [
         "",
         "set -euo pipefail",
