@@ -181,6 +181,22 @@ def cmd_bench_optim(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_step(args: argparse.Namespace) -> int:
+    from hpcdl.perf.step import StepBenchConfig, bench, format_report
+
+    cfg = StepBenchConfig(model=args.model, batch=args.batch, crop=args.crop, steps=args.steps, rounds=args.rounds,
+                          tuning_model=args.tuning_model, tuning_batch=args.tuning_batch, tuning_crop=args.tuning_crop,
+                          tuning_steps=args.tuning_steps, tuning_rounds=args.tuning_rounds, threads=args.threads,
+                          ranks_per_node=args.ranks_per_node)
+    report = bench(cfg, tuple(args.only.split(",")) if args.only else ("overhead", "tuning"))
+    sys.stdout.write(format_report(report))
+    if args.json:
+        from hpcdl.utils import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(report, indent=1) + "\n")
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from hpcdl.config import PRESETS, describe, resolve
 
@@ -289,6 +305,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5, help="rounds per optimizer, alternating; the median counts")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.set_defaults(fn=cmd_bench_optim)
+
+    p = bench.add_parser("step", help="a training step through hpcdl vs a bare loop; ResNet-50 tuned vs untuned")
+    p.add_argument("--model", default="resnet18", help="the overhead comparison's model")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--crop", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3, help="steps per round")
+    p.add_argument("--rounds", type=int, default=7, help="alternating rounds; the median counts")
+    p.add_argument("--tuning-model", default="resnet50", help="the tuning comparison's model")
+    p.add_argument("--tuning-batch", type=int, default=8, help="images per rank")
+    p.add_argument("--tuning-crop", type=int, default=224)
+    p.add_argument("--tuning-steps", type=int, default=2, help="steps per rank process")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks the tuning comparison runs at once")
+    p.add_argument("--tuning-rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="the overhead comparison's threads (default: torch's)")
+    p.add_argument("--only", help="overhead or tuning (default: both)")
+    p.add_argument("--json", help="also write the report here")
+    p.set_defaults(fn=cmd_bench_step)
 
     p = bench.add_parser("large-batch", help="LARS + warmup at batch N/8 vs small-batch SGD vs linear-scaled SGD, "
                                              "on scikit-learn's digits")

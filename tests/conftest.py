@@ -96,3 +96,19 @@ def load_json(path: Path) -> dict:
             return json.loads(path.read_text())
         time.sleep(0.1)
     raise AssertionError(f"{path} was not written")
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory) -> Path:
+    """Packed synthetic JPEGs for the training tests: 240 training images in 10 classes, in several shards,
+    and 29 validation images (an odd number)."""
+    from hpcdl.data.pack import PackConfig, pack
+    from hpcdl.data.synthetic import generate
+
+    root = tmp_path_factory.mktemp("train-data")
+    train = generate(str(root / "src-train"), classes=10, per_class=24, size=(80, 64), seed=1)
+    val = generate(str(root / "src-val"), classes=10, per_class=3, size=(80, 64), seed=2)
+    os.unlink(os.path.join(val.root, "n90000009", sorted(os.listdir(os.path.join(val.root, "n90000009")))[0]))
+    pack(PackConfig(src=train.root, out=str(root / "train"), shard_size="64K", workers=1))
+    pack(PackConfig(src=val.root, out=str(root / "val"), shard_size="64K", workers=1))
+    return root

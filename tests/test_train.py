@@ -14,23 +14,9 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, start_ranks
-from hpcdl.data.pack import PackConfig, pack
-from hpcdl.data.synthetic import generate
 
 BASE = ["demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
         "--set", "data.min_scale=0.5", "--set", "epochs=4", "--set", "loop.log_every=1"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """240 training images in 10 classes (several shards) and 35 validation images, packed."""
-    root = tmp_path_factory.mktemp("train-data")
-    train = generate(str(root / "src-train"), classes=10, per_class=24, size=(80, 64), seed=1)
-    val = generate(str(root / "src-val"), classes=10, per_class=3, size=(80, 64), seed=2)
-    os.unlink(os.path.join(val.root, "n90000009", sorted(os.listdir(os.path.join(val.root, "n90000009")))[0]))
-    pack(PackConfig(src=train.root, out=str(root / "train"), shard_size="64K", workers=1))
-    pack(PackConfig(src=val.root, out=str(root / "val"), shard_size="64K", workers=1))
-    return root
 
 
 def args_for(data: Path, run: Path, *extra: str) -> list[str]:

@@ -1,0 +1,200 @@
+"""``hpcdl bench step``: what a training step costs through hpcdl, and what hpcdl's CPU tuning is worth.
+
+Two comparisons, each measured side by side in alternating rounds (the figure is the median):
+
+1. **Overhead.** In this process, on one rank: hpcdl's step (:class:`hpcdl.train.step.Stepper`, with
+   its phase timing, control exchange and lr schedule) against a bare hand-written loop
+   (``zero_grad, forward, loss, backward, step``), on the same model, batch, optimizer and threads.
+2. **Tuning.** ResNet-50 training throughput of one node running ``ranks_per_node`` ranks (2 by default:
+   one per socket, the layout the cluster profiles recommend), each a fresh process computing its own
+   steps (no gradient exchange: this isolates the CPU side). Tuned: the allocator ``hpcdl tune --exports``
+   selects, and each rank on its own slice of the cores with one thread per core (hpcdl's CPU plan).
+   Untuned: PyTorch as it starts, glibc malloc and torch's default threads, every rank on every core.
+   The allocator acts only from process start, hence the child processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hpcdl.models import build_model
+from hpcdl.optim.factory import OptimConfig, build_optimizer
+from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
+
+TUNING_VARS = ("LD_PRELOAD", "GLIBC_TUNABLES", "MALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass(kw_only=True, slots=True)
+class StepBenchConfig:
+    model: str = "resnet18"  # the overhead comparison's model
+    batch: int = 32
+    crop: int = 128
+    steps: int = 3  # per round
+    rounds: int = 7
+    tuning_model: str = "resnet50"
+    tuning_batch: int = 8
+    tuning_crop: int = 224
+    tuning_steps: int = 2  # per child process, after one warm-up step
+    tuning_rounds: int = 3
+    ranks_per_node: int = 2
+    threads: int = 0  # the overhead comparison's threads (0: torch's default)
+
+
+def _parts(model_name: str, batch: int, crop: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = build_model(model_name, num_classes=1000).to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(model, OptimConfig(name="lars", lr=1.0, weight_decay=1e-4))
+    x = torch.randn(batch, 3, crop, crop).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,))
+    return model, optimizer, torch.nn.CrossEntropyLoss(), x, y
+
+
+def bare_loop(model_name: str, batch: int, crop: int):
+    model, optimizer, criterion, x, y = _parts(model_name, batch, crop)
+
+    def step():  # zero_grad last, as hpcdl's step does: both hold the same memory between steps
+        loss = criterion(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def hpcdl_loop(model_name: str, batch: int, crop: int):
+    from hpcdl.train.step import Stepper
+
+    model, optimizer, criterion, x, y = _parts(model_name, batch, crop)
+    schedule = LRSchedule(optimizer, ScheduleConfig(base_lr=1.0, steps_per_epoch=1000, epochs=10, warmup_epochs=1))
+    stepper = Stepper(model, criterion, optimizer, schedule, distributed=False)
+
+    def step():
+        stepper.step(iter(((x, y),)), 1)
+
+    return step
+
+
+def _rounds(cases: dict, steps: int, rounds: int) -> dict[str, list[float]]:
+    for step in cases.values():
+        step()  # optimizer state and first-touch allocations outside the timing
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, step in cases.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[name].append((time.perf_counter() - t0) / steps * 1e3)
+    return times
+
+
+def overhead(cfg: StepBenchConfig) -> dict:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    cases = {"bare loop": bare_loop(cfg.model, cfg.batch, cfg.crop), "hpcdl": hpcdl_loop(cfg.model, cfg.batch, cfg.crop)}
+    times = _rounds(cases, cfg.steps, cfg.rounds)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {"threads": torch.get_num_threads(), "ms_per_step": median, "rounds_ms": times,
+            "ratio": median["hpcdl"] / median["bare loop"]}
+
+
+def _child_env(tuned: bool) -> dict[str, str]:
+    from hpcdl.dist.affinity import allocator_env
+
+    env = {k: v for k, v in os.environ.items() if k not in TUNING_VARS}
+    if tuned:
+        env.update(allocator_env("auto")[1])
+    return env
+
+
+def _node_round(cfg: StepBenchConfig, tuned: bool) -> dict:
+    """``ranks_per_node`` children at once; the node's throughput is the sum of theirs."""
+    procs = []
+    for local_rank in range(cfg.ranks_per_node):
+        spec = {"tuned": tuned, "model": cfg.tuning_model, "batch": cfg.tuning_batch, "crop": cfg.tuning_crop,
+                "steps": cfg.tuning_steps, "local_rank": local_rank, "local_size": cfg.ranks_per_node}
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpcdl.perf.step", json.dumps(spec)], text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env(tuned)))
+    results = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"bench step child ({'tuned' if tuned else 'untuned'}) failed:\n{err}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return {"images_per_s": sum(r["images_per_s"] for r in results), "threads": results[0]["threads"],
+            "allocator": results[0]["allocator"]}
+
+
+def child(spec: dict) -> dict:
+    """One rank's throughput; tuned: hpcdl's CPU plan for this local rank (its cores, one thread each)."""
+    from hpcdl.dist.affinity import allocator_in_use, apply_cpu_plan, plan_cpus
+
+    if spec["tuned"]:
+        apply_cpu_plan(plan_cpus(local_rank=spec["local_rank"], local_size=spec["local_size"]))
+    step = bare_loop(spec["model"], spec["batch"], spec["crop"])
+    step()
+    t0 = time.perf_counter()
+    for _ in range(spec["steps"]):
+        step()
+    seconds = (time.perf_counter() - t0) / spec["steps"]
+    return {"images_per_s": spec["batch"] / seconds, "threads": torch.get_num_threads(), "allocator": allocator_in_use()}
+
+
+def tuning(cfg: StepBenchConfig) -> dict:
+    runs: dict[str, list[dict]] = {"untuned": [], "tuned": []}
+    for _ in range(cfg.tuning_rounds):
+        for name in runs:
+            runs[name].append(_node_round(cfg, name == "tuned"))
+    median = {k: statistics.median(r["images_per_s"] for r in v) for k, v in runs.items()}
+    return {"images_per_s": median, "runs": runs, "ratio": median["tuned"] / median["untuned"],
+            "setup": {k: {"threads": v[0]["threads"], "allocator": v[0]["allocator"]} for k, v in runs.items()}}
+
+
+def bench(cfg: StepBenchConfig, parts: tuple[str, ...] = ("overhead", "tuning")) -> dict:
+    report = {"config": asdict(cfg), "cpu": _cpu_name()}
+    if "overhead" in parts:
+        report["overhead"] = overhead(cfg)
+    if "tuning" in parts:
+        report["tuning"] = tuning(cfg)
+    return report
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+def format_report(r: dict) -> str:
+    c = r["config"]
+    lines = [f"CPU: {r['cpu']}, {os.cpu_count()} logical CPUs"]
+    if "overhead" in r:
+        o = r["overhead"]
+        lines += [f"training step, {c['model']} batch {c['batch']} at {c['crop']} px, LARS, {o['threads']} threads, "
+                  f"median of {c['rounds']} alternating rounds of {c['steps']} steps:",
+                  *(f"  {name:10s} {ms:9.1f} ms/step" for name, ms in o["ms_per_step"].items()),
+                  f"  hpcdl / bare loop: {o['ratio']:.3f}x"]
+    if "tuning" in r:
+        t = r["tuning"]
+        lines += [f"{c['tuning_model']} training, batch {c['tuning_batch']} per rank at {c['tuning_crop']} px, "
+                  f"{c['ranks_per_node']} ranks on this node, median of {c['tuning_rounds']} alternating rounds of "
+                  f"{c['tuning_steps']} steps:"]
+        for name in ("untuned", "tuned"):
+            s = t["setup"][name]
+            lines.append(f"  {name:8s} {t['images_per_s'][name]:7.2f} images/s per node  ({s['threads']} threads per "
+                         f"rank, {s['allocator'].split(':')[0]})")
+        lines.append(f"  tuned / untuned: {t['ratio']:.2f}x")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(json.loads(sys.argv[1]))))
