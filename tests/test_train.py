@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, start_ranks
+from conftest import PYTHON, REPO, free_port, start_ranks
 
 BASE = ["demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
         "--set", "data.min_scale=0.5", "--set", "epochs=4", "--set", "loop.log_every=1"]
@@ -186,3 +186,18 @@ def test_submitit_job_checkpoints_through_its_protocol_and_resumes(slurm, data, 
     logs = job.task(0).stderr() or ""
     assert "handing the signal to submitit" in logs and "submitit checkpoint()" in logs, logs
     assert "resuming from" in logs, logs
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_other_launchers_run_the_same_command(launcher, request, data, tmp_path):
+    run = tmp_path / "run"
+    args = [*args_for(data, run, "--set", "loop.max_steps=3", "--set", "data.workers=0")]
+    if launcher == "mpiexec":
+        argv = [request.getfixturevalue("mpiexec"), "-n", "2", PYTHON, "-m", "hpcdl", *args]
+    else:
+        argv = [str(Path(PYTHON).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "hpcdl", *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "MPI_", "OMPI_"))}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"via {'mpi-hydra' if launcher == 'mpiexec' else 'torchrun'}" in done.stderr
+    assert "world size 2" in done.stderr and json.loads((run / "summary.json").read_text())["steps"] == 3

@@ -166,14 +166,12 @@ class Trainer:
         self.last_save_step, self.last_save_time = self.step, time.monotonic()
 
     def _resume(self) -> str | None:
-        found = [None]
-        if self.ckpt is not None:
-            latest = self.ckpt.load_latest()
-            found = [latest[0] if latest else None]
-        dist.broadcast_object_list(found, src=0, group=self.ctx.group)  # every rank loads the same one
+        latest = self.ckpt.load_latest() if self.ckpt is not None else None
+        found = [latest[0] if latest else None]
+        dist.broadcast_object_list(found, src=0, group=self.ctx.group)  # every rank loads the one rank 0 chose
         if found[0] is None:
             return None
-        state = torch.load(found[0], map_location="cpu", weights_only=True)
+        state = latest[1] if latest else torch.load(found[0], map_location="cpu", weights_only=True)
         if state["world_size"] != self.ctx.world_size:
             raise ConfigError(f"{found[0]} was written by {state['world_size']} ranks, this job has "
                               f"{self.ctx.world_size}: an exact resume needs the same number; run on "
