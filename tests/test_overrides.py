@@ -37,3 +37,24 @@ def test_round_trip_through_plain_data():
     assert again == cfg
     with pytest.raises(ConfigError, match="unknown keys \\['bogus'\\]"):
         from_dict(type(cfg), {**to_dict(cfg), "bogus": 1})
+
+
+def test_yaml_config_files(tmp_path):
+    from hpcdl.config import dump_yaml, resolve
+
+    partial = tmp_path / "run.yaml"
+    partial.write_text("preset: resnet50_b32k_lars\nglobal_batch: 16384\ndata:\n  train: /scratch/in1k/train\n"
+                       "loop: {accum_steps: 2}\n")
+    cfg = resolve(str(partial), ["loop.max_steps=5"])
+    assert (cfg.global_batch, cfg.data.train, cfg.loop.accum_steps, cfg.loop.max_steps) == (16384, "/scratch/in1k/train", 2, 5)
+    assert cfg.schedule.global_batch == 16384  # derived, as with --set
+    whole = tmp_path / "config.yaml"
+    whole.write_text(dump_yaml(cfg))
+    assert resolve(str(whole)) == cfg
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("preset: resnet50_b32k_lars\nloop: {precison: fp32}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: .*no key 'precison'"):
+        resolve(str(bad))
+    bad.write_text("preset: resnet50_b32k_lars\nschedule: {steps_per_epoch: 3}\n")
+    with pytest.raises(ConfigError, match="steps_per_epoch: follows"):
+        resolve(str(bad))

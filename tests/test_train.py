@@ -68,6 +68,23 @@ def test_one_process_writes_the_run_folder(data, tmp_path):
     assert again.returncode == 0 and again.stdout == (run / "config.yaml").read_text()
 
 
+def test_resume_skips_a_damaged_newest_checkpoint_and_a_killed_write(data, tmp_path):
+    run = tmp_path / "run"
+    first = hpcdl(*args_for(data, run, "--set", "loop.max_steps=10", "--set", "checkpoint.every_steps=5",
+                            "--set", "data.workers=0"))
+    assert first.returncode == 0, first.stderr
+    ckpts = run / "checkpoints"
+    newest = ckpts / "ckpt-000000010.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # damaged on disk
+    (ckpts / ".ckpt-000000015.pt.4242.tmp").write_bytes(b"half a checkpoint")  # what a SIGKILLed write leaves
+    again = hpcdl(*args_for(data, run, "--set", "loop.max_steps=12", "--set", "checkpoint.every_steps=5",
+                            "--set", "data.workers=0"))
+    assert again.returncode == 0, again.stderr
+    assert f"skipped unreadable {newest}" in again.stderr and "resuming from" in again.stderr
+    assert f"resuming from {ckpts / 'ckpt-000000005.pt'} (step 5" in again.stderr
+    assert not (ckpts / ".ckpt-000000015.pt.4242.tmp").exists() and "summary: 12 steps" in again.stderr
+
+
 def test_two_ranks_resume_exactly_after_the_requeue_signal(data, tmp_path):
     """Reference and interrupted runs side by side; the interrupted one stops on USR2 mid-epoch, then resumes."""
     extra = ("--set", "checkpoint.every_minutes=0", "--set", "data.workers=1")
@@ -89,6 +106,8 @@ def test_two_ranks_resume_exactly_after_the_requeue_signal(data, tmp_path):
     resumed = start_ranks(2, args_for(data, tmp_path / "cut-run", *extra), again_dir)
     assert wait_all(resumed + ref) == [0, 0, 0, 0], (again_dir / "rank0.log").read_text()
     assert f"resuming from {stopped[0]}" in (again_dir / "rank0.log").read_text()
+    evals = [json.loads(line) for line in (tmp_path / "ref" / "train.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert evals and all(e["images"] == 29 for e in evals)  # 29 validation images on 2 ranks: each counted once
     final = "ckpt-000000060.pt"
     a, b = model_state(tmp_path / "ref" / "checkpoints" / final), model_state(tmp_path / "cut-run" / "checkpoints" / final)
     assert a.keys() == b.keys()

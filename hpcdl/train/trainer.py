@@ -8,6 +8,7 @@ readable checkpoint in the run folder, so a requeued job simply runs again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -125,13 +126,13 @@ class Trainer:
                              verify=cfg.data.verify, rank=ctx.rank, world=ctx.world_size, seed=cfg.data.seed)
         self.sampler = DistributedShardSampler(train.shard_sizes, ctx.world_size, ctx.rank, cfg.data.sampler,
                                                shuffle=True, seed=cfg.data.seed)
-        self.train_loader = _loader(train, self.sampler, micro, cfg.data.workers)
+        self.train_loader = _loader(train, self.sampler, micro, cfg.data.workers, ctx.cpu.data_cpus)
         self.val_loader = None
         if cfg.data.val:
             val = ShardDataset(os.path.expandvars(cfg.data.val), EvalTransform(cfg.data.eval_resize, cfg.crop),
                                verify=cfg.data.verify, rank=ctx.rank, world=ctx.world_size)
             sampler = DistributedShardSampler(val.shard_sizes, ctx.world_size, ctx.rank, "global", shuffle=False)
-            self.val_loader = _loader(val, sampler, micro, cfg.data.workers)
+            self.val_loader = _loader(val, sampler, micro, cfg.data.workers, ctx.cpu.data_cpus)
 
     def _wrap(self) -> None:
         net, comm = data_parallel(self.model, self.ctx.world_size, self.ctx.group)
@@ -277,7 +278,6 @@ class Trainer:
                     self.cfg.checkpoint.signal)
         outcome = "stopped"
         if self.ctx.rank == 0:
-            self.runlog.close()
             if hand_to_submitit(self.stop):  # submitit checkpoints the job object and requeues (then exits)
                 outcome = "requeued"
             elif requeue(self.cfg.checkpoint.max_requeues):
@@ -326,8 +326,16 @@ class Trainer:
             log.info("%s", line)
 
 
-def _loader(dataset, sampler, batch: int, workers: int) -> DataLoader:
+def _loader(dataset, sampler, batch: int, workers: int, data_cpus: tuple[int, ...]) -> DataLoader:
     return DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, drop_last=False,
-                      persistent_workers=False, prefetch_factor=4 if workers else None)
+                      persistent_workers=False, prefetch_factor=4 if workers else None,
+                      worker_init_fn=functools.partial(_pin_worker, data_cpus) if workers else None)
+
+
+def _pin_worker(data_cpus: tuple[int, ...], worker_id: int) -> None:
+    """A loader worker decodes on the CPUs the rank's plan keeps for data, off its compute cores."""
+    if data_cpus:
+        os.sched_setaffinity(0, data_cpus)
+    torch.set_num_threads(1)
 
 
