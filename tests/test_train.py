@@ -220,3 +220,19 @@ def test_other_launchers_run_the_same_command(launcher, request, data, tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"via {'mpi-hydra' if launcher == 'mpiexec' else 'torchrun'}" in done.stderr
     assert "world size 2" in done.stderr and json.loads((run / "summary.json").read_text())["steps"] == 3
+
+
+@pytest.mark.parametrize("option, line", [
+    ("loop.accum_steps=2", "batch per rank 16 = 2 x 8"),
+    ("loop.precision=bf16", "precision bf16 (requested"),
+    ("loop.compile=true", "compile: torch.compile"),
+    ("loop.channels_last=false", "channels_last False"),
+])
+def test_loop_options_train(option, line, data, tmp_path):
+    run = tmp_path / "run"
+    done = hpcdl(*args_for(data, run, "--set", option, "--set", "loop.max_steps=3", "--set", "data.workers=0",
+                           "--set", "loop.eval_every=0"))
+    assert done.returncode == 0, done.stderr
+    assert line in done.stderr
+    steps = [json.loads(x) for x in (run / "train.jsonl").read_text().splitlines() if '"kind": "step"' in x]
+    assert [s["images"] for s in steps] == [16, 16, 16] and all(s["loss"] == s["loss"] for s in steps)
