@@ -19,9 +19,9 @@ def test_ccl_requested_without_bindings_says_how_to_install():
         choose_backend("ccl")
 
 
-def test_mpi_is_refused_with_the_reason_and_the_alternative():
-    with pytest.raises(ConfigError, match="not in this release.*--backend gloo"):
-        choose_backend("mpi")
+def test_mpi_selects_the_mpi4py_group_and_names_the_library():
+    choice = choose_backend("mpi")
+    assert choice.name == "mpi4py" and "mpi4py" in choice.reason and "MPICH" in choice.reason
 
 
 def test_unknown_backend_lists_the_choices():

