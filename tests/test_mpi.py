@@ -27,3 +27,16 @@ def test_mpi_backend_collectives_and_ddp_under_mpiexec(mpiexec, tmp_path):
     assert ranks[0]["reduce_scatter"] == [0.0, 3.0] and ranks[1]["reduce_scatter"] == [6.0, 9.0]
     assert ranks[0]["weights sha256"] == ranks[1]["weights sha256"]
     assert "backend mpi4py (requested: mpi4py" in run.stderr
+
+
+def test_mpi_backend_under_srun(slurm, tmp_path):
+    from conftest import sbatch_wait
+
+    script = tmp_path / "mpi.sbatch"
+    script.write_text(f"#!/bin/bash\nsrun --mpi=pmi2 {PYTHON} {REPO / 'tests' / 'mpi_ranks.py'} {tmp_path}\n")
+    sbatch_wait(script, "--nodes=1", "--ntasks=2", f"--output={tmp_path}/out", f"--chdir={tmp_path}",
+                env={**os.environ, "PYTHONPATH": str(REPO)})
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all({k: found[k] for k in EXPECTED} == EXPECTED for found in ranks)
+    assert ranks[0]["weights sha256"] == ranks[1]["weights sha256"]
+    assert "via slurm" in (tmp_path / "out").read_text()
