@@ -46,6 +46,7 @@ class LoopConfig:
     ipex: str = "auto"  # auto: ipex.optimize when intel_extension_for_pytorch imports and matches torch; off
     accum_steps: int = 1  # micro-batches per optimizer step; each is per_rank_batch / accum_steps images
     backend: str = "auto"  # auto | gloo | ccl | mpi
+    comm_hook: str = "none"  # none | fp16 | bf16 | hierarchical (hpcdl.dist.hooks)
     timeout_s: float = 300.0  # collective timeout once the first step is done (start-up allows 10 minutes)
     max_steps: int = 0  # stop after this many steps (0: the schedule's total)
     eval_every: int = 1  # epochs between evaluations (0: at the end only)
@@ -58,6 +59,10 @@ class LoopConfig:
 
         if self.precision not in PRECISIONS:
             raise ConfigError(f"loop.precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        from hpcdl.dist.hooks import HOOKS
+
+        if self.comm_hook not in HOOKS:
+            raise ConfigError(f"loop.comm_hook={self.comm_hook!r}; choose one of {', '.join(HOOKS)}")
         if self.ipex not in ("auto", "off"):
             raise ConfigError(f"loop.ipex={self.ipex!r}; choose auto or off")
         if self.accum_steps < 1 or self.log_every < 1:

@@ -182,6 +182,23 @@ class MPIProcessGroup(dist.ProcessGroup):
         small = len(tensors) == 1 and tensors[0].numel() <= SMALL_ELEMENTS
         return self._submit(run, ("allreduce", tensors), small=small)
 
+    def reduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        op, root = _op_type(opts.reduceOp), opts.rootRank
+        mpi_op = self._ops[op]
+
+        def run():
+            for t in tensors:
+                buf, write_back = self._reduce_buffers(t)
+                send = self.MPI.IN_PLACE if self.comm.Get_rank() == root else buf
+                self.comm.Reduce(send, buf if self.comm.Get_rank() == root else None, op=mpi_op, root=root)
+                if self.comm.Get_rank() == root:
+                    if op == dist.ReduceOp.AVG:
+                        buf /= self.size()
+                    write_back()
+            return tensors
+
+        return self._submit(run, ("reduce", tensors))
+
     def broadcast(self, tensors: list[torch.Tensor], opts) -> dist.Work:
         root = opts.rootRank
 

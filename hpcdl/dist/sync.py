@@ -14,14 +14,17 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from hpcdl.dist.env import RankEnv
+from hpcdl.dist.hooks import make_hook
+
 __all__ = ["CommTimer", "data_parallel"]
 
 
 class CommTimer:
-    """When the last gradient bucket of the current backward was handed to the process group."""
+    """When the last gradient bucket of the current backward was handed to the communication hook."""
 
-    def __init__(self, group=None):
-        self.group = group
+    def __init__(self, hook_state=None, hook=default_hooks.allreduce_hook):
+        self.hook_state, self.hook = hook_state, hook
         self.last_handover = 0.0
         self.buckets = 0
 
@@ -29,19 +32,20 @@ class CommTimer:
         self.last_handover, self.buckets = 0.0, 0
 
 
-def _timed_allreduce(timer: CommTimer, bucket):
+def _timed(timer: CommTimer, bucket):
     timer.last_handover = time.perf_counter()
     timer.buckets += 1
-    return default_hooks.allreduce_hook(timer.group, bucket)
+    return timer.hook(timer.hook_state, bucket)
 
 
-def data_parallel(model: torch.nn.Module, world_size: int, group=None,
+def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str = "none", backend: str | None = None,
                   bucket_cap_mb: float = 25.0) -> tuple[torch.nn.Module, CommTimer | None]:
-    """``model`` wrapped in DDP over ``group`` (its buckets timed); on one rank, ``model`` itself."""
-    if world_size == 1:
+    """``model`` wrapped in DDP over ``group``, its buckets reduced by ``hook`` (:mod:`hpcdl.dist.hooks`)
+    and timed; on one rank, ``model`` itself."""
+    if env.world_size == 1:
         return model, None
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
                                   gradient_as_bucket_view=True)
-    timer = CommTimer(group)
-    ddp.register_comm_hook(timer, _timed_allreduce)
+    timer = CommTimer(*make_hook(hook, env, group, backend))
+    ddp.register_comm_hook(timer, _timed)
     return ddp, timer

@@ -135,7 +135,8 @@ class Trainer:
             self.val_loader = _loader(val, sampler, micro, cfg.data.workers, ctx.cpu.data_cpus)
 
     def _wrap(self) -> None:
-        net, comm = data_parallel(self.model, self.ctx.world_size, self.ctx.group)
+        net, comm = data_parallel(self.model, self.ctx.env, self.ctx.group, hook=self.cfg.loop.comm_hook,
+                                  backend=self.ctx.backend.name)
         self.compile_note = "compile: off"
         if self.cfg.loop.compile:
             net, self.compile_note = torch.compile(net), "compile: torch.compile (the first steps compile)"
@@ -320,7 +321,7 @@ class Trainer:
             f"{self.last_step} steps to run of {s.total_steps}; peak lr {s.peak_lr:.5g}",
             f"backend {ctx.backend.name}; {ctx.cpu.threads} threads per rank; allocator {allocator_in_use()}",
             f"precision {self.precision} ({self.precision_why}); channels_last {cfg.loop.channels_last}",
-            self.ipex_note, self.compile_note,
+            self.ipex_note, self.compile_note, f"gradient sync: DDP, comm hook {cfg.loop.comm_hook}",
         ]
         for line in lines:
             log.info("%s", line)
