@@ -46,7 +46,6 @@ class LoopConfig:
     ipex: str = "auto"  # auto: ipex.optimize when intel_extension_for_pytorch imports and matches torch; off
     accum_steps: int = 1  # micro-batches per optimizer step; each is per_rank_batch / accum_steps images
     backend: str = "auto"  # auto | gloo | ccl | mpi
-    comm_hook: str = "none"  # none | fp16 | bf16 | hierarchical (hpcdl.dist.hooks)
     timeout_s: float = 300.0  # collective timeout once the first step is done (start-up allows 10 minutes)
     max_steps: int = 0  # stop after this many steps (0: the schedule's total)
     eval_every: int = 1  # epochs between evaluations (0: at the end only)
@@ -59,14 +58,31 @@ class LoopConfig:
 
         if self.precision not in PRECISIONS:
             raise ConfigError(f"loop.precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        from hpcdl.dist.hooks import HOOKS
-
-        if self.comm_hook not in HOOKS:
-            raise ConfigError(f"loop.comm_hook={self.comm_hook!r}; choose one of {', '.join(HOOKS)}")
         if self.ipex not in ("auto", "off"):
             raise ConfigError(f"loop.ipex={self.ipex!r}; choose auto or off")
         if self.accum_steps < 1 or self.log_every < 1:
             raise ConfigError(f"loop.accum_steps={self.accum_steps} and loop.log_every={self.log_every} must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncConfig:
+    """Gradient synchronization (hpcdl.dist.sync, hpcdl.dist.hooks)."""
+
+    hook: str = "none"  # none | fp16 | bf16 | hierarchical | chunk_sparse
+    bucket_cap_mb: float = 25.0  # DDP bucket size: gradients are all-reduced in buckets of this many MB
+    keep: float = 0.1  # chunk_sparse: the fraction of chunks sent each step
+    chunk: int = 32768  # chunk_sparse: elements per chunk
+    dense_warmup_epochs: float = 1.0  # chunk_sparse: all-reduce densely this long first
+    fp16: bool = False  # chunk_sparse: send the selected chunks in fp16
+
+    def __post_init__(self):
+        from hpcdl.dist.hooks import HOOKS
+
+        if self.hook not in HOOKS:
+            raise ConfigError(f"sync.hook={self.hook!r}; choose one of {', '.join(HOOKS)}")
+        if not 0 < self.keep <= 1 or self.chunk < 1 or self.bucket_cap_mb <= 0:
+            raise ConfigError(f"sync: keep={self.keep} must lie in (0, 1], chunk={self.chunk} >= 1 and "
+                              f"bucket_cap_mb={self.bucket_cap_mb} > 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,6 +115,7 @@ class RunConfig:
     run_dir: str = "runs/{name}-{job}"  # {name}: this config's; {job}: the Slurm job id (kept across requeues)
     data: DataConfig = field(default_factory=DataConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     notes: tuple[str, ...] = field(default_factory=tuple)
 

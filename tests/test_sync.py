@@ -43,3 +43,19 @@ def test_hierarchical_on_two_nodes_matches_flat(two_nodes, tmp_path):
     assert len({r["weights"] for r in hier}) == 1 and len({r["weights"] for r in flat}) == 1
     # With 4 ranks the ring sums bucket slices in another order than a per-tensor all-reduce: fp32 rounding.
     assert all(r["max_rel_error"] <= 1e-6 for r in hier + flat)
+
+
+@pytest.mark.parametrize("wire", ["fp32", "fp16"])
+def test_chunk_sparse_conserves_the_gradient(tmp_path, wire):
+    from conftest import free_port, rank_env
+
+    port = free_port()
+    procs = [subprocess.Popen([PYTHON, str(REPO / "tests" / "sparse_ranks.py"), str(tmp_path), wire],
+                              env={**rank_env(r, 2, port), "PYTHONPATH": str(REPO)}) for r in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    ranks = _results(tmp_path, 2)
+    # applied updates + the final residuals = every gradient of every rank, within fp32 (fp16) rounding
+    assert all(r["error"] <= (1e-6 if wire == "fp32" else 2e-3) for r in ranks), ranks
+    sent = ranks[0]["sent"]
+    assert sent[0] == 100_500  # the dense first step
+    assert sent[1:] == [10 * 1000 + 101] * 5  # then 10 of the 101 chunks, and the 101 chunk norms

@@ -6,6 +6,11 @@
 - ``hierarchical``: reduce to one leader rank per node, all-reduce across the leaders, broadcast within
   the node. The three steps run in order on a thread of this module, so backward keeps going while a
   bucket is reduced; every rank submits buckets in the same order, so the collectives match.
+- ``chunk_sparse``: GradientFlow's coarse-grained sparse communication. Each bucket (plus what was left
+  of it last step) is cut into chunks; the chunks' L1 norms are all-reduced (a small message), every
+  rank picks the same top ``keep`` fraction, and only those are packed, all-reduced (in fp16 with
+  ``fp16``) and scattered back. The rest stays in a local residual that the next step adds (error
+  feedback), so no gradient is lost, only delayed. Dense for the first ``dense_warmup_epochs``.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from hpcdl.dist.env import RankEnv
 from hpcdl.errors import ConfigError
 
-__all__ = ["HOOKS", "Hierarchy", "make_hook", "node_groups"]
+__all__ = ["HOOKS", "ChunkSparse", "Hierarchy", "make_hook", "node_groups", "sparse_allreduce"]
 
-HOOKS = ("none", "fp16", "bf16", "hierarchical")
+HOOKS = ("none", "fp16", "bf16", "hierarchical", "chunk_sparse")
 
 
 @dataclasses.dataclass(slots=True)
@@ -77,11 +82,76 @@ def _hierarchical(state: Hierarchy, bucket: dist.GradBucket) -> torch.futures.Fu
     return future
 
 
-def make_hook(name: str, env: RankEnv, group=None, backend: str | None = None):
+@dataclasses.dataclass(slots=True, kw_only=True)
+class ChunkSparse:
+    """State of the ``chunk_sparse`` hook: its settings, residuals per bucket, and what it sent."""
+
+    keep: float = 0.1
+    chunk: int = 32768
+    dense_steps: int = 0  # steps all-reduced densely first
+    fp16: bool = False
+    group: dist.ProcessGroup | None = None
+    step: int = 0  # counted at each step's last bucket
+    residuals: dict = dataclasses.field(default_factory=dict)
+    sent_elements: int = 0  # this step so far: gradient elements sent (dense or selected chunks)
+    total_elements: int = 0  # this step so far: gradient elements in the buckets
+    last_step_sent: tuple[int, int] = (0, 0)  # (sent, total) of the last complete step
+    pool: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcdl-sparse"))
+
+
+def sparse_allreduce(state: ChunkSparse, key, grad: torch.Tensor) -> torch.Tensor:
+    """The averaged gradient ``chunk_sparse`` applies for one flat fp32 bucket ``grad`` (in place)."""
+    world = dist.get_world_size(state.group)
+    state.total_elements += grad.numel()
+    if state.step < state.dense_steps:
+        dist.all_reduce(grad, group=state.group)
+        state.sent_elements += grad.numel()
+        return grad.div_(world)
+    acc = grad + state.residuals[key] if key in state.residuals else grad.clone()
+    n, c = acc.numel(), state.chunk
+    chunks = torch.nn.functional.pad(acc, (0, (-n) % c)).view(-1, c)
+    norms = chunks.abs().sum(1)
+    dist.all_reduce(norms, group=state.group)  # every rank now ranks the chunks alike
+    picked = norms.topk(max(1, round(state.keep * len(norms)))).indices.sort().values
+    packed = chunks[picked]
+    wire = packed.half() if state.fp16 else packed
+    dist.all_reduce(wire, group=state.group)
+    state.sent_elements += wire.numel() + norms.numel()
+    chunks[picked] = 0  # what was not sent stays here for the next step
+    state.residuals[key] = chunks.view(-1)[:n].clone()
+    out = torch.zeros_like(chunks)
+    out[picked] = wire.float() / world
+    return grad.copy_(out.view(-1)[:n])
+
+
+def _chunk_sparse(state: ChunkSparse, bucket: dist.GradBucket) -> torch.futures.Future:
+    tensor, key, last = bucket.buffer(), bucket.index(), bucket.is_last()
+    future: torch.futures.Future = torch.futures.Future()
+
+    def run():
+        try:
+            future.set_result(sparse_allreduce(state, key, tensor))
+            if last:
+                state.last_step_sent = (state.sent_elements, state.total_elements)
+                state.sent_elements = state.total_elements = 0
+                state.step += 1
+        except Exception as exc:
+            future.set_exception(exc)
+
+    state.pool.submit(run)
+    return future
+
+
+def make_hook(name: str, env: RankEnv, group=None, backend: str | None = None, sparse: ChunkSparse | None = None):
     """(state, hook function) for DDP's ``register_comm_hook``; ``none`` is DDP's plain all-reduce."""
     if name not in HOOKS:
-        raise ConfigError(f"loop.comm_hook={name!r}; choose one of {', '.join(HOOKS)}")
+        raise ConfigError(f"sync.hook={name!r}; choose one of {', '.join(HOOKS)}")
     if name == "hierarchical":
         return node_groups(env, backend), _hierarchical
+    if name == "chunk_sparse":
+        state = sparse or ChunkSparse()
+        state.group = group
+        return state, _chunk_sparse
     return group, {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
                    "bf16": default_hooks.bf16_compress_hook}[name]

@@ -39,13 +39,13 @@ def _timed(timer: CommTimer, bucket):
 
 
 def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str = "none", backend: str | None = None,
-                  bucket_cap_mb: float = 25.0) -> tuple[torch.nn.Module, CommTimer | None]:
+                  bucket_cap_mb: float = 25.0, sparse=None) -> tuple[torch.nn.Module, CommTimer | None]:
     """``model`` wrapped in DDP over ``group``, its buckets reduced by ``hook`` (:mod:`hpcdl.dist.hooks`)
     and timed; on one rank, ``model`` itself."""
     if env.world_size == 1:
         return model, None
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
                                   gradient_as_bucket_view=True)
-    timer = CommTimer(*make_hook(hook, env, group, backend))
+    timer = CommTimer(*make_hook(hook, env, group, backend, sparse))
     ddp.register_comm_hook(timer, _timed)
     return ddp, timer

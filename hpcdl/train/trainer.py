@@ -26,6 +26,7 @@ from hpcdl.data.transforms import EvalTransform, TrainTransform, normalize_batch
 from hpcdl.data.verify import load_manifest
 from hpcdl.dist.affinity import allocator_in_use
 from hpcdl.dist.process_group import DistContext, fail_fast, init_distributed, set_timeout, shutdown
+from hpcdl.dist.hooks import ChunkSparse
 from hpcdl.dist.sync import data_parallel
 from hpcdl.errors import ConfigError, TrainingDiverged
 from hpcdl.models import build_model
@@ -135,8 +136,11 @@ class Trainer:
             self.val_loader = _loader(val, sampler, micro, cfg.data.workers, ctx.cpu.data_cpus)
 
     def _wrap(self) -> None:
-        net, comm = data_parallel(self.model, self.ctx.env, self.ctx.group, hook=self.cfg.loop.comm_hook,
-                                  backend=self.ctx.backend.name)
+        sync = self.cfg.sync
+        sparse = ChunkSparse(keep=sync.keep, chunk=sync.chunk, fp16=sync.fp16, step=self.step,
+                             dense_steps=round(sync.dense_warmup_epochs * self.cfg.schedule.steps_per_epoch))
+        net, comm = data_parallel(self.model, self.ctx.env, self.ctx.group, hook=sync.hook, backend=self.ctx.backend.name,
+                                  bucket_cap_mb=sync.bucket_cap_mb, sparse=sparse)
         self.compile_note = "compile: off"
         if self.cfg.loop.compile:
             net, self.compile_note = torch.compile(net), "compile: torch.compile (the first steps compile)"
@@ -321,7 +325,9 @@ class Trainer:
             f"{self.last_step} steps to run of {s.total_steps}; peak lr {s.peak_lr:.5g}",
             f"backend {ctx.backend.name}; {ctx.cpu.threads} threads per rank; allocator {allocator_in_use()}",
             f"precision {self.precision} ({self.precision_why}); channels_last {cfg.loop.channels_last}",
-            self.ipex_note, self.compile_note, f"gradient sync: DDP, comm hook {cfg.loop.comm_hook}",
+            self.ipex_note, self.compile_note, f"gradient sync: DDP, buckets of {cfg.sync.bucket_cap_mb:g} MB, comm hook {cfg.sync.hook}"
+            + (f" (keep {cfg.sync.keep:g} of {cfg.sync.chunk}-element chunks after {cfg.sync.dense_warmup_epochs:g} dense "
+               "epochs; residuals are not checkpointed)" if cfg.sync.hook == "chunk_sparse" else ""),
         ]
         for line in lines:
             log.info("%s", line)
