@@ -197,6 +197,23 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_sync(args: argparse.Namespace) -> int:
+    from hpcdl.dist.process_group import init_distributed, shutdown
+    from hpcdl.perf.sync import SyncBenchConfig, bench, format_report
+
+    cfg = SyncBenchConfig(model=args.model, backend=args.backend, bucket_cap_mb=args.bucket_cap_mb, rounds=args.rounds)
+    ctx = init_distributed(cfg.backend)
+    report = bench(cfg, ctx.group)
+    if report is not None:
+        sys.stdout.write(format_report(report))
+        if args.json:
+            from hpcdl.utils import atomic_write_text
+
+            atomic_write_text(args.json, json.dumps(report, indent=1) + "\n")
+    shutdown(ctx)
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from hpcdl.config import PRESETS, describe, resolve
 
@@ -322,6 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", help="overhead or tuning (default: both)")
     p.add_argument("--json", help="also write the report here")
     p.set_defaults(fn=cmd_bench_step)
+
+    p = bench.add_parser("sync", help="a model's gradient set: per-tensor vs fused vs one flat all-reduce (run on a job's ranks)")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--backend", default="auto", help="auto | gloo | ccl | mpi")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", help="also write the report here")
+    p.set_defaults(fn=cmd_bench_sync)
 
     p = bench.add_parser("large-batch", help="LARS + warmup at batch N/8 vs small-batch SGD vs linear-scaled SGD, "
                                              "on scikit-learn's digits")
