@@ -40,3 +40,13 @@ def test_mpi_backend_under_srun(slurm, tmp_path):
     assert all({k: found[k] for k in EXPECTED} == EXPECTED for found in ranks)
     assert ranks[0]["weights sha256"] == ranks[1]["weights sha256"]
     assert "via slurm" in (tmp_path / "out").read_text()
+
+
+def test_a_stuck_mpi_collective_fails_within_the_timeout_naming_the_rank(mpiexec, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    run = subprocess.run([mpiexec, "-n", "2", PYTHON, str(REPO / "tests" / "mpi_timeout_ranks.py"), str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert "rank 0: MPI allreduce of 3 elements (torch.float32) did not complete within 0:00:02" in rank0["error"]
+    assert rank0["after_s"] < 6

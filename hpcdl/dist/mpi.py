@@ -32,7 +32,6 @@ from hpcdl.errors import ConfigError, LaunchError
 __all__ = ["BACKEND_NAME", "MPIProcessGroup", "register"]
 
 BACKEND_NAME = "mpi4py"
-SMALL_ELEMENTS = 4096  # an allreduce this small runs in the calling thread when nothing else is queued
 _REDUCED_IN_FP32 = (torch.float16, torch.bfloat16)
 
 
@@ -89,8 +88,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         self._ops = {dist.ReduceOp.SUM: MPI.SUM, dist.ReduceOp.AVG: MPI.SUM, dist.ReduceOp.MAX: MPI.MAX,
                      dist.ReduceOp.MIN: MPI.MIN, dist.ReduceOp.PRODUCT: MPI.PROD}
         self._queue: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()  # held by whichever thread is inside an MPI call
-        self._pending, self._started = 0, None
+        self._started = None  # (start time, operation, future) of the collective in progress
         threading.Thread(target=self._serve, name="hpcdl-mpi", daemon=True).start()
         if timeout:
             threading.Thread(target=self._watch, name="hpcdl-mpi-watchdog", daemon=True).start()
@@ -108,11 +106,9 @@ class MPIProcessGroup(dist.ProcessGroup):
             if item is None:
                 return
             fn, future, what = item
-            with self._lock:
-                self._started = (time.monotonic(), what, future)
-                self._complete(fn, future, what)
-                self._started = None
-                self._pending -= 1
+            self._started = (time.monotonic(), what, future)
+            self._complete(fn, future, what)
+            self._started = None
 
     def _complete(self, fn, future: Future, what: str) -> None:
         try:
@@ -124,21 +120,13 @@ class MPIProcessGroup(dist.ProcessGroup):
         if not future.done():  # the watchdog may have failed it already
             future.set_result(result)
 
-    def _submit(self, fn, what: str, small: bool = False) -> dist.Work:
-        """Queue ``fn`` for the communication thread; a small one runs here when nothing is queued.
+    def _submit(self, fn, what) -> dist.Work:
+        """Queue ``fn`` for the communication thread; the Work completes when it has run.
 
-        Running inline keeps the order of collectives (nothing is pending) and saves the thread hand-off,
-        which would dominate a few-byte message's latency.
+        Every collective goes through the thread, small ones too: a caller blocked inside MPI could not be
+        released by the watchdog, while a Work's future can.
         """
         future: Future = Future()
-        if small and self._pending == 0 and self._lock.acquire(blocking=False):
-            try:
-                if self._pending == 0:
-                    self._complete(fn, future, what)
-                    return _Work(future)
-            finally:
-                self._lock.release()
-        self._pending += 1
         self._queue.put((fn, future, what))
         return _Work(future)
 
@@ -179,8 +167,7 @@ class MPIProcessGroup(dist.ProcessGroup):
                 write_back()
             return tensors
 
-        small = len(tensors) == 1 and tensors[0].numel() <= SMALL_ELEMENTS
-        return self._submit(run, ("allreduce", tensors), small=small)
+        return self._submit(run, ("allreduce", tensors))
 
     def reduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
         op, root = _op_type(opts.reduceOp), opts.rootRank
