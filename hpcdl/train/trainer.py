@@ -138,7 +138,8 @@ class Trainer:
     def _wrap(self) -> None:
         sync = self.cfg.sync
         sparse = ChunkSparse(keep=sync.keep, chunk=sync.chunk, fp16=sync.fp16, step=self.step,
-                             dense_steps=round(sync.dense_warmup_epochs * self.cfg.schedule.steps_per_epoch))
+                             dense_steps=round(sync.dense_warmup_epochs * self.cfg.schedule.steps_per_epoch)) \
+            if sync.hook == "chunk_sparse" else None
         net, comm = data_parallel(self.model, self.ctx.env, self.ctx.group, hook=sync.hook, backend=self.ctx.backend.name,
                                   bucket_cap_mb=sync.bucket_cap_mb, sparse=sparse)
         self.compile_note = "compile: off"
