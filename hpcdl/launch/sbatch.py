@@ -21,35 +21,42 @@ from hpcdl.utils import atomic_write_text, format_duration
 
 __all__ = ["READY_SCRIPTS", "render_sbatch", "sbatch_quote", "write_ready_scripts"]
 
+_ALLREDUCE = ["bench", "allreduce", "--json", "allreduce-%j.json"]
+
+
+def _train_imagenet(preset: str, *extra: str) -> list[str]:
+    """``hpcdl train PRESET`` on ImageNet packed in $SCRATCH (expanded on the nodes, not here)."""
+    return ["train", preset, "--set", "data.train=$SCRATCH/imagenet1k/train", "--set",
+            "data.val=$SCRATCH/imagenet1k/val", *extra]
+
+
+_RUNS_IN_SCRATCH = ("--set", "run_dir=$SCRATCH/hpcdl-runs/{name}-{job}")
+
 # The scripts committed in slurm/: name -> (job parameters, hpcdl command).
 READY_SCRIPTS: dict[str, tuple[dict, list[str]]] = {
     "stampede2-skx.sbatch": (dict(profile="stampede2-skx", nodes=4, tasks_per_node=2, time="00:30:00",
-                                  job_name="hpcdl-allreduce"), ["bench", "allreduce", "--json", "allreduce-%j.json"]),
+                                  job_name="hpcdl-allreduce"), _ALLREDUCE),
     "stampede2-knl.sbatch": (dict(profile="stampede2-knl", nodes=4, tasks_per_node=1, time="00:30:00",
-                                  job_name="hpcdl-allreduce"), ["bench", "allreduce", "--json", "allreduce-%j.json"]),
+                                  job_name="hpcdl-allreduce"), _ALLREDUCE),
     "generic.sbatch": (dict(profile="generic", nodes=1, tasks_per_node=2, time="00:30:00",
-                            job_name="hpcdl-allreduce"), ["bench", "allreduce", "--json", "allreduce-%j.json"]),
-    # The published Stampede2 runs (docs/reproduce-stampede2.md). $SCRATCH is expanded on the nodes.
+                            job_name="hpcdl-allreduce"), _ALLREDUCE),
+    # The published Stampede2 runs (docs/reproduce-stampede2.md).
     "train-alexnet-bn-skx1024.sbatch": (
         dict(profile="stampede2-skx", partition="skx-large", nodes=512, tasks_per_node=2, time="01:00:00",
              job_name="alexnet-bn-b32k", output="alexnet-bn-b32k-%j.out"),
-        ["train", "alexnet_bn_b32k_skx1024", "--set", "data.train=$SCRATCH/imagenet1k/train",
-         "--set", "data.val=$SCRATCH/imagenet1k/val", "--set", "run_dir=$SCRATCH/hpcdl-runs/{name}-{job}"]),
+        _train_imagenet("alexnet_bn_b32k_skx1024", *_RUNS_IN_SCRATCH)),
     "train-resnet50-skx1600.sbatch": (
         dict(profile="stampede2-skx", partition="skx-large", nodes=800, tasks_per_node=2, time="02:00:00",
              job_name="resnet50-b32k", output="resnet50-b32k-%j.out"),
-        ["train", "resnet50_b32k_lars_skx1600", "--set", "data.train=$SCRATCH/imagenet1k/train",
-         "--set", "data.val=$SCRATCH/imagenet1k/val", "--set", "run_dir=$SCRATCH/hpcdl-runs/{name}-{job}"]),
+        _train_imagenet("resnet50_b32k_lars_skx1600", *_RUNS_IN_SCRATCH)),
     "train-resnet50-knl2048.sbatch": (
         dict(profile="stampede2-knl", partition="large", nodes=2048, tasks_per_node=1, time="02:00:00",
              job_name="resnet50-b32k", output="resnet50-b32k-%j.out"),
-        ["train", "resnet50_b32k_lars_knl2048", "--set", "data.train=$SCRATCH/imagenet1k/train",
-         "--set", "data.val=$SCRATCH/imagenet1k/val", "--set", "run_dir=$SCRATCH/hpcdl-runs/{name}-{job}"]),
+        _train_imagenet("resnet50_b32k_lars_knl2048", *_RUNS_IN_SCRATCH)),
     "train-generic.sbatch": (
         dict(profile="generic", nodes=4, tasks_per_node=2, time="12:00:00", job_name="resnet50-b8k",
              output="resnet50-b8k-%j.out"),
-        ["train", "resnet50_b8k_goyal", "--set", "data.train=$SCRATCH/imagenet1k/train",
-         "--set", "data.val=$SCRATCH/imagenet1k/val"]),
+        _train_imagenet("resnet50_b8k_goyal")),
 }
 # Seconds before the time limit at which Slurm sends the requeue signal to a training job's ranks:
 # enough for every rank to finish its step and rank 0 to write a ResNet-50 checkpoint to Lustre.
