@@ -214,6 +214,13 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from hpcdl.train.timeline import merge
+
+    print(merge(args.run_dir))
+    return 0
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
     from hpcdl.config import PRESETS, describe, resolve
 
@@ -405,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a field, e.g. --set data.train=$SCRATCH/imagenet1k/train (repeatable)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.set_defaults(fn=cmd_train)
+
+    timeline = sub.add_parser("timeline", help="per-rank trace timelines").add_subparsers(dest="action", required=True)
+    p = timeline.add_parser("merge", help="all ranks' spans as RUN_DIR/timeline.json (chrome://tracing, Perfetto)")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_timeline)
 
     sub.add_parser("env", help="print this process's rank discovery as JSON").set_defaults(fn=cmd_env)
     sub.add_parser("profiles", help="list the cluster profiles").set_defaults(fn=cmd_profiles)

@@ -52,6 +52,7 @@ class LoopConfig:
     log_every: int = 10  # steps between progress lines and TensorBoard points (the JSONL log has every step)
     seed: int = 0  # the model's initial weights
     target_top1: float = 0.0  # time-to-accuracy: first evaluation at or above this top-1 (0: none)
+    timeline: bool = False  # per-rank trace spans in RUN_DIR/timeline (hpcdl timeline merge RUN_DIR)
 
     def __post_init__(self):
         from hpcdl.train.precision import PRECISIONS

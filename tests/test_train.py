@@ -236,3 +236,22 @@ def test_loop_options_train(option, line, data, tmp_path):
     assert line in done.stderr
     steps = [json.loads(x) for x in (run / "train.jsonl").read_text().splitlines() if '"kind": "step"' in x]
     assert [s["images"] for s in steps] == [16, 16, 16] and all(s["loss"] == s["loss"] for s in steps)
+
+
+def test_timeline_of_two_ranks_shows_communication_inside_backward(data, tmp_path):
+    run = tmp_path / "run"
+    procs = start_ranks(2, args_for(data, run, "--set", "loop.max_steps=4", "--set", "loop.timeline=true",
+                                    "--set", "sync.bucket_cap_mb=0.001", "--set", "data.workers=0"), tmp_path)
+    assert wait_all(procs) == [0, 0], (tmp_path / "rank0.log").read_text()
+    merged = hpcdl("timeline", "merge", run)
+    assert merged.returncode == 0 and merged.stdout.strip() == str(run / "timeline.json"), merged.stderr
+    trace = json.loads((run / "timeline.json").read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in trace if e["ph"] == "M"} == {"rank 0", "rank 1"}
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert all(isinstance(e["ts"], float) and e["dur"] >= 0 for e in spans)
+    for rank in (0, 1):
+        backward = [e for e in spans if e["pid"] == rank and e["name"] == "backward"]
+        comm = [e for e in spans if e["pid"] == rank and e["tid"] == "comm"]
+        assert len(backward) == 4 and len(comm) >= 4
+        # some bucket's all-reduce started and finished while its backward was still running
+        assert any(b["ts"] < c["ts"] and c["ts"] + c["dur"] < b["ts"] + b["dur"] for b in backward for c in comm)

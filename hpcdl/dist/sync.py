@@ -27,15 +27,25 @@ class CommTimer:
         self.hook_state, self.hook = hook_state, hook
         self.last_handover = 0.0
         self.buckets = 0
+        self.on_done = None  # (bucket index, handed over at, done at) -> None: the timeline's comm spans
 
     def reset(self) -> None:
         self.last_handover, self.buckets = 0.0, 0
 
 
 def _timed(timer: CommTimer, bucket):
-    timer.last_handover = time.perf_counter()
+    timer.last_handover = start = time.perf_counter()
     timer.buckets += 1
-    return timer.hook(timer.hook_state, bucket)
+    future = timer.hook(timer.hook_state, bucket)
+    if timer.on_done is None:
+        return future
+    index, record = bucket.index(), timer.on_done
+
+    def done(f):
+        record(index, start, time.perf_counter())
+        return f.value()
+
+    return future.then(done)
 
 
 def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str = "none", backend: str | None = None,

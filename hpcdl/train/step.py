@@ -45,9 +45,11 @@ class Stepper:
 
     def __init__(self, net: torch.nn.Module, criterion: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule, *, precision: str = "fp32", comm: CommTimer | None = None, group=None,
-                 distributed: bool = True):
+                 distributed: bool = True, timeline=None):
         self.net, self.criterion, self.optimizer, self.schedule = net, criterion, optimizer, schedule
-        self.comm, self.group, self.distributed = comm, group, distributed
+        self.comm, self.group, self.distributed, self.timeline = comm, group, distributed, timeline
+        if timeline is not None and comm is not None:
+            comm.on_done = lambda index, start, end: timeline.span(f"bucket {index}", start, end, thread="comm")
         self.autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" \
             else contextlib.nullcontext
 
@@ -64,6 +66,7 @@ class Stepper:
         for x, y in batches:
             now = time.perf_counter()
             times["data"] += now - t
+            self._span("data", t, now)
             last = done + 1 == count
             loss_sum += self._micro_step(x, y, count, last, times) * len(y)
             images, done, t = images + len(y), done + 1, time.perf_counter()
@@ -74,13 +77,20 @@ class Stepper:
         t = time.perf_counter()
         result = self._control(loss_sum, images, flags(), times)
         times["comm_wait"] += time.perf_counter() - t
-        t = time.perf_counter()
+        t1 = time.perf_counter()
         if result.finite:
             self.optimizer.step()
             self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        times["optimizer"] = time.perf_counter() - t
+        t2 = time.perf_counter()
+        times["optimizer"] = t2 - t1
+        self._span("control", t, t1)
+        self._span("optimizer", t1, t2)
         return result
+
+    def _span(self, name: str, start: float, end: float) -> None:
+        if self.timeline is not None:
+            self.timeline.span(name, start, end)
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, count: int, last: bool, times: dict) -> float:
         t0 = time.perf_counter()
@@ -97,6 +107,8 @@ class Stepper:
         times["forward"] += t1 - t0
         times["backward"] += handed - t1
         times["comm_wait"] += t2 - handed
+        self._span("forward", t0, t1)
+        self._span("backward", t1, t2)
         return loss.item()
 
     def _control(self, loss_sum: torch.Tensor, images: int, wishes: tuple[bool, bool], times: dict) -> StepResult:

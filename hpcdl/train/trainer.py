@@ -40,6 +40,7 @@ from hpcdl.train.metrics import RunLog, phase_shares, summary_text
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal, hand_to_submitit, requeue, requeue_target
 from hpcdl.train.step import Stepper
+from hpcdl.train.timeline import Timeline
 from hpcdl.utils import atomic_write_text
 
 __all__ = ["Trainer", "preflight", "run_dir", "train"]
@@ -146,8 +147,10 @@ class Trainer:
         if self.cfg.loop.compile:
             net, self.compile_note = torch.compile(net), "compile: torch.compile (the first steps compile)"
         self.net = net
+        self.timeline = Timeline(self.dir, self.ctx.rank) if self.cfg.loop.timeline else None
         self.stepper = Stepper(net, self.criterion, self.optimizer, self.schedule, precision=self.precision,
-                               comm=comm, group=self.ctx.group, distributed=self.ctx.world_size > 1)
+                               comm=comm, group=self.ctx.group, distributed=self.ctx.world_size > 1,
+                               timeline=self.timeline)
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
         return normalize_batch(images, channels_last=self.cfg.loop.channels_last)
@@ -215,6 +218,8 @@ class Trainer:
             return self._summary("finished")
         finally:
             self.runlog.close()
+            if self.timeline is not None:
+                self.timeline.close()
 
     def _loop(self) -> str:
         while self.step < self.last_step:
