@@ -201,7 +201,9 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
     from hpcdl.dist.process_group import init_distributed, shutdown
     from hpcdl.perf.sync import SyncBenchConfig, bench, format_report
 
-    cfg = SyncBenchConfig(model=args.model, backend=args.backend, bucket_cap_mb=args.bucket_cap_mb, rounds=args.rounds)
+    cfg = SyncBenchConfig(model=args.model, backend=args.backend, bucket_cap_mb=args.bucket_cap_mb, rounds=args.rounds,
+                          scaling_model=args.scaling_model, scaling_batch=args.scaling_batch,
+                          scaling_steps=args.scaling_steps)
     ctx = init_distributed(cfg.backend)
     report = bench(cfg, ctx.group)
     if report is not None:
@@ -352,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", help="auto | gloo | ccl | mpi")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--scaling-model", default="alexnet_bn", help="weak scaling: this model, 1 rank vs all")
+    p.add_argument("--scaling-batch", type=int, default=32, help="weak scaling: images per rank")
+    p.add_argument("--scaling-steps", type=int, default=3, help="weak scaling: steps per measurement (0: skip)")
     p.add_argument("--json", help="also write the report here")
     p.set_defaults(fn=cmd_bench_sync)
 

@@ -65,10 +65,13 @@ def test_bench_sync_reports_every_path(mpiexec, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
     report = tmp_path / "sync.json"
     run = subprocess.run([mpiexec, "-n", "2", PYTHON, "-m", "hpcdl", "bench", "sync", "--backend", "mpi", "--model",
-                          "resnet18", "--rounds", "2", "--json", str(report)], capture_output=True, text=True, env=env,
+                          "resnet18", "--rounds", "2", "--scaling-model", "tiny_cnn", "--scaling-batch", "8",
+                          "--scaling-steps", "2", "--json", str(report)], capture_output=True, text=True, env=env,
                          timeout=180)
     assert run.returncode == 0, run.stderr
     r = json.loads(report.read_text())
     assert set(r["ms"]) == {"per-tensor", "fused", "flat", "fused fp16", "raw mpi4py"}
     assert r["tensors"] == 62 and r["world_size"] == 2 and r["backend"] == "mpi4py"
     assert set(r["latency_us"]) == {"torch.distributed", "raw mpi4py"} and "fused / flat:" in run.stdout
+    w = r["scaling"]
+    assert w["ranks"] == 2 and w["s_per_step_1"] > 0 and w["s_per_step_n"] > 0 and "efficiency" in run.stdout

@@ -11,7 +11,10 @@ Run it on the ranks of a job (mpiexec, srun, torchrun). The gradients have the m
 - ``raw mpi4py`` (``--backend mpi`` only): one ``Allreduce`` of the same bytes straight from mpi4py.
 
 It also times a one-float all-reduce (small-message latency), through torch.distributed and, with
-``--backend mpi``, through raw mpi4py.
+``--backend mpi``, through raw mpi4py; and weak scaling: ``scaling_model`` trained at the same per-rank
+batch by rank 0 alone (the other ranks wait) and by all ranks with DDP, efficiency = t(1) / t(N).
+Launch it with one core per rank (e.g. ``srun --cpus-per-task=1``); the ranks' threads follow hpcdl's
+CPU plan.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ class SyncBenchConfig:
     bucket_cap_mb: float = 25.0
     rounds: int = 5
     latency_iters: int = 2000
+    scaling_model: str = "alexnet_bn"
+    scaling_batch: int = 32  # per rank
+    scaling_steps: int = 3  # per measurement, after one warm-up step (0: no scaling measurement)
 
 
 def _buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
@@ -93,7 +99,42 @@ def bench(cfg: SyncBenchConfig, group=None) -> dict:
               "world_size": dist.get_world_size(group), "backend": dist.get_backend(group), "ms": median,
               "rounds_ms": times, "fused_vs_flat": median["fused"] / median["flat"],
               "latency_us": _latency(cfg.latency_iters, group, mpi)}
+    if cfg.scaling_steps:
+        report["scaling"] = weak_scaling(cfg, group)
     return report if dist.get_rank() == 0 else None
+
+
+def weak_scaling(cfg: SyncBenchConfig, group=None) -> dict:
+    """Seconds per step of rank 0 alone and of all ranks under DDP, same per-rank batch; efficiency."""
+    from hpcdl.models import MODELS
+
+    torch.manual_seed(0)
+    model = build_model(cfg.scaling_model)
+    crop = MODELS[cfg.scaling_model].crop
+    x, y = torch.randn(cfg.scaling_batch, 3, crop, crop), torch.randint(0, 1000, (cfg.scaling_batch,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def steps(net, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return (time.perf_counter() - t0) / max(n, 1)
+
+    alone = None
+    if dist.get_rank(group) == 0:
+        steps(model, 1)
+        alone = steps(model, cfg.scaling_steps)
+    dist.barrier(group=group)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
+    steps(ddp, 1)
+    dist.barrier(group=group)
+    together = steps(ddp, cfg.scaling_steps)
+    world = dist.get_world_size(group)
+    return {"model": cfg.scaling_model, "batch_per_rank": cfg.scaling_batch, "threads": torch.get_num_threads(),
+            "s_per_step_1": alone, "s_per_step_n": together, "ranks": world,
+            "efficiency": alone / together if alone else None}
 
 
 def _raw_mpi():
@@ -124,4 +165,9 @@ def format_report(r: dict) -> str:
              *(f"  {name:12s} {ms:9.1f} ms  ({ms / r['ms']['flat']:.2f}x flat)" for name, ms in r["ms"].items()),
              f"  fused / flat: {r['fused_vs_flat']:.2f}x",
              "one-float all-reduce: " + ", ".join(f"{k} {v:.1f} us" for k, v in r["latency_us"].items())]
+    if "scaling" in r:
+        w = r["scaling"]
+        lines.append(f"weak scaling, {w['model']} at batch {w['batch_per_rank']} per rank, {w['threads']} threads per "
+                     f"rank: 1 rank {w['s_per_step_1']:.3f} s/step, {w['ranks']} ranks {w['s_per_step_n']:.3f} s/step, "
+                     f"efficiency {100 * w['efficiency']:.1f}%")
     return "\n".join(lines) + "\n"
