@@ -1,4 +1,4 @@
-"""DDP communication hooks, chosen by name in the config (``loop.comm_hook``), on every backend.
+"""DDP communication hooks, chosen by name in the config (``sync.hook``), on every backend.
 
 - ``none``: DDP's own bucket all-reduce.
 - ``fp16`` / ``bf16``: each bucket is all-reduced in half precision (half the bytes) and written back

@@ -152,11 +152,15 @@ class MPIProcessGroup(dist.ProcessGroup):
         work = tensor.contiguous()
         return work.numpy(), lambda: tensor.copy_(work)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+    def _mpi_op(self, opts):
+        """(torch's reduce op, MPI's) for ``opts.reduceOp``; AVG is MPI's SUM, divided afterwards."""
         op = _op_type(opts.reduceOp)
-        mpi_op = self._ops.get(op)
-        if mpi_op is None:
+        if op not in self._ops:
             raise ConfigError(f"backend mpi: reduce op {op} is not supported; use SUM, AVG, MAX, MIN or PRODUCT")
+        return op, self._ops[op]
+
+    def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        op, mpi_op = self._mpi_op(opts)
 
         def run():
             for t in tensors:
@@ -170,8 +174,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         return self._submit(run, ("allreduce", tensors))
 
     def reduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
-        op, root = _op_type(opts.reduceOp), opts.rootRank
-        mpi_op = self._ops[op]
+        (op, mpi_op), root = self._mpi_op(opts), opts.rootRank
 
         def run():
             for t in tensors:
@@ -218,8 +221,8 @@ class MPIProcessGroup(dist.ProcessGroup):
         return self._submit(run, "allgather")
 
     def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts) -> dist.Work:
-        op = _op_type(opts.reduceOp)
-        mpi_op, avg = self._ops[op], op == dist.ReduceOp.AVG
+        op, mpi_op = self._mpi_op(opts)
+        avg = op == dist.ReduceOp.AVG
 
         def run():
             send = inp.float() if inp.dtype in _REDUCED_IN_FP32 else inp.contiguous()
