@@ -42,6 +42,19 @@ objects = [None] * world
 dist.all_gather_object(objects, {"rank": rank})
 found["objects"] = objects
 dist.barrier()
+# Each rank decides alone where a small collective runs: here rank 0 queues it behind a large all-reduce
+# still in flight while rank 1, which waited for that one, runs it on its own thread. They must still meet.
+mixed = []
+for small in ("all_reduce", "broadcast", "barrier"):
+    big = torch.ones(1 << 20)  # 4 MB: above the inline limit
+    work = dist.all_reduce(big, async_op=True)
+    if rank == 1:
+        work.wait()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t) if small == "all_reduce" else dist.broadcast(t, src=0) if small == "broadcast" else dist.barrier()
+    work.wait()
+    mixed.append([big[0].item()] + ([t.item()] if small != "barrier" else []))
+found["mixed paths"] = mixed
 # DDP: 20 steps on different data per rank; the replicas must stay bitwise identical.
 torch.manual_seed(rank)  # different initial weights: DDP's broadcast must make them equal
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))

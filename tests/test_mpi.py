@@ -12,6 +12,7 @@ EXPECTED = {  # 2 ranks: rank r contributes arange(6) + r
     "sum torch.float16": [1.0, 3.0, 5.0, 7.0, 9.0, 11.0], "sum torch.bfloat16": [1.0, 3.0, 5.0, 7.0, 9.0, 11.0],
     "sum torch.int64": [1, 3, 5, 7, 9, 11], "max": 1.0, "avg": 3.0, "broadcast bf16": [1.0, 1.0, 1.0],
     "allgather": [[0, 0], [1, 1]], "objects": [{"rank": 0}, {"rank": 1}],
+    "mixed paths": [[2.0, 3.0], [2.0, 1.0], [2.0]],  # all-reduce, broadcast from rank 0, barrier
 }
 
 

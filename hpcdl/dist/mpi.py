@@ -7,7 +7,10 @@ was built against: the MPICH or Open MPI wheels from PyPI, or a cluster's Intel 
 Collectives are asynchronous. Each call queues the operation for one communication thread and
 returns a :class:`torch.distributed.Work` at once; the thread runs the MPI calls in order and completes
 the Work's future. DDP can therefore keep computing gradients while earlier buckets are reduced.
-Because only that thread calls MPI after start-up, MPI needs ``MPI_THREAD_SERIALIZED``, which is
+A small collective (at most ``INLINE_BYTES``) issued while nothing is queued runs on the caller's
+thread instead, which saves two thread hand-offs per call (the small-message latency): it uses MPI's
+nonblocking call and polls it against the timeout, so a lost peer still fails it. A lock keeps MPI
+calls from two threads apart and in issue order, so MPI needs ``MPI_THREAD_SERIALIZED``, which is
 checked.
 
 MPI has no fp16 or bf16 type everywhere: those tensors are reduced in fp32 and copied back. A
@@ -18,6 +21,7 @@ rank from the heartbeats.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -32,7 +36,9 @@ from hpcdl.errors import ConfigError, LaunchError
 __all__ = ["BACKEND_NAME", "MPIProcessGroup", "register"]
 
 BACKEND_NAME = "mpi4py"
+INLINE_BYTES = 64 * 1024
 _REDUCED_IN_FP32 = (torch.float16, torch.bfloat16)
+_SUM, _AVG = dist.ReduceOp.RedOpType.SUM, dist.ReduceOp.RedOpType.AVG
 
 
 def _mpi():
@@ -60,6 +66,25 @@ class _Work(dist.Work):
         return self._future.done()
 
 
+class _DoneWork(dist.Work):
+    """The Work of a collective that already ran on the caller's thread; its future is made on demand."""
+
+    def __init__(self, result):
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        return True
+
+    def get_future(self) -> Future:
+        future: Future = Future()
+        future.set_result(self._result)
+        return future
+
+    def is_completed(self) -> bool:
+        return True
+
+
 class MPIProcessGroup(dist.ProcessGroup):
     """A torch process group whose collectives run on an MPI communicator of its ranks.
 
@@ -85,13 +110,23 @@ class MPIProcessGroup(dist.ProcessGroup):
                               f"variables say rank {rank} of {world_size}: start the job with mpiexec or srun --mpi, "
                               "not with a launcher that MPI does not know")
         self.timeout = timeout
-        self._ops = {dist.ReduceOp.SUM: MPI.SUM, dist.ReduceOp.AVG: MPI.SUM, dist.ReduceOp.MAX: MPI.MAX,
-                     dist.ReduceOp.MIN: MPI.MIN, dist.ReduceOp.PRODUCT: MPI.PROD}
+        self._calls = {name: getattr(self.comm, "I" + name.lower())
+                       for name in ("Allreduce", "Reduce", "Bcast", "Allgather", "Reduce_scatter_block", "Barrier")}
+        R = dist.ReduceOp.RedOpType
+        self._ops = {R.SUM: MPI.SUM, R.AVG: MPI.SUM, R.MAX: MPI.MAX, R.MIN: MPI.MIN, R.PRODUCT: MPI.PROD}
         self._queue: queue.Queue = queue.Queue()
+        # While collectives are queued only the thread calls MPI; a caller runs one inline only when none
+        # is, and holds the lock meanwhile so that nothing is queued (and started) under it.
+        self._lock = threading.Lock()
+        self._queued = 0  # collectives handed to the thread and not yet finished
         self._started = None  # (start time, operation, future) of the collective in progress
-        threading.Thread(target=self._serve, name="hpcdl-mpi", daemon=True).start()
+        self._closed = threading.Event()
+        self._threads = [threading.Thread(target=self._serve, name="hpcdl-mpi", daemon=True)]
         if timeout:
-            threading.Thread(target=self._watch, name="hpcdl-mpi-watchdog", daemon=True).start()
+            self._threads.append(threading.Thread(target=self._watch, name="hpcdl-mpi-watchdog", daemon=True))
+        for thread in self._threads:
+            thread.start()
+        atexit.register(self.shutdown)
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -107,131 +142,167 @@ class MPIProcessGroup(dist.ProcessGroup):
                 return
             fn, future, what = item
             self._started = (time.monotonic(), what, future)
-            self._complete(fn, future, what)
+            try:
+                result = fn(False)
+            except Exception as exc:  # the MPI error goes to whoever waits on the Work
+                result = RuntimeError(f"rank {self.rank()}: MPI {_describe(what)} failed: {exc}")
+            with self._lock:
+                self._queued -= 1
             self._started = None
+            if future.done():  # the watchdog failed it already
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
 
-    def _complete(self, fn, future: Future, what: str) -> None:
-        try:
-            result = fn()
-        except Exception as exc:  # the MPI error goes to whoever waits on the Work
-            if not future.done():
-                future.set_exception(RuntimeError(f"rank {self.rank()}: MPI {_describe(what)} failed: {exc}"))
-            return
-        if not future.done():  # the watchdog may have failed it already
-            future.set_result(result)
+    def _submit(self, fn, what, nbytes: int) -> dist.Work:
+        """Run ``fn(inline)``, which makes the MPI calls, and return its Work.
 
-    def _submit(self, fn, what) -> dist.Work:
-        """Queue ``fn`` for the communication thread; the Work completes when it has run.
-
-        Every collective goes through the thread, small ones too: a caller blocked inside MPI could not be
-        released by the watchdog, while a Work's future can.
+        It runs here (``inline=True``: nonblocking MPI, polled against the timeout) when it is small and
+        the thread has nothing queued, so that collectives still reach MPI in the order they were issued.
+        Otherwise it is queued and the Work completes when the thread has run it (``inline=False``:
+        blocking MPI, failed by the watchdog on a timeout).
         """
+        with self._lock:
+            if nbytes <= INLINE_BYTES and not self._queued:
+                try:
+                    return _DoneWork(fn(True))
+                except Exception as exc:  # delivered by the Work, as from the thread
+                    failed: Future = Future()
+                    failed.set_exception(RuntimeError(f"rank {self.rank()}: MPI {_describe(what)} " + (
+                        self._timed_out() if isinstance(exc, TimeoutError) else f"failed: {exc}")))
+                    return _Work(failed)
+            self._queued += 1
         future: Future = Future()
         self._queue.put((fn, future, what))
         return _Work(future)
 
+    def _call(self, inline: bool, name: str, *args, **kwargs) -> None:
+        """MPI's nonblocking ``comm.I<name>(...)``, waited for: polled against the timeout when inline.
+
+        Both paths use the nonblocking form because MPI does not match a nonblocking collective on one
+        rank with a blocking one on another, and ranks choose their path independently.
+        """
+        request = self._calls[name](*args, **kwargs)
+        if not inline:
+            request.Wait()
+            return
+        for _ in range(1000):  # a small collective completes within microseconds: poll before reading clocks
+            if request.Test():
+                return
+        deadline = time.monotonic() + (self.timeout.total_seconds() or float("inf"))
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise TimeoutError()
+
     def _watch(self) -> None:
         """Fail the Work of a collective that has run longer than the timeout (MPI cannot cancel it)."""
         limit = self.timeout.total_seconds()
-        while True:
-            time.sleep(min(1.0, limit / 10))
+        while not self._closed.wait(min(1.0, limit / 10)):
             started = self._started
             if started and time.monotonic() - started[0] > limit and not started[2].done():
-                started[2].set_exception(RuntimeError(
-                    f"rank {self.rank()}: MPI {_describe(started[1])} did not complete within {self.timeout}; a peer rank is "
-                    "gone or stuck"))
+                started[2].set_exception(RuntimeError(f"rank {self.rank()}: MPI {_describe(started[1])} {self._timed_out()}"))
+
+    def _timed_out(self) -> str:
+        return f"did not complete within {self.timeout}; a peer rank is gone or stuck"
 
     # -- collectives ------------------------------------------------------------------------------------
     def _reduce_buffers(self, tensor: torch.Tensor):
-        """(numpy buffer MPI reduces, a function that writes the result back into ``tensor``)."""
+        """(numpy buffer MPI reduces, a function that writes the result back into ``tensor`` or None)."""
         if tensor.dtype in _REDUCED_IN_FP32:
             work = tensor.float()
             return work.numpy(), lambda: tensor.copy_(work)
         if tensor.is_contiguous():
-            return tensor.numpy(), lambda: None
+            return tensor.numpy(), None
         work = tensor.contiguous()
         return work.numpy(), lambda: tensor.copy_(work)
 
     def _mpi_op(self, opts):
-        """(torch's reduce op, MPI's) for ``opts.reduceOp``; AVG is MPI's SUM, divided afterwards."""
-        op = _op_type(opts.reduceOp)
-        if op not in self._ops:
+        """(whether to divide by the size afterwards, MPI's op) for ``opts.reduceOp``; AVG is MPI's SUM."""
+        op = opts.reduceOp.op
+        if op == _SUM:  # the common case, without hashing the op
+            return False, self.MPI.SUM
+        mpi_op = self._ops.get(op)
+        if mpi_op is None:
             raise ConfigError(f"backend mpi: reduce op {op} is not supported; use SUM, AVG, MAX, MIN or PRODUCT")
-        return op, self._ops[op]
+        return op == _AVG, mpi_op
 
     def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
-        op, mpi_op = self._mpi_op(opts)
+        avg, mpi_op = self._mpi_op(opts)
 
-        def run():
+        def run(inline):
             for t in tensors:
                 buf, write_back = self._reduce_buffers(t)
-                self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
-                if op == dist.ReduceOp.AVG:
+                self._call(inline, "Allreduce", self.MPI.IN_PLACE, buf, op=mpi_op)
+                if avg:
                     buf /= self.size()
-                write_back()
-            return tensors
-
-        return self._submit(run, ("allreduce", tensors))
-
-    def reduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
-        (op, mpi_op), root = self._mpi_op(opts), opts.rootRank
-
-        def run():
-            for t in tensors:
-                buf, write_back = self._reduce_buffers(t)
-                send = self.MPI.IN_PLACE if self.comm.Get_rank() == root else buf
-                self.comm.Reduce(send, buf if self.comm.Get_rank() == root else None, op=mpi_op, root=root)
-                if self.comm.Get_rank() == root:
-                    if op == dist.ReduceOp.AVG:
-                        buf /= self.size()
+                if write_back:
                     write_back()
             return tensors
 
-        return self._submit(run, ("reduce", tensors))
+        return self._submit(run, ("allreduce", tensors), _nbytes(tensors))
+
+    def reduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        (avg, mpi_op), root = self._mpi_op(opts), opts.rootRank
+
+        def run(inline):
+            for t in tensors:
+                buf, write_back = self._reduce_buffers(t)
+                send = self.MPI.IN_PLACE if self.comm.Get_rank() == root else buf
+                self._call(inline, "Reduce", send, buf if self.comm.Get_rank() == root else None, op=mpi_op, root=root)
+                if self.comm.Get_rank() == root:
+                    if avg:
+                        buf /= self.size()
+                    if write_back:
+                        write_back()
+            return tensors
+
+        return self._submit(run, ("reduce", tensors), _nbytes(tensors))
 
     def broadcast(self, tensors: list[torch.Tensor], opts) -> dist.Work:
         root = opts.rootRank
 
-        def run():
+        def run(inline):
             for t in tensors:
                 buf, write_back = self._reduce_buffers(t) if t.dtype not in _REDUCED_IN_FP32 else \
-                    (t.view(torch.int16).numpy(), lambda: None)
-                self.comm.Bcast(buf, root=root)
-                write_back()
+                    (t.view(torch.int16).numpy(), None)
+                self._call(inline, "Bcast", buf, root=root)
+                if write_back:
+                    write_back()
             return tensors
 
-        return self._submit(run, f"broadcast from rank {root}")
+        return self._submit(run, f"broadcast from rank {root}", _nbytes(tensors))
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
-        def run():
+        def run(inline):
             for outs, inp in zip(outputs, inputs):
                 flat = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
-                self.comm.Allgather(_raw(inp.contiguous()), _raw(flat))
+                self._call(inline, "Allgather", _raw(inp.contiguous()), _raw(flat))
                 for r, out in enumerate(outs):
                     out.copy_(flat[r])
             return outputs
 
-        return self._submit(run, "allgather")
+        return self._submit(run, "allgather", _nbytes(inputs) * self.size())
 
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> dist.Work:
-        def run():
-            self.comm.Allgather(_raw(inp.contiguous()), _raw(output))
+        def run(inline):
+            self._call(inline, "Allgather", _raw(inp.contiguous()), _raw(output))
             return [output]
 
-        return self._submit(run, "allgather")
+        return self._submit(run, "allgather", _nbytes([output]))
 
     def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts) -> dist.Work:
-        op, mpi_op = self._mpi_op(opts)
-        avg = op == dist.ReduceOp.AVG
+        avg, mpi_op = self._mpi_op(opts)
 
-        def run():
+        def run(inline):
             send = inp.float() if inp.dtype in _REDUCED_IN_FP32 else inp.contiguous()
             recv = torch.empty(output.shape, dtype=send.dtype)
-            self.comm.Reduce_scatter_block(send.numpy(), recv.numpy(), op=mpi_op)
+            self._call(inline, "Reduce_scatter_block", send.numpy(), recv.numpy(), op=mpi_op)
             output.copy_(recv / self.size() if avg else recv)
             return [output]
 
-        return self._submit(run, "reduce_scatter")
+        return self._submit(run, "reduce_scatter", _nbytes([inp]))
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts) -> dist.Work:
         def run():
@@ -249,10 +320,18 @@ class MPIProcessGroup(dist.ProcessGroup):
         return self._reduce_scatter_base(output, inp, opts)
 
     def barrier(self, opts=None) -> dist.Work:
-        return self._submit(lambda: self.comm.Barrier(), "barrier")
+        return self._submit(lambda inline: self._call(inline, "Barrier"), "barrier", 0)
 
     def shutdown(self) -> None:
+        """Stop the threads: after what is queued has run, and before the interpreter finalizes (a daemon
+        thread woken during finalization is unwound through C++ frames, which aborts the process)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
         self._queue.put(None)
+        for thread in self._threads:  # bounded: a thread stuck in a failed collective is left behind
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
 
 
 def _describe(what) -> str:
@@ -263,8 +342,8 @@ def _describe(what) -> str:
     return f"{name} of {sum(t.numel() for t in tensors)} elements ({', '.join(sorted({str(t.dtype) for t in tensors}))})"
 
 
-def _op_type(op) -> dist.ReduceOp.RedOpType:
-    return op.op if hasattr(op, "op") else op
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return tensors[0].nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors)
 
 
 def _raw(t: torch.Tensor):

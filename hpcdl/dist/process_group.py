@@ -8,6 +8,7 @@ gone, rank 0, which serves it, is the one lost.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -43,6 +44,10 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="hpcdl-heartbeat", daemon=True)
         self._thread.start()
+        # A daemon thread still inside a store call when the interpreter finalizes is unwound through
+        # torch's C++ frames, which aborts the process ("terminate called without an active exception"):
+        # stop it before that, also when the program never calls shutdown().
+        atexit.register(self.stop)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -71,6 +76,8 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._store.timeout.total_seconds())
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
