@@ -18,7 +18,7 @@ for step in range(6):
     g = torch.randn(100_500) * (1 + step)
     grads_sum += g.double()
     state.total_elements = state.sent_elements = 0
-    applied_sum += sparse_allreduce(state, 0, g.clone()).double() * world  # the hook returns the average
+    applied_sum += sparse_allreduce(state, 0, g.clone())[0].double() * world  # the hook returns the average
     sent.append(state.sent_elements)
     state.step += 1
 dist.all_reduce(grads_sum)

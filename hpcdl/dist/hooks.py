@@ -11,6 +11,8 @@
   rank picks the same top ``keep`` fraction, and only those are packed, all-reduced (in fp16 with
   ``fp16``) and scattered back. The rest stays in a local residual that the next step adds (error
   feedback), so no gradient is lost, only delayed. Dense for the first ``dense_warmup_epochs``.
+  :meth:`ChunkSparse.hold_back` makes the optimizer step leave the held-back positions alone (weights
+  and optimizer state), so that they move when their gradient is sent, not before.
 """
 
 from __future__ import annotations
@@ -96,18 +98,49 @@ class ChunkSparse:
     sent_elements: int = 0  # this step so far: gradient elements sent (dense or selected chunks)
     total_elements: int = 0  # this step so far: gradient elements in the buckets
     last_step_sent: tuple[int, int] = (0, 0)  # (sent, total) of the last complete step
+    sent: dict = dataclasses.field(default_factory=dict)  # parameter -> bool mask of what this step sent
     pool: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcdl-sparse"))
 
 
-def sparse_allreduce(state: ChunkSparse, key, grad: torch.Tensor) -> torch.Tensor:
-    """The averaged gradient ``chunk_sparse`` applies for one flat fp32 bucket ``grad`` (in place)."""
+    def hold_back(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` keep the weights and per-element state (momentum, moments) of every
+        position whose gradient this step held back in the residual.
+
+        Without it, an optimizer that decays weights or normalizes per layer (LARS: a layer whose
+        gradient was all held back gets its whole trust-ratio step from weight decay alone) shrinks what
+        it has not been told about; the held positions move when their gradient is sent.
+        """
+        saved: dict = {}
+
+        def before(opt, args, kwargs):
+            saved.clear()
+            for p, sent in self.sent.items():
+                state = {k: v.clone() for k, v in opt.state.get(p, {}).items()
+                         if torch.is_tensor(v) and v.shape == p.shape}
+                saved[p] = (sent, p.detach().clone(), state)
+
+        def after(opt, args, kwargs):
+            with torch.no_grad():
+                for p, (sent, weights, state) in saved.items():
+                    p.copy_(torch.where(sent, p, weights))
+                    for k, v in state.items():
+                        opt.state[p][k].copy_(torch.where(sent, opt.state[p][k], v))
+            saved.clear()
+
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
+
+
+def sparse_allreduce(state: ChunkSparse, key, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the averaged gradient ``chunk_sparse`` applies for one flat fp32 bucket ``grad``, in place; the
+    bool mask of the elements sent, None when all were)."""
     world = dist.get_world_size(state.group)
     state.total_elements += grad.numel()
     if state.step < state.dense_steps:
         dist.all_reduce(grad, group=state.group)
         state.sent_elements += grad.numel()
-        return grad.div_(world)
+        return grad.div_(world), None
     acc = grad + state.residuals[key] if key in state.residuals else grad.clone()
     n, c = acc.numel(), state.chunk
     chunks = torch.nn.functional.pad(acc, (0, (-n) % c)).view(-1, c)
@@ -122,16 +155,25 @@ def sparse_allreduce(state: ChunkSparse, key, grad: torch.Tensor) -> torch.Tenso
     state.residuals[key] = chunks.view(-1)[:n].clone()
     out = torch.zeros_like(chunks)
     out[picked] = wire.float() / world
-    return grad.copy_(out.view(-1)[:n])
+    sent = torch.zeros(len(chunks), dtype=torch.bool)
+    sent[picked] = True
+    return grad.copy_(out.view(-1)[:n]), sent.repeat_interleave(c)[:n]
 
 
 def _chunk_sparse(state: ChunkSparse, bucket: dist.GradBucket) -> torch.futures.Future:
     tensor, key, last = bucket.buffer(), bucket.index(), bucket.is_last()
+    params = bucket.parameters()
     future: torch.futures.Future = torch.futures.Future()
 
     def run():
         try:
-            future.set_result(sparse_allreduce(state, key, tensor))
+            grad, sent = sparse_allreduce(state, key, tensor)
+            for p, part in zip(params, (sent.split([p.numel() for p in params]) if sent is not None else ())):
+                state.sent[p] = part.view(p.shape)
+            if sent is None:
+                for p in params:
+                    state.sent.pop(p, None)
+            future.set_result(grad)
             if last:
                 state.last_step_sent = (state.sent_elements, state.total_elements)
                 state.sent_elements = state.total_elements = 0

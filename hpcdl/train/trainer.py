@@ -141,6 +141,8 @@ class Trainer:
         sparse = ChunkSparse(keep=sync.keep, chunk=sync.chunk, fp16=sync.fp16, step=self.step,
                              dense_steps=round(sync.dense_warmup_epochs * self.cfg.schedule.steps_per_epoch)) \
             if sync.hook == "chunk_sparse" else None
+        if sparse is not None:
+            sparse.hold_back(self.optimizer)
         net, comm = data_parallel(self.model, self.ctx.env, self.ctx.group, hook=sync.hook, backend=self.ctx.backend.name,
                                   bucket_cap_mb=sync.bucket_cap_mb, sparse=sparse)
         self.compile_note = "compile: off"
@@ -332,8 +334,9 @@ class Trainer:
             f"backend {ctx.backend.name}; {ctx.cpu.threads} threads per rank; allocator {allocator_in_use()}",
             f"precision {self.precision} ({self.precision_why}); channels_last {cfg.loop.channels_last}",
             self.ipex_note, self.compile_note, f"gradient sync: DDP, buckets of {cfg.sync.bucket_cap_mb:g} MB, comm hook {cfg.sync.hook}"
-            + (f" (keep {cfg.sync.keep:g} of {cfg.sync.chunk}-element chunks after {cfg.sync.dense_warmup_epochs:g} dense "
-               "epochs; residuals are not checkpointed)" if cfg.sync.hook == "chunk_sparse" else ""),
+            + (f" (keep {cfg.sync.keep:g} of {cfg.sync.chunk}-element chunks{', fp16 on the wire' if cfg.sync.fp16 else ''} "
+               f"after {cfg.sync.dense_warmup_epochs:g} dense epochs; residuals are not checkpointed)"
+               if cfg.sync.hook == "chunk_sparse" else ""),
         ]
         for line in lines:
             log.info("%s", line)
