@@ -201,11 +201,13 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
     from hpcdl.dist.process_group import init_distributed, shutdown
     from hpcdl.perf.sync import SyncBenchConfig, bench, format_report
 
-    cfg = SyncBenchConfig(model=args.model, backend=args.backend, bucket_cap_mb=args.bucket_cap_mb, rounds=args.rounds,
-                          scaling_model=args.scaling_model, scaling_batch=args.scaling_batch,
-                          scaling_steps=args.scaling_steps)
+    caps = {k: v for k, v in (("bucket_cap_mb", args.bucket_cap_mb), ("first_bucket_mb", args.first_bucket_mb))
+            if v is not None}
+    cfg = SyncBenchConfig(model=args.model, backend=args.backend, rounds=args.rounds, scaling_model=args.scaling_model,
+                          scaling_batch=args.scaling_batch, scaling_steps=args.scaling_steps,
+                          buckets=tuple(filter(None, args.buckets.split(","))), **caps)
     ctx = init_distributed(cfg.backend)
-    report = bench(cfg, ctx.group)
+    report = bench(cfg, ctx.env, ctx.group)
     if report is not None:
         sys.stdout.write(format_report(report))
         if args.json:
@@ -352,11 +354,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("sync", help="a model's gradient set: per-tensor vs fused vs one flat all-reduce (run on a job's ranks)")
     p.add_argument("--model", default="resnet50")
     p.add_argument("--backend", default="auto", help="auto | gloo | ccl | mpi")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--bucket-cap-mb", type=float, help="hpcdl's DDP: the bucket cap (default: sync.bucket_cap_mb)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--scaling-model", default="alexnet_bn", help="weak scaling: this model, 1 rank vs all")
     p.add_argument("--scaling-batch", type=int, default=32, help="weak scaling: images per rank")
     p.add_argument("--scaling-steps", type=int, default=3, help="weak scaling: steps per measurement (0: skip)")
+    p.add_argument("--first-bucket-mb", type=float,
+                   help="hpcdl's DDP: the first bucket's cap (default: sync.first_bucket_mb)")
+    p.add_argument("--buckets", default="", metavar="FIRST:CAP,...",
+                   help="bucket sweep of the scaling model's DDP step, e.g. 25,1:25,5,100 (MB; default: skip)")
     p.add_argument("--json", help="also write the report here")
     p.set_defaults(fn=cmd_bench_sync)
 

@@ -71,6 +71,8 @@ class SyncConfig:
 
     hook: str = "none"  # none | fp16 | bf16 | hierarchical | chunk_sparse
     bucket_cap_mb: float = 25.0  # DDP bucket size: gradients are all-reduced in buckets of this many MB
+    first_bucket_mb: float | None = None  # the first bucket's (last layers, ready first); None: bucket_cap_mb
+    gradient_as_bucket_view: bool = True  # gradients live in DDP's buckets: no copy in or out
     keep: float = 0.1  # chunk_sparse: the fraction of chunks sent each step
     chunk: int = 32768  # chunk_sparse: elements per chunk
     dense_warmup_epochs: float = 1.0  # chunk_sparse: all-reduce densely this long first
@@ -81,9 +83,9 @@ class SyncConfig:
 
         if self.hook not in HOOKS:
             raise ConfigError(f"sync.hook={self.hook!r}; choose one of {', '.join(HOOKS)}")
-        if not 0 < self.keep <= 1 or self.chunk < 1 or self.bucket_cap_mb <= 0:
-            raise ConfigError(f"sync: keep={self.keep} must lie in (0, 1], chunk={self.chunk} >= 1 and "
-                              f"bucket_cap_mb={self.bucket_cap_mb} > 0")
+        if not 0 < self.keep <= 1 or self.chunk < 1 or self.bucket_cap_mb <= 0 or (self.first_bucket_mb or 1) <= 0:
+            raise ConfigError(f"sync: keep={self.keep} must lie in (0, 1], chunk={self.chunk} >= 1, "
+                              f"bucket_cap_mb={self.bucket_cap_mb} > 0 and first_bucket_mb={self.first_bucket_mb} > 0")
 
 
 @dataclass(kw_only=True, slots=True)

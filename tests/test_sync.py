@@ -66,8 +66,8 @@ def test_bench_sync_reports_every_path(mpiexec, tmp_path):
     report = tmp_path / "sync.json"
     run = subprocess.run([mpiexec, "-n", "2", PYTHON, "-m", "hpcdl", "bench", "sync", "--backend", "mpi", "--model",
                           "resnet18", "--rounds", "2", "--scaling-model", "tiny_cnn", "--scaling-batch", "8",
-                          "--scaling-steps", "2", "--json", str(report)], capture_output=True, text=True, env=env,
-                         timeout=180)
+                          "--scaling-steps", "2", "--buckets", "25,0.05:25", "--json", str(report)],
+                         capture_output=True, text=True, env=env, timeout=180)
     assert run.returncode == 0, run.stderr
     r = json.loads(report.read_text())
     assert set(r["ms"]) == {"per-tensor", "fused", "flat", "fused fp16", "raw mpi4py"}
@@ -75,6 +75,12 @@ def test_bench_sync_reports_every_path(mpiexec, tmp_path):
     assert set(r["latency_us"]) == {"torch.distributed", "raw mpi4py"} and "fused / flat:" in run.stdout
     w = r["scaling"]
     assert w["ranks"] == 2 and w["s_per_step_1"] > 0 and w["s_per_step_n"] > 0 and "efficiency" in run.stdout
+    hooks = r["hooks"]
+    assert set(hooks) == {"none", "fp16", "bf16", "hierarchical", "chunk_sparse"} and all(h["ms"] > 0 for h in hooks.values())
+    full = r["parameters"] * 4 / 2 ** 20
+    assert hooks["none"]["mb_sent"] == full and hooks["fp16"]["mb_sent"] == full / 2
+    assert 0.05 * full < hooks["chunk_sparse"]["mb_sent"] < 0.15 * full  # keep 0.1 of the chunks, plus their norms
+    assert set(r["bucket_sweep"]) == {"25", "0.05:25"} and "bucket sweep" in run.stdout
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +142,15 @@ def test_hold_back_leaves_unsent_positions_to_a_later_step():
     assert not torch.equal(w[sent], w_before[sent])
     free, _, (free_before, _), _ = stepped(hold=False)
     assert (free[~sent] != free_before[~sent]).all()  # without it, momentum and weight decay move every position
+
+
+def test_first_bucket_mb_caps_the_first_bucket(mpiexec, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    run = subprocess.run([mpiexec, "-n", "2", PYTHON, str(REPO / "tests" / "bucket_ranks.py"), str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    found = json.loads((tmp_path / "buckets.json").read_text())
+    # 0.02 MB buckets: the last layer and the first layer's bias (11,304 B) stay below the cap, so the first
+    # layer's 65,536 B weight joins them; a 0.005 MB first bucket closes after the last layer (10,280 B).
+    assert found["None"] == [76_840]
+    assert found["0.005"] == [10_280, 66_560]

@@ -99,6 +99,7 @@ class ChunkSparse:
     total_elements: int = 0  # this step so far: gradient elements in the buckets
     last_step_sent: tuple[int, int] = (0, 0)  # (sent, total) of the last complete step
     sent: dict = dataclasses.field(default_factory=dict)  # parameter -> bool mask of what this step sent
+    bucketed: bool = False  # DDP's first step is over: it rebuilds its buckets after it, so that one is dense
     pool: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcdl-sparse"))
 
@@ -132,12 +133,13 @@ class ChunkSparse:
         optimizer.register_step_post_hook(after)
 
 
-def sparse_allreduce(state: ChunkSparse, key, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sparse_allreduce(state: ChunkSparse, key, grad: torch.Tensor,
+                     dense: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the averaged gradient ``chunk_sparse`` applies for one flat fp32 bucket ``grad``, in place; the
-    bool mask of the elements sent, None when all were)."""
+    bool mask of the elements sent, None when all were, as during ``dense_steps`` or when ``dense``)."""
     world = dist.get_world_size(state.group)
     state.total_elements += grad.numel()
-    if state.step < state.dense_steps:
+    if dense or state.step < state.dense_steps:
         dist.all_reduce(grad, group=state.group)
         state.sent_elements += grad.numel()
         return grad.div_(world), None
@@ -167,7 +169,8 @@ def _chunk_sparse(state: ChunkSparse, bucket: dist.GradBucket) -> torch.futures.
 
     def run():
         try:
-            grad, sent = sparse_allreduce(state, key, tensor)
+            # Residuals belong to a bucket layout, and DDP's first step (also after a resume) has another.
+            grad, sent = sparse_allreduce(state, key, tensor, dense=not state.bucketed)
             for p, part in zip(params, (sent.split([p.numel() for p in params]) if sent is not None else ())):
                 state.sent[p] = part.view(p.shape)
             if sent is None:
@@ -178,6 +181,7 @@ def _chunk_sparse(state: ChunkSparse, bucket: dist.GradBucket) -> torch.futures.
                 state.last_step_sent = (state.sent_elements, state.total_elements)
                 state.sent_elements = state.total_elements = 0
                 state.step += 1
+                state.bucketed = True
         except Exception as exc:
             future.set_exception(exc)
 

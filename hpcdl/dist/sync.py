@@ -8,9 +8,12 @@ computation did not hide (``exposed``).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import time
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -49,13 +52,36 @@ def _timed(timer: CommTimer, bucket):
 
 
 def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str = "none", backend: str | None = None,
-                  bucket_cap_mb: float = 25.0, sparse=None) -> tuple[torch.nn.Module, CommTimer | None]:
+                  bucket_cap_mb: float = 25.0, first_bucket_mb: float | None = None,
+                  gradient_as_bucket_view: bool = True, sparse=None) -> tuple[torch.nn.Module, CommTimer | None]:
     """``model`` wrapped in DDP over ``group``, its buckets reduced by ``hook`` (:mod:`hpcdl.dist.hooks`)
-    and timed; on one rank, ``model`` itself."""
+    and timed; on one rank, ``model`` itself.
+
+    ``first_bucket_mb`` caps the first bucket (the last layers' gradients, ready first) below
+    ``bucket_cap_mb`` so that communication starts sooner; ``None``: the same cap as the others.
+    """
     if env.world_size == 1:
         return model, None
-    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
-                                  gradient_as_bucket_view=True)
+    with _first_bucket(bucket_cap_mb, first_bucket_mb) as caps:
+        ddp = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=gradient_as_bucket_view,
+                                      **caps)
     timer = CommTimer(*make_hook(hook, env, group, backend, sparse))
     ddp.register_comm_hook(timer, _timed)
     return ddp, timer
+
+
+@contextlib.contextmanager
+def _first_bucket(cap_mb: float, first_mb: float | None):
+    """DDP's bucket-size arguments. torch >= 2.10 takes per-bucket caps (the last repeats) and gives the
+    first bucket ``bucket_cap_mb`` when that is set; earlier releases read the first bucket's cap from
+    ``dist._DEFAULT_FIRST_BUCKET_BYTES`` when DDP is built."""
+    first_mb = cap_mb if first_mb is None else min(first_mb, cap_mb)
+    if "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel).parameters:
+        yield {"bucket_cap_mb_list": [first_mb, cap_mb]} if first_mb < cap_mb else {"bucket_cap_mb": cap_mb}
+        return
+    default = dist._DEFAULT_FIRST_BUCKET_BYTES
+    dist._DEFAULT_FIRST_BUCKET_BYTES = int(first_mb * 2 ** 20)
+    try:
+        yield {"bucket_cap_mb": cap_mb}
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = default

@@ -10,9 +10,15 @@ Run it on the ranks of a job (mpiexec, srun, torchrun). The gradients have the m
 - ``fused fp16``: the fused path with each bucket cast to fp16, all-reduced and cast back (the ``fp16`` hook);
 - ``raw mpi4py`` (``--backend mpi`` only): one ``Allreduce`` of the same bytes straight from mpi4py.
 
+Then each comm hook (``sync.hook``) through DDP on the same gradient set: a module with the model's
+parameter shapes whose backward yields random gradients at once, so that the time is the hook's sync
+(and DDP's bucketing), with the bytes each rank sends per step.
+
 It also times a one-float all-reduce (small-message latency), through torch.distributed and, with
-``--backend mpi``, through raw mpi4py; and weak scaling: ``scaling_model`` trained at the same per-rank
-batch by rank 0 alone (the other ranks wait) and by all ranks with DDP, efficiency = t(1) / t(N).
+``--backend mpi``, through raw mpi4py; weak scaling: ``scaling_model`` trained at the same per-rank
+batch by rank 0 alone (the other ranks wait) and by all ranks with hpcdl's DDP, efficiency = t(1) / t(N);
+and a bucket-size sweep: that DDP training step for each ``FIRST:CAP`` in ``buckets`` (MB), alternating
+rounds, which is how ``sync.bucket_cap_mb`` and ``sync.first_bucket_mb`` got their defaults.
 Launch it with one core per rank (e.g. ``srun --cpus-per-task=1``); the ranks' threads follow hpcdl's
 CPU plan.
 """
@@ -26,19 +32,29 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpcdl.config import SyncConfig
+from hpcdl.dist.env import RankEnv
+from hpcdl.dist.hooks import ChunkSparse
+from hpcdl.dist.sync import data_parallel
 from hpcdl.models import build_model
+
+_SYNC = SyncConfig()  # the training defaults
 
 
 @dataclass(kw_only=True, slots=True)
 class SyncBenchConfig:
     model: str = "resnet50"
     backend: str = "auto"
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = _SYNC.bucket_cap_mb
     rounds: int = 5
     latency_iters: int = 2000
     scaling_model: str = "alexnet_bn"
     scaling_batch: int = 32  # per rank
     scaling_steps: int = 3  # per measurement, after one warm-up step (0: no scaling measurement)
+    hooks: tuple[str, ...] = ("none", "fp16", "bf16", "hierarchical", "chunk_sparse")
+    buckets: tuple[str, ...] = ()  # FIRST:CAP or CAP (MB) for the sweep; () skips it
+    sweep_rounds: int = 3
+    first_bucket_mb: float | None = _SYNC.first_bucket_mb
 
 
 def _buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
@@ -71,7 +87,7 @@ def _time(fn, rounds: int, group) -> list[float]:
     return out
 
 
-def bench(cfg: SyncBenchConfig, group=None) -> dict:
+def bench(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
     """Rank 0 gets the report; the other ranks get None."""
     torch.manual_seed(dist.get_rank())
     grads = [torch.randn_like(p) for p in build_model(cfg.model).parameters()]
@@ -99,13 +115,71 @@ def bench(cfg: SyncBenchConfig, group=None) -> dict:
               "world_size": dist.get_world_size(group), "backend": dist.get_backend(group), "ms": median,
               "rounds_ms": times, "fused_vs_flat": median["fused"] / median["flat"],
               "latency_us": _latency(cfg.latency_iters, group, mpi)}
+    report["hooks"] = hook_rows(cfg, env, group)
     if cfg.scaling_steps:
-        report["scaling"] = weak_scaling(cfg, group)
+        report["scaling"] = weak_scaling(cfg, env, group)
+    if cfg.buckets:
+        report["bucket_sweep"] = bucket_sweep(cfg, env, group)
     return report if dist.get_rank() == 0 else None
 
 
-def weak_scaling(cfg: SyncBenchConfig, group=None) -> dict:
-    """Seconds per step of rank 0 alone and of all ranks under DDP, same per-rank batch; efficiency."""
+class _Emit(torch.autograd.Function):
+    """Backward hands each parameter its fixed gradient: no arithmetic, so DDP's sync is all there is."""
+
+    @staticmethod
+    def forward(ctx, noise, *params):
+        ctx.noise = noise
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.noise)
+
+
+class _GradientSet(torch.nn.Module):
+    """The model's parameter shapes; backward gives each a fixed random gradient at once."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros_like(p)) for p in model.parameters())
+        self.noise = [torch.randn_like(p) for p in model.parameters()]
+
+    def forward(self) -> torch.Tensor:
+        return _Emit.apply(self.noise, *self.weights)
+
+
+def hook_rows(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
+    """For each hook: median ms per DDP sync of the gradient set, and MB each rank sends per step."""
+    model = build_model(cfg.model)
+    parameters = sum(p.numel() for p in model.parameters())
+    nets, sent = {}, {}
+    for hook in cfg.hooks:  # a module each: DDP hooks its parameters
+        torch.manual_seed(dist.get_rank())
+        sparse = ChunkSparse(keep=_SYNC.keep, chunk=_SYNC.chunk) if hook == "chunk_sparse" else None
+        nets[hook], _ = data_parallel(_GradientSet(model), env, group, hook=hook, backend=dist.get_backend(group),
+                                      bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb, sparse=sparse)
+        sent[hook] = sparse
+
+    def sync(net):
+        net().backward()
+        net.zero_grad(set_to_none=False)
+
+    for net in nets.values():
+        sync(net)  # warm-up; DDP builds its buckets
+    times = {hook: [] for hook in nets}
+    for _ in range(cfg.rounds):
+        for hook, net in nets.items():
+            times[hook] += _time(lambda: sync(net), 1, group)
+    rows = {}
+    for hook in nets:
+        elements = sent[hook].last_step_sent[0] if sent[hook] else parameters
+        size = 2 if hook in ("fp16", "bf16") or (hook == "chunk_sparse" and sent[hook].fp16) else 4
+        rows[hook] = {"ms": statistics.median(times[hook]), "mb_sent": elements * size / 2 ** 20}
+    return rows
+
+
+def _train_steps(cfg: SyncBenchConfig):
+    """(a fresh ``scaling_model``, a function timing n training steps of a net over it)."""
     from hpcdl.models import MODELS
 
     torch.manual_seed(0)
@@ -122,12 +196,18 @@ def weak_scaling(cfg: SyncBenchConfig, group=None) -> dict:
             opt.zero_grad(set_to_none=True)
         return (time.perf_counter() - t0) / max(n, 1)
 
+    return model, steps
+
+
+def weak_scaling(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
+    """Seconds per step of rank 0 alone and of all ranks under hpcdl's DDP, same per-rank batch; efficiency."""
+    model, steps = _train_steps(cfg)
     alone = None
     if dist.get_rank(group) == 0:
         steps(model, 1)
         alone = steps(model, cfg.scaling_steps)
     dist.barrier(group=group)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True)
+    ddp, _ = data_parallel(model, env, group, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb)
     steps(ddp, 1)
     dist.barrier(group=group)
     together = steps(ddp, cfg.scaling_steps)
@@ -135,6 +215,24 @@ def weak_scaling(cfg: SyncBenchConfig, group=None) -> dict:
     return {"model": cfg.scaling_model, "batch_per_rank": cfg.scaling_batch, "threads": torch.get_num_threads(),
             "s_per_step_1": alone, "s_per_step_n": together, "ranks": world,
             "efficiency": alone / together if alone else None}
+
+
+def bucket_sweep(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
+    """Median seconds per DDP training step of ``scaling_model`` for each ``FIRST:CAP`` (MB) in ``buckets``."""
+    nets, steps = {}, None
+    for spec in cfg.buckets:
+        first, _, cap = spec.rpartition(":")
+        model, steps_of = _train_steps(cfg)
+        nets[spec] = (data_parallel(model, env, group, bucket_cap_mb=float(cap),
+                                    first_bucket_mb=float(first) if first else None)[0], steps_of)
+    for net, steps in nets.values():
+        steps(net, 1)  # warm-up; DDP rebuilds its buckets after the first step
+    times = {spec: [] for spec in nets}
+    for _ in range(cfg.sweep_rounds):
+        for spec, (net, steps) in nets.items():
+            dist.barrier(group=group)
+            times[spec].append(steps(net, cfg.scaling_steps))
+    return {spec: statistics.median(t) for spec, t in times.items()}
 
 
 def _raw_mpi():
@@ -165,9 +263,18 @@ def format_report(r: dict) -> str:
              *(f"  {name:12s} {ms:9.1f} ms  ({ms / r['ms']['flat']:.2f}x flat)" for name, ms in r["ms"].items()),
              f"  fused / flat: {r['fused_vs_flat']:.2f}x",
              "one-float all-reduce: " + ", ".join(f"{k} {v:.1f} us" for k, v in r["latency_us"].items())]
+    base = r["hooks"].get("none", {}).get("ms")
+    lines.append("DDP sync of the same gradients, by comm hook (sync.hook): ms, MB sent per rank per step")
+    lines += [f"  {hook:12s} {row['ms']:9.1f} ms" + (f"  ({row['ms'] / base:.2f}x none)" if base else "")
+              + f"  {row['mb_sent']:8.1f} MB" for hook, row in r["hooks"].items()]
     if "scaling" in r:
         w = r["scaling"]
         lines.append(f"weak scaling, {w['model']} at batch {w['batch_per_rank']} per rank, {w['threads']} threads per "
                      f"rank: 1 rank {w['s_per_step_1']:.3f} s/step, {w['ranks']} ranks {w['s_per_step_n']:.3f} s/step, "
                      f"efficiency {100 * w['efficiency']:.1f}%")
+    if "bucket_sweep" in r:
+        best = min(r["bucket_sweep"].values())
+        lines.append(f"bucket sweep, {r['scaling']['model'] if 'scaling' in r else 'scaling model'}: s per DDP step by "
+                     "FIRST:CAP (MB; CAP alone: the first bucket as big)")
+        lines += [f"  {spec:10s} {t:.3f} s  ({t / best:.2f}x best)" for spec, t in r["bucket_sweep"].items()]
     return "\n".join(lines) + "\n"

@@ -144,7 +144,8 @@ class Trainer:
         if sparse is not None:
             sparse.hold_back(self.optimizer)
         net, comm = data_parallel(self.model, self.ctx.env, self.ctx.group, hook=sync.hook, backend=self.ctx.backend.name,
-                                  bucket_cap_mb=sync.bucket_cap_mb, sparse=sparse)
+                                  bucket_cap_mb=sync.bucket_cap_mb, first_bucket_mb=sync.first_bucket_mb,
+                                  gradient_as_bucket_view=sync.gradient_as_bucket_view, sparse=sparse)
         self.compile_note = "compile: off"
         if self.cfg.loop.compile:
             net, self.compile_note = torch.compile(net), "compile: torch.compile (the first steps compile)"
@@ -333,7 +334,9 @@ class Trainer:
             f"{self.last_step} steps to run of {s.total_steps}; peak lr {s.peak_lr:.5g}",
             f"backend {ctx.backend.name}; {ctx.cpu.threads} threads per rank; allocator {allocator_in_use()}",
             f"precision {self.precision} ({self.precision_why}); channels_last {cfg.loop.channels_last}",
-            self.ipex_note, self.compile_note, f"gradient sync: DDP, buckets of {cfg.sync.bucket_cap_mb:g} MB, comm hook {cfg.sync.hook}"
+            self.ipex_note, self.compile_note, f"gradient sync: DDP, buckets of {cfg.sync.bucket_cap_mb:g} MB"
+            + (f" (the first {cfg.sync.first_bucket_mb:g} MB)" if cfg.sync.first_bucket_mb else "")
+            + f", comm hook {cfg.sync.hook}"
             + (f" (keep {cfg.sync.keep:g} of {cfg.sync.chunk}-element chunks{', fp16 on the wire' if cfg.sync.fp16 else ''} "
                f"after {cfg.sync.dense_warmup_epochs:g} dense epochs; residuals are not checkpointed)"
                if cfg.sync.hook == "chunk_sparse" else ""),
