@@ -15,7 +15,7 @@ $(VENV)/.installed: setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev,mpi]' mpich
+	$(PY) -m pip install -q -e '.[dev,mpi,plot]' mpich
 	touch $@
 
 venv: $(VENV)/.installed

@@ -21,6 +21,7 @@ setup(
     ],
     extras_require={
         "mpi": ["mpi4py>=3.1"],
+        "plot": ["matplotlib>=3.7"],  # hpcdl timeline render
         # IPEX is archived; its last release, 2.8, needs torch 2.8.* exactly.
         "ipex": ["intel-extension-for-pytorch==2.8.*", "torch==2.8.*"],
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn>=1.2"],  # sklearn: the digits of bench large-batch

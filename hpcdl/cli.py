@@ -219,9 +219,12 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from hpcdl.train.timeline import merge
+    from hpcdl.train.timeline import merge, render
 
-    print(merge(args.run_dir))
+    if args.action == "merge":
+        print(merge(args.run_dir))
+    else:
+        print(render(args.trace, args.out, steps=args.steps, skip=args.skip))
     return 0
 
 
@@ -427,6 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
     timeline = sub.add_parser("timeline", help="per-rank trace timelines").add_subparsers(dest="action", required=True)
     p = timeline.add_parser("merge", help="all ranks' spans as RUN_DIR/timeline.json (chrome://tracing, Perfetto)")
     p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_timeline)
+    p = timeline.add_parser("render", help="a PNG of a merged trace's steps (needs matplotlib: hpcdl[plot])")
+    p.add_argument("trace", help="a merged trace (RUN_DIR/timeline.json)")
+    p.add_argument("--out", required=True, help="the PNG to write")
+    p.add_argument("--steps", type=int, default=1, help="training steps to show")
+    p.add_argument("--skip", type=int, default=2, help="steps to skip first (start-up)")
     p.set_defaults(fn=cmd_timeline)
 
     sub.add_parser("env", help="print this process's rank discovery as JSON").set_defaults(fn=cmd_env)

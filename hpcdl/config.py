@@ -70,8 +70,10 @@ class SyncConfig:
     """Gradient synchronization (hpcdl.dist.sync, hpcdl.dist.hooks)."""
 
     hook: str = "none"  # none | fp16 | bf16 | hierarchical | chunk_sparse
-    bucket_cap_mb: float = 25.0  # DDP bucket size: gradients are all-reduced in buckets of this many MB
-    first_bucket_mb: float | None = None  # the first bucket's (last layers, ready first); None: bucket_cap_mb
+    # DDP's buckets: gradients are all-reduced in buckets of bucket_cap_mb MB, the first (the last layers,
+    # ready first) of first_bucket_mb (None: bucket_cap_mb). Measured: docs/communication.md, bucket sweep.
+    bucket_cap_mb: float = 25.0
+    first_bucket_mb: float | None = 1.0
     gradient_as_bucket_view: bool = True  # gradients live in DDP's buckets: no copy in or out
     keep: float = 0.1  # chunk_sparse: the fraction of chunks sent each step
     chunk: int = 32768  # chunk_sparse: elements per chunk

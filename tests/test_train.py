@@ -255,3 +255,9 @@ def test_timeline_of_two_ranks_shows_communication_inside_backward(data, tmp_pat
         assert len(backward) == 4 and len(comm) >= 4
         # some bucket's all-reduce started and finished while its backward was still running
         assert any(b["ts"] < c["ts"] and c["ts"] + c["dur"] < b["ts"] + b["dur"] for b in backward for c in comm)
+    picture = tmp_path / "timeline.png"
+    rendered = hpcdl("timeline", "render", run / "timeline.json", "--out", picture, "--skip", "2")
+    assert rendered.returncode == 0, rendered.stderr
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp.png"))
+    too_far = hpcdl("timeline", "render", run / "timeline.json", "--out", picture, "--skip", "9")
+    assert too_far.returncode != 0 and "rank 0 has 4 steps; render needs 10" in too_far.stderr

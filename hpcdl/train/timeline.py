@@ -56,3 +56,45 @@ def merge(run_dir: str) -> str:
     out = os.path.join(run_dir, "timeline.json")
     atomic_write_text(out, json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}) + "\n")
     return out
+
+
+def render(trace: str, out: str, steps: int = 1, skip: int = 2) -> str:
+    """A picture (PNG) of ``steps`` training steps of a merged trace, after the first ``skip``: one lane per
+    rank and thread (``step``, ``comm``), a box per span. Needs matplotlib (``pip install 'hpcdl[plot]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise DataError(f"hpcdl timeline render needs matplotlib ({exc}); pip install 'hpcdl[plot]'") from None
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    starts = sorted(e["ts"] for e in events if e["name"] == "forward" and e["pid"] == 0)
+    if len(starts) < skip + steps:
+        raise DataError(f"{trace}: rank 0 has {len(starts)} steps; render needs {skip + steps} (skip + steps)")
+    t0 = starts[skip]
+    t1 = starts[skip + steps] if len(starts) > skip + steps else max(e["ts"] + e["dur"] for e in events)
+    shown = [e for e in events if e["ts"] < t1 and e["ts"] + e["dur"] > t0]
+    lanes = sorted({(e["pid"], e["tid"]) for e in shown}, key=lambda k: (k[0], k[1] != "step"))
+    colors = {"data": "#bbbbbb", "forward": "#4c72b0", "backward": "#dd8452", "control": "#8172b3",
+              "optimizer": "#55a868", "comm": "#c44e52"}
+    fig, ax = plt.subplots(figsize=(10, 0.55 * len(lanes) + 1.2))
+    for e in shown:
+        y = lanes.index((e["pid"], e["tid"]))
+        kind = "comm" if e["tid"] == "comm" else e["name"]
+        ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y - 0.4, 0.8), facecolors=colors.get(kind, "#999999"),
+                       edgecolor="white", linewidth=0.5)
+    ax.set_yticks(range(len(lanes)), [f"rank {p} {t}" for p, t in lanes])
+    ax.invert_yaxis()
+    ax.set_xlim(0, (t1 - t0) / 1e3)
+    ax.set_xlabel("ms from the start of the step's forward")
+    ax.legend(handles=[matplotlib.patches.Patch(color=c, label="bucket all-reduce" if k == "comm" else k)
+                       for k, c in colors.items()], loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=6,
+              frameon=False)
+    fig.tight_layout()
+    tmp = f"{out}.tmp.png"
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
