@@ -56,6 +56,13 @@ def mpiexec():
     return str(exe)
 
 
+def mpi_run(mpiexec: str, *args, n: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``mpiexec -n N PYTHON ARGS...`` as a job of its own: without the launcher variables pytest runs under."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_", "PMI_"))}
+    return subprocess.run([mpiexec, "-n", str(n), PYTHON, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import PYTHON, start_ranks
+from conftest import PYTHON, REPO, free_port, rank_env, start_ranks
 
 QUICK = ["bench", "allreduce", "--max-bytes", "64K", "--seconds-per-size", "0.02", "--heartbeat", "0.5"]
 
@@ -69,3 +69,19 @@ def test_bad_arguments_exit_2_with_the_flag_named(tmp_path):
     run = subprocess.run([PYTHON, "-m", "hpcdl", "bench", "allreduce", "--min-bytes", "1M", "--max-bytes", "4K"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "--min-bytes" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("raised, expected", [
+    ("RuntimeError('mat1 and mat2 shapes cannot be multiplied')", "RuntimeError: mat1 and mat2 shapes"),
+    ("torch.distributed.DistBackendError('timed out')", "a collective failed on rank 0 while every rank's heartbeat"),
+])
+def test_fail_fast_names_collective_failures_and_lets_other_errors_through(tmp_path, raised, expected):
+    """A model's own RuntimeError, with every rank alive, must not be reported as a lost rank."""
+    code = ("import torch.distributed\n"
+            "from hpcdl.dist.process_group import fail_fast, init_distributed\n"
+            "ctx = init_distributed('gloo', heartbeat_s=0.2)\n"
+            f"with fail_fast(ctx):\n    raise {raised}\n")
+    run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and expected in run.stderr, run.stderr
+    assert ("RankLostError" in run.stderr) == raised.startswith("torch")

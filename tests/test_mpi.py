@@ -3,9 +3,8 @@ dtype, and DDP keeping replicas identical."""
 
 import json
 import os
-import subprocess
 
-from conftest import PYTHON, REPO
+from conftest import PYTHON, REPO, mpi_run
 
 EXPECTED = {  # 2 ranks: rank r contributes arange(6) + r
     "sum torch.float32": [1.0, 3.0, 5.0, 7.0, 9.0, 11.0], "sum torch.float64": [1.0, 3.0, 5.0, 7.0, 9.0, 11.0],
@@ -17,9 +16,7 @@ EXPECTED = {  # 2 ranks: rank r contributes arange(6) + r
 
 
 def test_mpi_backend_collectives_and_ddp_under_mpiexec(mpiexec, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    run = subprocess.run([mpiexec, "-n", "2", PYTHON, str(REPO / "tests" / "mpi_ranks.py"), str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    run = mpi_run(mpiexec, REPO / "tests" / "mpi_ranks.py", tmp_path)
     assert run.returncode == 0, run.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for found in ranks:
@@ -44,9 +41,7 @@ def test_mpi_backend_under_srun(slurm, tmp_path):
 
 
 def test_a_stuck_mpi_collective_fails_within_the_timeout_naming_the_rank(mpiexec, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    run = subprocess.run([mpiexec, "-n", "2", PYTHON, str(REPO / "tests" / "mpi_timeout_ranks.py"), str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    run = mpi_run(mpiexec, REPO / "tests" / "mpi_timeout_ranks.py", tmp_path)
     assert run.returncode == 0, run.stderr
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     assert "rank 0: MPI allreduce of 3 elements (torch.float32) did not complete within 0:00:02" in rank0["error"]

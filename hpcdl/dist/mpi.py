@@ -145,7 +145,7 @@ class MPIProcessGroup(dist.ProcessGroup):
             try:
                 result = fn(False)
             except Exception as exc:  # the MPI error goes to whoever waits on the Work
-                result = RuntimeError(f"rank {self.rank()}: MPI {_describe(what)} failed: {exc}")
+                result = dist.DistBackendError(f"rank {self.rank()}: MPI {_describe(what)} failed: {exc}")
             with self._lock:
                 self._queued -= 1
             self._started = None
@@ -170,7 +170,7 @@ class MPIProcessGroup(dist.ProcessGroup):
                     return _DoneWork(fn(True))
                 except Exception as exc:  # delivered by the Work, as from the thread
                     failed: Future = Future()
-                    failed.set_exception(RuntimeError(f"rank {self.rank()}: MPI {_describe(what)} " + (
+                    failed.set_exception(dist.DistBackendError(f"rank {self.rank()}: MPI {_describe(what)} " + (
                         self._timed_out() if isinstance(exc, TimeoutError) else f"failed: {exc}")))
                     return _Work(failed)
             self._queued += 1
@@ -202,7 +202,8 @@ class MPIProcessGroup(dist.ProcessGroup):
         while not self._closed.wait(min(1.0, limit / 10)):
             started = self._started
             if started and time.monotonic() - started[0] > limit and not started[2].done():
-                started[2].set_exception(RuntimeError(f"rank {self.rank()}: MPI {_describe(started[1])} {self._timed_out()}"))
+                started[2].set_exception(
+                    dist.DistBackendError(f"rank {self.rank()}: MPI {_describe(started[1])} {self._timed_out()}"))
 
     def _timed_out(self) -> str:
         return f"did not complete within {self.timeout}; a peer rank is gone or stuck"

@@ -171,14 +171,23 @@ def set_timeout(ctx: DistContext, timeout: timedelta) -> None:
 
 @contextlib.contextmanager
 def fail_fast(ctx: DistContext) -> Iterator[None]:
-    """Turn a failed collective into a :class:`RankLostError` that names the lost rank."""
+    """Turn a failed collective into a :class:`RankLostError` that names the lost rank.
+
+    A ``torch.distributed.DistError`` (timeouts, the MPI group's failures) is a collective's. gloo reports
+    a peer that died as a plain RuntimeError, like any bug in the model; that one becomes a RankLostError
+    only when the heartbeats show a rank or the store gone, and otherwise goes on as it was raised.
+    """
     try:
         yield
-    except RuntimeError as exc:  # torch.distributed.DistError is a RuntimeError
-        raise RankLostError(explain_failure(ctx, exc)) from exc
+    except RuntimeError as exc:
+        message = explain_failure(ctx, exc, collective=isinstance(exc, dist.DistError))
+        if message is None:
+            raise
+        raise RankLostError(message) from exc
 
 
-def explain_failure(ctx: DistContext, exc: BaseException) -> str:
+def explain_failure(ctx: DistContext, exc: BaseException, collective: bool = True) -> str | None:
+    """What went wrong, from the heartbeats; None when ``exc`` need not be a collective's and no rank is lost."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     lost = ctx.heartbeat.lost_ranks()
     if lost is None:
@@ -187,6 +196,8 @@ def explain_failure(ctx: DistContext, exc: BaseException) -> str:
     if lost:
         names = "; ".join(f"rank {r} ({ctx.heartbeat.who(r)})" for r in lost)
         return f"lost {names}: heartbeat stopped; rank {ctx.rank} stops. Collective error: {first}"
+    if not collective:
+        return None
     return (f"a collective failed on rank {ctx.rank} while every rank's heartbeat is alive (a rank stuck, or the "
             f"network): {first}")
 

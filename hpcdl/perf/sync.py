@@ -15,7 +15,8 @@ parameter shapes whose backward yields random gradients at once, so that the tim
 (and DDP's bucketing), with the bytes each rank sends per step.
 
 It also times a one-float all-reduce (small-message latency), through torch.distributed and, with
-``--backend mpi``, through raw mpi4py; weak scaling: ``scaling_model`` trained at the same per-rank
+``--backend mpi``, through raw mpi4py and through a bare Python backend that does nothing but the MPI
+call (the floor torch's dispatch sets for any backend written in Python); weak scaling: ``scaling_model`` trained at the same per-rank
 batch by rank 0 alone (the other ranks wait) and by all ranks with hpcdl's DDP, efficiency = t(1) / t(N);
 and a bucket-size sweep: that DDP training step for each ``FIRST:CAP`` in ``buckets`` (MB), alternating
 rounds, which is how ``sync.bucket_cap_mb`` and ``sync.first_bucket_mb`` got their defaults.
@@ -241,11 +242,36 @@ def _raw_mpi():
     return MPI.COMM_WORLD, MPI
 
 
+def _bare_group(group):
+    """For the latency floor only: a group of ``group``'s ranks on a Python backend whose all-reduce is
+    nothing but MPI's (no op, dtype or layout checks, no queue, no timeout): what any Python backend
+    pays for torch.distributed's dispatch. Not a backend to train with."""
+    from hpcdl.dist.mpi import MPIProcessGroup, _DoneWork
+
+    class BareMPI(MPIProcessGroup):
+        def allreduce(self, tensors, opts):
+            request = self.comm.Iallreduce(self.MPI.IN_PLACE, tensors[0].numpy())
+            while not request.Test():
+                pass
+            return _DoneWork(tensors)
+
+    if "mpi4py-bare" not in dist.Backend.backend_list:
+        dist.Backend.register_backend(
+            "mpi4py-bare", lambda o, _=None: BareMPI(o.group_rank, o.group_size, o.timeout,
+                                                     list(o.global_ranks_in_group) or None),
+            extended_api=True, devices=["cpu"])
+    return dist.new_group(dist.get_process_group_ranks(group), backend="mpi4py-bare")
+
+
 def _latency(iters: int, group, mpi) -> dict:
     x = torch.zeros(1)
     out = {}
-    for name, fn in [("torch.distributed", lambda: dist.all_reduce(x, group=group))] + (
-            [("raw mpi4py", lambda: mpi[0].Allreduce(mpi[1].IN_PLACE, x.numpy()))] if mpi else []):
+    cases = [("torch.distributed", lambda: dist.all_reduce(x, group=group))]
+    if mpi:
+        bare = _bare_group(group)
+        cases += [("bare Python backend", lambda: dist.all_reduce(x, group=bare)),
+                  ("raw mpi4py", lambda: mpi[0].Allreduce(mpi[1].IN_PLACE, x.numpy()))]
+    for name, fn in cases:
         for _ in range(50):
             fn()
         dist.barrier(group=group)
