@@ -199,13 +199,15 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
 
 def cmd_bench_sync(args: argparse.Namespace) -> int:
     from hpcdl.dist.process_group import init_distributed, shutdown
-    from hpcdl.perf.sync import SyncBenchConfig, bench, format_report
+    from hpcdl.perf.sync import SyncBenchConfig, bucket_spec, bench, format_report
 
     caps = {k: v for k, v in (("bucket_cap_mb", args.bucket_cap_mb), ("first_bucket_mb", args.first_bucket_mb))
             if v is not None}
     cfg = SyncBenchConfig(model=args.model, backend=args.backend, rounds=args.rounds, scaling_model=args.scaling_model,
                           scaling_batch=args.scaling_batch, scaling_steps=args.scaling_steps,
                           buckets=tuple(filter(None, args.buckets.split(","))), **caps)
+    for spec in cfg.buckets:  # before any rank starts
+        bucket_spec(spec)
     ctx = init_distributed(cfg.backend)
     report = bench(cfg, ctx.env, ctx.group)
     if report is not None:

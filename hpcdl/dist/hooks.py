@@ -171,11 +171,12 @@ def _chunk_sparse(state: ChunkSparse, bucket: dist.GradBucket) -> torch.futures.
         try:
             # Residuals belong to a bucket layout, and DDP's first step (also after a resume) has another.
             grad, sent = sparse_allreduce(state, key, tensor, dense=not state.bucketed)
-            for p, part in zip(params, (sent.split([p.numel() for p in params]) if sent is not None else ())):
-                state.sent[p] = part.view(p.shape)
             if sent is None:
                 for p in params:
                     state.sent.pop(p, None)
+            else:
+                for p, part in zip(params, sent.split([p.numel() for p in params])):
+                    state.sent[p] = part.view(p.shape)
             future.set_result(grad)
             if last:
                 state.last_step_sent = (state.sent_elements, state.total_elements)

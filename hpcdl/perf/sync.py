@@ -37,6 +37,7 @@ from hpcdl.config import SyncConfig
 from hpcdl.dist.env import RankEnv
 from hpcdl.dist.hooks import ChunkSparse
 from hpcdl.dist.sync import data_parallel
+from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
 
 _SYNC = SyncConfig()  # the training defaults
@@ -218,14 +219,25 @@ def weak_scaling(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
             "efficiency": alone / together if alone else None}
 
 
+def bucket_spec(spec: str) -> tuple[float | None, float]:
+    """``CAP`` or ``FIRST:CAP`` (MB) -> (first, cap)."""
+    first, _, cap = spec.rpartition(":")
+    try:
+        sizes = (float(first) if first else None, float(cap))
+    except ValueError:
+        sizes = None
+    if sizes is None or sizes[1] <= 0 or (sizes[0] is not None and sizes[0] <= 0):
+        raise ConfigError(f"--buckets item {spec!r}: give CAP or FIRST:CAP in MB, both > 0 (e.g. 25 or 1:25)")
+    return sizes
+
+
 def bucket_sweep(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
     """Median seconds per DDP training step of ``scaling_model`` for each ``FIRST:CAP`` (MB) in ``buckets``."""
-    nets, steps = {}, None
+    nets = {}
     for spec in cfg.buckets:
-        first, _, cap = spec.rpartition(":")
+        first, cap = bucket_spec(spec)
         model, steps_of = _train_steps(cfg)
-        nets[spec] = (data_parallel(model, env, group, bucket_cap_mb=float(cap),
-                                    first_bucket_mb=float(first) if first else None)[0], steps_of)
+        nets[spec] = (data_parallel(model, env, group, bucket_cap_mb=cap, first_bucket_mb=first)[0], steps_of)
     for net, steps in nets.values():
         steps(net, 1)  # warm-up; DDP rebuilds its buckets after the first step
     times = {spec: [] for spec in nets}
