@@ -27,26 +27,36 @@ class ClusterProfile:
     max_nodes: int | None
     mpi: str = "pmi2"              # srun --mpi plugin for MPI jobs
     network: str = ""
+    network_latency_us: float | None = None  # the fabric's alpha-beta link (hpcdl plan); None: not known
+    network_gb_s: float | None = None  # GB/s per direction
     notes: str = ""
+
+    def network_link(self):
+        """The fabric as an alpha-beta :class:`hpcdl.perf.model.Link`."""
+        from hpcdl.perf.model import Link
+
+        if self.network_latency_us is None or self.network_gb_s is None:
+            raise ConfigError(f"profile {self.name} has no network latency and bandwidth; give them explicitly")
+        return Link(latency_s=self.network_latency_us * 1e-6, bandwidth_bytes_s=self.network_gb_s * 1e9)
 
 
 PROFILES: dict[str, ClusterProfile] = {p.name: p for p in (
     ClusterProfile(
         name="stampede2-skx", description="TACC Stampede2, Skylake nodes: 2x Xeon Platinum 8160",
         partition="skx-normal", cores_per_node=48, mem_gb_per_node=192, max_time=timedelta(hours=48),
-        max_nodes=128, network="Intel Omni-Path 100 Gb/s (fat tree)",
+        max_nodes=128, network="Intel Omni-Path 100 Gb/s (fat tree)", network_latency_us=1.0, network_gb_s=12.5,
         notes="Use skx-large for 129-868 nodes. 2 sockets x 24 cores: 2 or 4 ranks per node usually beat 1."),
     ClusterProfile(
         name="stampede2-knl", description="TACC Stampede2, Knights Landing nodes: Xeon Phi 7250",
         partition="normal", cores_per_node=68, mem_gb_per_node=96, max_time=timedelta(hours=48),
-        max_nodes=256, network="Intel Omni-Path 100 Gb/s (fat tree)",
+        max_nodes=256, network="Intel Omni-Path 100 Gb/s (fat tree)", network_latency_us=1.0, network_gb_s=12.5,
         notes=("16 GB MCDRAM per node. In cache-quadrant mode (partition normal) it acts as a cache and needs "
                "nothing. In flat mode (partitions *-flat-quadrant) it is NUMA node 1: wrap the command in "
                "'numactl --preferred=1' so tensors land in MCDRAM. Use 'large' for 257-2048 nodes.")),
     ClusterProfile(
         name="frontera-clx", description="TACC Frontera, Cascade Lake nodes: 2x Xeon Platinum 8280",
         partition="normal", cores_per_node=56, mem_gb_per_node=192, max_time=timedelta(hours=48),
-        max_nodes=512, network="Mellanox InfiniBand HDR-100 (fat tree)",
+        max_nodes=512, network="Mellanox InfiniBand HDR-100 (fat tree)", network_latency_us=1.0, network_gb_s=12.5,
         notes="Use 'large' for 513-2048 nodes. Set GLOO_SOCKET_IFNAME=ib0 so gloo uses the fabric."),
     ClusterProfile(
         name="generic", description="Any Slurm cluster: nothing assumed, the scheduler checks the request",

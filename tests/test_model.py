@@ -1,0 +1,61 @@
+"""The all-reduce cost formulas of ``hpcdl plan`` against values computed by hand.
+
+Omni-Path-like link: alpha = 1 us, 12.5 GB/s (beta = 8e-11 s/B); a 100 MB (1e8 B) gradient, so n beta = 8 ms.
+"""
+
+import pytest
+
+from hpcdl.errors import ConfigError
+from hpcdl.perf.model import Link, allreduce_cost, hierarchical, rabenseifner, ring
+
+OPA = Link(latency_s=1e-6, bandwidth_bytes_s=12.5e9)
+N = 1e8
+
+
+@pytest.mark.parametrize("p, latency, bandwidth", [
+    (2, 2 * 1e-6, 2 * (1 / 2) * 8e-3),  # 2 us, 8 ms
+    (4, 6 * 1e-6, 2 * (3 / 4) * 8e-3),  # 6 us, 12 ms
+    (1024, 2046 * 1e-6, 2 * (1023 / 1024) * 8e-3),  # 2.046 ms, 15.984375 ms
+])
+def test_ring(p, latency, bandwidth):
+    cost = ring(N, p, OPA)
+    assert cost.latency_s == pytest.approx(latency) and cost.bandwidth_s == pytest.approx(bandwidth)
+
+
+@pytest.mark.parametrize("p, latency, bandwidth", [
+    (2, 2 * 1 * 1e-6, 8e-3),  # 2 log2(2) alpha
+    (4, 2 * 2 * 1e-6, 12e-3),
+    (1024, 2 * 10 * 1e-6, 15.984375e-3),  # 20 us: log p instead of ring's 2046 us
+    (6, 2 * 2 * 1e-6 + 2 * 1e-6, 12e-3 + 2 * 8e-3),  # 4 ranks plus 2 folded in: + 2 (alpha + n beta)
+])
+def test_rabenseifner(p, latency, bandwidth):
+    cost = rabenseifner(N, p, OPA)
+    assert cost.latency_s == pytest.approx(latency) and cost.bandwidth_s == pytest.approx(bandwidth)
+
+
+def test_hierarchical_is_node_reduce_leader_ring_node_broadcast():
+    node = Link(latency_s=0.5e-6, bandwidth_bytes_s=50e9)  # n beta_i = 2 ms
+    cost = hierarchical(N, nodes=4, ranks_per_node=2, network=OPA, intra=node)
+    assert cost.latency_s == pytest.approx(0.5e-6 + 6e-6 + 0.5e-6)
+    assert cost.bandwidth_s == pytest.approx(2e-3 + 12e-3 + 2e-3)
+    assert allreduce_cost("hierarchical", N, 4, 2, OPA, node) == cost
+    assert allreduce_cost("ring", N, 4, 2, OPA) == ring(N, 8, OPA)  # flat: all 8 ranks on the network
+
+
+def test_one_rank_costs_nothing_and_bad_input_is_named():
+    assert ring(N, 1, OPA).total_s == 0 and rabenseifner(N, 1, OPA).total_s == 0
+    with pytest.raises(ConfigError, match="choose one of ring, rabenseifner, hierarchical"):
+        allreduce_cost("tree", N, 4, 1, OPA)
+    with pytest.raises(ConfigError, match="needs the node's own link"):
+        allreduce_cost("hierarchical", N, 4, 2, OPA)
+    with pytest.raises(ConfigError, match="over 0 ranks"):
+        ring(N, 0, OPA)
+
+
+def test_cluster_profiles_carry_their_fabric():
+    from hpcdl.launch.profiles import get_profile
+
+    skx = get_profile("stampede2-skx").network_link()
+    assert skx == Link(latency_s=1e-6, bandwidth_bytes_s=12.5e9)  # Omni-Path 100 Gb/s
+    with pytest.raises(ConfigError, match="profile generic has no network latency and bandwidth"):
+        get_profile("generic").network_link()
