@@ -59,3 +59,17 @@ def test_cluster_profiles_carry_their_fabric():
     assert skx == Link(latency_s=1e-6, bandwidth_bytes_s=12.5e9)  # Omni-Path 100 Gb/s
     with pytest.raises(ConfigError, match="profile generic has no network latency and bandwidth"):
         get_profile("generic").network_link()
+
+
+def test_published_rows_count_nodes_from_processors():
+    from hpcdl.perf.published import PUBLISHED
+
+    rows = {r.name: r for r in PUBLISHED}
+    assert rows["resnet50-skx1024"].nodes == 512 and rows["resnet50-skx1600"].nodes == 800  # 2 sockets a node
+    assert rows["resnet50-knl2048"].nodes == 2048  # one Xeon Phi a node
+    assert rows["resnet50-skx1024"].batch_per_node == 64
+    assert (rows["alexnet-cpu1024"].nodes, rows["alexnet-skx2048"].nodes) == (512, 1024)  # the two counts
+    calibration = rows["surfsara-64"]
+    assert calibration.nodes == 64 and calibration.batch_per_node == 64
+    assert calibration.images_per_s / calibration.nodes == pytest.approx(98.5)
+    assert rows["surfsara-448"].nodes == 448 and all(r.source for r in PUBLISHED)
