@@ -73,3 +73,32 @@ def test_published_rows_count_nodes_from_processors():
     assert calibration.nodes == 64 and calibration.batch_per_node == 64
     assert calibration.images_per_s / calibration.nodes == pytest.approx(98.5)
     assert rows["surfsara-448"].nodes == 448 and all(r.source for r in PUBLISHED)
+
+
+def test_batch_curve_interpolates_and_holds_its_ends():
+    from hpcdl.perf.model import BatchCurve
+
+    curve = BatchCurve(((64, 100.0), (32, 80.0)))
+    assert (curve(16), curve(32), curve(48), curve(64), curve(128)) == (80.0, 80.0, 90.0, 100.0, 100.0)
+    with pytest.raises(ConfigError, match="give \\(batch, images/s\\) points"):
+        BatchCurve(((32, 0.0),))
+
+
+def test_step_model_terms_by_hand():
+    from hpcdl.perf.model import BatchCurve, StepModel
+
+    curve = BatchCurve(((32, 80.0), (64, 100.0)))
+    # 4 nodes, batch 256: 64 a node, 0.64 s of compute; the ring all-reduce of 1e8 B over 4 ranks: 12.006 ms
+    free = StepModel(gradient_bytes=N, throughput=curve, network=OPA, overlap=0.0).terms(4, 256)
+    assert free["compute_s"] == pytest.approx(0.64) and free["allreduce_s"] == pytest.approx(0.012006)
+    assert free["exposed_s"] == pytest.approx(0.012006) and free["step_s"] == pytest.approx(0.652006)
+    assert free["efficiency"] == pytest.approx(0.64 / 0.652006) and free["images_s"] == pytest.approx(256 / 0.652006)
+    hid = StepModel(gradient_bytes=N, throughput=curve, network=OPA, overlap=0.5).terms(4, 256)
+    assert hid["hidden_s"] == pytest.approx(0.012006) and hid["step_s"] == pytest.approx(0.64)  # < 0.5 x 2/3 x 0.64
+    fed = StepModel(gradient_bytes=N, throughput=curve, network=OPA, overlap=0.5, data_images_s=50.0)
+    assert fed.terms(4, 256)["step_s"] == pytest.approx(64 / 50)  # loading 64 images takes 1.28 s
+    assert fed.time_to_train(4, 256, epochs=2, train_images=1000) == pytest.approx(2 * 4 * 1.28)  # 4 steps an epoch
+    alone = StepModel(gradient_bytes=N, throughput=curve, network=OPA).terms(1, 64)
+    assert alone["allreduce_s"] == 0 and alone["efficiency"] == 1.0
+    with pytest.raises(ConfigError, match="overlap=1.5"):
+        StepModel(gradient_bytes=N, throughput=curve, network=OPA, overlap=1.5).terms(4, 256)

@@ -18,6 +18,10 @@ the reduction's arithmetic is left out: at CPU memory speed it is small next to 
 
 Each function returns a :class:`Cost` whose two terms stay apart, so that ``hpcdl plan`` can show which
 one dominates.
+
+:class:`StepModel` puts a step together: a node's compute time for its share of the batch (from a
+measured throughput-against-batch curve), the all-reduce, the part of it hidden behind backward
+(``overlap``), and the data loading, which runs beside the rest and limits only when it is slower.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import math
 
 from hpcdl.errors import ConfigError
 
-__all__ = ["ALGORITHMS", "Cost", "Link", "allreduce_cost", "hierarchical", "rabenseifner", "ring"]
+__all__ = ["ALGORITHMS", "BatchCurve", "Cost", "Link", "StepModel", "allreduce_cost", "hierarchical", "rabenseifner",
+           "ring"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,3 +102,67 @@ def allreduce_cost(algorithm: str, n_bytes: float, nodes: int, ranks_per_node: i
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"all-reduce algorithm {algorithm!r}; choose one of ring, rabenseifner, hierarchical")
     return ALGORITHMS[algorithm](n_bytes, nodes * ranks_per_node, network)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchCurve:
+    """A node's compute throughput (images/s) against its batch, from measured ``(batch, images/s)`` points.
+
+    Between points it interpolates linearly in the batch; beyond them it holds the nearest point's
+    throughput (a node does not get faster with a batch it was not measured at).
+    """
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self):
+        if not self.points or any(b <= 0 or v <= 0 for b, v in self.points):
+            raise ConfigError(f"throughput curve {self.points}: give (batch, images/s) points, all > 0")
+        object.__setattr__(self, "points", tuple(sorted(self.points)))
+
+    def __call__(self, batch: float) -> float:
+        pts = self.points
+        if batch <= pts[0][0]:
+            return pts[0][1]
+        for (b0, v0), (b1, v1) in zip(pts, pts[1:]):
+            if batch <= b1:
+                return v0 + (v1 - v0) * (batch - b0) / (b1 - b0)
+        return pts[-1][1]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StepModel:
+    """What a training step of one job costs, term by term (all times in seconds)."""
+
+    gradient_bytes: float
+    throughput: BatchCurve  # one node's compute, images/s against its batch
+    network: Link
+    ranks_per_node: int = 1
+    algorithm: str = "ring"
+    intra: Link | None = None  # the node's own link, for the hierarchical all-reduce
+    overlap: float = 0.0  # the fraction of backward that communication can hide behind (0: none, 1: all)
+    backward_share: float = 2 / 3  # backward's part of the compute (about twice forward's)
+    data_images_s: float | None = None  # one node's loading capacity; None: not a limit
+
+    def terms(self, nodes: int, global_batch: float) -> dict[str, float]:
+        """compute, allreduce (its latency and bandwidth parts), hidden, exposed, data and step times, and
+        the throughput and efficiency that follow; efficiency = compute / step, the same per-node batch
+        with free communication."""
+        if not 0 <= self.overlap <= 1:
+            raise ConfigError(f"overlap={self.overlap}: a fraction of backward, between 0 and 1")
+        batch = global_batch / nodes
+        compute = batch / self.throughput(batch)
+        comm = allreduce_cost(self.algorithm, self.gradient_bytes, nodes, self.ranks_per_node, self.network,
+                              self.intra) if nodes * self.ranks_per_node > 1 else Cost(0.0, 0.0)
+        hidden = min(comm.total_s, self.overlap * self.backward_share * compute)
+        exposed = comm.total_s - hidden
+        data = batch / self.data_images_s if self.data_images_s else 0.0
+        step = max(compute + exposed, data)
+        return {"batch_per_node": batch, "compute_s": compute, "allreduce_s": comm.total_s,
+                "allreduce_latency_s": comm.latency_s, "allreduce_bandwidth_s": comm.bandwidth_s,
+                "hidden_s": hidden, "exposed_s": exposed, "data_s": data, "step_s": step,
+                "images_s": global_batch / step, "efficiency": compute / step}
+
+    def time_to_train(self, nodes: int, global_batch: float, epochs: float, train_images: int) -> float:
+        """Seconds for ``epochs`` passes over ``train_images`` at ``global_batch``, a step per full batch."""
+        steps = math.ceil(train_images / global_batch)
+        return epochs * steps * self.terms(nodes, global_batch)["step_s"]
