@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the report here")
     p.set_defaults(fn=cmd_bench_step)
 
-    p = bench.add_parser("sync", help="a model's gradient set: per-tensor vs fused vs one flat all-reduce (run on a job's ranks)")
+    p = bench.add_parser("sync", help="a model's gradient set: per-tensor, fused, flat, each comm hook; latency, "
+                          "weak scaling, bucket sweep (run on a job's ranks)")
     p.add_argument("--model", default="resnet50")
     p.add_argument("--backend", default="auto", help="auto | gloo | ccl | mpi")
     p.add_argument("--bucket-cap-mb", type=float, help="hpcdl's DDP: the bucket cap (default: sync.bucket_cap_mb)")
