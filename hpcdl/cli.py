@@ -220,6 +220,30 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_scaling(args: argparse.Namespace) -> int:
+    from datetime import timedelta
+
+    from hpcdl.dist.process_group import init_distributed, shutdown
+    from hpcdl.perf.scaling import ScalingBenchConfig, run
+
+    cfg = ScalingBenchConfig(model=args.model, batch=args.batch, global_batch=args.global_batch, crop=args.crop,
+                             steps=args.steps, warmup=args.warmup, rounds=args.rounds, ranks=_ints(args.ranks, "--ranks"),
+                             modes=tuple(filter(None, args.modes.split(","))), threads=args.threads,
+                             json_path=args.json, plot_path=args.plot)
+    ctx = init_distributed(args.backend, timeout=timedelta(seconds=args.startup_timeout))
+    cfg.points(ctx.world_size)  # a bad rank count or batch stops every rank before any work
+    run(ctx, cfg, timedelta(seconds=args.timeout))
+    shutdown(ctx)
+    return 0
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise HpcdlError(f"{flag} {text!r}: give whole numbers separated by commas, e.g. 256,512,1024") from None
+
+
 def cmd_timeline(args: argparse.Namespace) -> int:
     from hpcdl.train.timeline import merge, render
 
@@ -371,6 +395,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bucket sweep of the scaling model's DDP step, e.g. 25,1:25,5,100 (MB; default: skip)")
     p.add_argument("--json", help="also write the report here")
     p.set_defaults(fn=cmd_bench_sync)
+
+    p = bench.add_parser("scaling", help="training throughput at 1, 2, 4 ... N ranks, weak and strong: table, JSON, "
+                                         "PNG (run on a job's ranks)")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--batch", type=int, default=8, help="weak scaling: images per rank")
+    p.add_argument("--global-batch", type=int, help="strong scaling: images per step (default: batch x largest count)")
+    p.add_argument("--crop", type=int, help="image side in px (default: the model's training crop)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per point and round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first, each round")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds over the points")
+    p.add_argument("--ranks", default="", help="rank counts, e.g. 1,2,4 (default: 1, 2, 4 ... and the job's size)")
+    p.add_argument("--modes", default="weak,strong", help="weak, strong or both")
+    p.add_argument("--threads", type=int, default=0,
+                   help="compute threads per rank (default: hpcdl's CPU plan; give 1 when simulated nodes share cores)")
+    p.add_argument("--backend", default="auto", help="auto | gloo | ccl | mpi")
+    p.add_argument("--json", help="write the report here (%%j: job id); hpcdl plan --calibrate reads it")
+    p.add_argument("--plot", help="write a PNG here (%%j: job id; needs matplotlib: hpcdl[plot])")
+    p.add_argument("--timeout", type=float, default=1800.0, help="collective timeout in s once all ranks joined")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="timeout in s for all ranks to join")
+    p.set_defaults(fn=cmd_bench_scaling)
 
     p = bench.add_parser("large-batch", help="LARS + warmup at batch N/8 vs small-batch SGD vs linear-scaled SGD, "
                                              "on scikit-learn's digits")

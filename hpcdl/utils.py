@@ -76,3 +76,12 @@ def format_duration(td: timedelta) -> str:
     h, rest = divmod(rest, 3600)
     m, s = divmod(rest, 60)
     return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, for benchmark reports; "unknown" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"

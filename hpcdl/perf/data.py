@@ -23,6 +23,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from hpcdl.utils import cpu_model
+
 
 @dataclass(kw_only=True, slots=True)
 class DataBenchConfig:
@@ -136,7 +138,7 @@ def _report(cfg: DataBenchConfig, rounds: dict, packed: int, source: int, shards
     median = {k: statistics.median(r for r, _ in v) for k, v in rounds.items()}
     return {
         "config": asdict(cfg), "images_packed": packed, "images_source": source, "shards": shards,
-        "cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)),
+        "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
         # the first round ran in fresh processes: its opens are a whole epoch's
         "rows": [{"reader": k, "images_per_s_per_worker": median[k], "files_opened_per_epoch": v[0][1],
                   "files_opened_next_epochs": sum(o for _, o in v[1:]), "rounds": [r for r, _ in v]}
@@ -146,13 +148,6 @@ def _report(cfg: DataBenchConfig, rounds: dict, packed: int, source: int, shards
                    "with DataLoader / bare decode": median["shard reader + DataLoader"] / median["bare decode"]},
     }
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def format_report(report: dict) -> str:

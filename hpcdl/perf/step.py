@@ -28,6 +28,7 @@ import torch
 from hpcdl.models import build_model
 from hpcdl.optim.factory import OptimConfig, build_optimizer
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
+from hpcdl.utils import cpu_model
 
 TUNING_VARS = ("LD_PRELOAD", "GLIBC_TUNABLES", "MALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -48,7 +49,8 @@ class StepBenchConfig:
     threads: int = 0  # the overhead comparison's threads (0: torch's default)
 
 
-def _parts(model_name: str, batch: int, crop: int, seed: int = 0):
+def synthetic_training(model_name: str, batch: int, crop: int, seed: int = 0):
+    """(model, LARS, loss, images, labels): one random batch in memory, the same on every call with ``seed``."""
     torch.manual_seed(seed)
     model = build_model(model_name, num_classes=1000).to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, OptimConfig(name="lars", lr=1.0, weight_decay=1e-4))
@@ -58,7 +60,7 @@ def _parts(model_name: str, batch: int, crop: int, seed: int = 0):
 
 
 def bare_loop(model_name: str, batch: int, crop: int):
-    model, optimizer, criterion, x, y = _parts(model_name, batch, crop)
+    model, optimizer, criterion, x, y = synthetic_training(model_name, batch, crop)
 
     def step():  # zero_grad last, as hpcdl's step does: both hold the same memory between steps
         loss = criterion(model(x), y)
@@ -72,7 +74,7 @@ def bare_loop(model_name: str, batch: int, crop: int):
 def hpcdl_loop(model_name: str, batch: int, crop: int):
     from hpcdl.train.step import Stepper
 
-    model, optimizer, criterion, x, y = _parts(model_name, batch, crop)
+    model, optimizer, criterion, x, y = synthetic_training(model_name, batch, crop)
     schedule = LRSchedule(optimizer, ScheduleConfig(base_lr=1.0, steps_per_epoch=1000, epochs=10, warmup_epochs=1))
     stepper = Stepper(model, criterion, optimizer, schedule, distributed=False)
 
@@ -158,20 +160,13 @@ def tuning(cfg: StepBenchConfig) -> dict:
 
 
 def bench(cfg: StepBenchConfig, parts: tuple[str, ...] = ("overhead", "tuning")) -> dict:
-    report = {"config": asdict(cfg), "cpu": _cpu_name()}
+    report = {"config": asdict(cfg), "cpu": cpu_model()}
     if "overhead" in parts:
         report["overhead"] = overhead(cfg)
     if "tuning" in parts:
         report["tuning"] = tuning(cfg)
     return report
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
 
 
 def format_report(r: dict) -> str:

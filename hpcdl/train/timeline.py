@@ -17,6 +17,7 @@ import threading
 import time
 
 from hpcdl.errors import DataError
+from hpcdl.plot import pyplot, save_png
 from hpcdl.utils import atomic_write_text
 
 _EPOCH = time.time() - time.perf_counter()  # perf_counter -> wall clock, so ranks line up
@@ -61,13 +62,9 @@ def merge(run_dir: str) -> str:
 def render(trace: str, out: str, steps: int = 1, skip: int = 2) -> str:
     """A picture (PNG) of ``steps`` training steps of a merged trace, after the first ``skip``: one lane per
     rank and thread (``step``, ``comm``), a box per span. Needs matplotlib (``pip install 'hpcdl[plot]'``)."""
-    try:
-        import matplotlib
+    plt = pyplot("hpcdl timeline render")
+    from matplotlib.patches import Patch
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise DataError(f"hpcdl timeline render needs matplotlib ({exc}); pip install 'hpcdl[plot]'") from None
     with open(trace) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     starts = sorted(e["ts"] for e in events if e["name"] == "forward" and e["pid"] == 0)
@@ -89,12 +86,8 @@ def render(trace: str, out: str, steps: int = 1, skip: int = 2) -> str:
     ax.invert_yaxis()
     ax.set_xlim(0, (t1 - t0) / 1e3)
     ax.set_xlabel("ms from the start of the step's forward")
-    ax.legend(handles=[matplotlib.patches.Patch(color=c, label="bucket all-reduce" if k == "comm" else k)
+    ax.legend(handles=[Patch(color=c, label="bucket all-reduce" if k == "comm" else k)
                        for k, c in colors.items()], loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=6,
               frameon=False)
     fig.tight_layout()
-    tmp = f"{out}.tmp.png"
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    return save_png(fig, out)

@@ -1,0 +1,262 @@
+"""``hpcdl bench scaling``: training throughput at 1, 2, 4 ... N ranks of one job, weak and strong.
+
+Run it on the ranks of a job (srun, mpiexec, torchrun, submitit). Each point is a process group over
+the job's first ``k`` ranks, training ``model`` on one synthetic batch held in memory, through hpcdl's
+own step (:class:`hpcdl.train.step.Stepper`: DDP with hpcdl's buckets, the control all-reduce, LARS);
+the other ranks wait. One rank is the model alone, without DDP, as a one-rank job runs.
+
+- weak scaling: ``batch`` images per rank at every ``k``, so the global batch grows with ``k``;
+- strong scaling: ``global_batch`` split over the ``k`` ranks.
+
+Points are measured in alternating rounds (a fresh model each time, ``warmup`` steps first), so that
+drift of a shared machine spreads over all of them. A step's time is the slowest rank's. Per point:
+images/s (global batch over the mean step), efficiency (images/s per rank against the smallest rank
+count's: 1.0 is linear), the exposed communication share (backward's wait for buckets still in flight,
+plus the control all-reduce, over the step: ``t_comm_wait`` of the trainer), the phases, and step-time
+percentiles. Rank 0 prints a table and writes the JSON (the input of ``hpcdl plan --calibrate``) and a PNG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hpcdl.dist.process_group import DistContext, fail_fast, set_timeout
+from hpcdl.errors import ConfigError
+from hpcdl.train.step import PHASES
+from hpcdl.utils import atomic_write_text, cpu_model
+
+__all__ = ["ScalingBenchConfig", "figure", "format_report", "plot", "run"]
+
+log = logging.getLogger(__name__)
+
+MODES = ("weak", "strong")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ScalingBenchConfig:
+    model: str = "resnet50"
+    batch: int = 8  # weak scaling: images per rank
+    global_batch: int | None = None  # strong scaling: images per step; None: batch x the largest rank count
+    crop: int | None = None  # None: the model's training crop
+    steps: int = 5  # timed steps per point and round
+    warmup: int = 1  # untimed steps first (DDP rebuilds its buckets after the first)
+    rounds: int = 2
+    ranks: tuple[int, ...] = ()  # rank counts; (): 1, 2, 4 ... and the job's size
+    modes: tuple[str, ...] = MODES
+    threads: int = 0  # compute threads per rank; 0: hpcdl's CPU plan
+    json_path: str | None = None
+    plot_path: str | None = None
+
+    def __post_init__(self):
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ConfigError(f"--modes {','.join(self.modes)}: choose from {', '.join(MODES)}")
+        if min(self.batch, self.steps, self.rounds) < 1 or self.warmup < 0 or self.threads < 0:
+            raise ConfigError("--batch, --steps and --rounds must be >= 1, --warmup and --threads >= 0")
+        if any(k < 1 for k in self.ranks):
+            raise ConfigError(f"--ranks {','.join(map(str, self.ranks))}: rank counts are >= 1")
+
+    def counts(self, world: int) -> list[int]:
+        if self.ranks:
+            too_many = [k for k in self.ranks if k > world]
+            if too_many:
+                raise ConfigError(f"--ranks asks for {too_many} ranks but the job has {world}; "
+                                  f"start more tasks or drop those counts")
+            return sorted(set(self.ranks))
+        counts, k = [], 1
+        while k < world:
+            counts.append(k)
+            k *= 2
+        return counts + [world]
+
+    def points(self, world: int) -> list[tuple[str, int, int]]:
+        """(mode, ranks, images per rank) for every measurement."""
+        counts = self.counts(world)
+        total = self.global_batch or self.batch * counts[-1]
+        out = []
+        for mode in self.modes:
+            for k in counts:
+                if mode == "strong" and total % k:
+                    raise ConfigError(f"strong scaling: a global batch of {total} does not split over {k} ranks; "
+                                      f"give --global-batch a multiple of every rank count")
+                out.append((mode, k, self.batch if mode == "weak" else total // k))
+        return out
+
+
+def run(ctx: DistContext, cfg: ScalingBenchConfig, timeout: timedelta = timedelta(minutes=30)) -> dict | None:
+    """Measure every point on the job's ranks; rank 0 prints, writes and returns the report."""
+    points = cfg.points(ctx.world_size)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    set_timeout(ctx, timeout)
+    with fail_fast(ctx):
+        nodes = _node_ranks(ctx)
+        groups = {k: dist.new_group(ranks=list(range(k)), timeout=timeout, backend=ctx.backend.name)
+                  for k in sorted({p[1] for p in points}) if k > 1}  # every rank creates every group
+        steps: dict[tuple, list[dict]] = {p: [] for p in points}
+        for _ in range(cfg.rounds):
+            for point in points:
+                dist.barrier(group=ctx.group)
+                if ctx.rank < point[1]:
+                    steps[point] += _measure(ctx, cfg, point, groups.get(point[1]))
+        dist.barrier(group=ctx.group)
+    if ctx.rank != 0:
+        return None
+    report = {"meta": _meta(ctx, cfg, nodes), "points": _summaries(steps, nodes)}
+    print(format_report(report), flush=True)
+    job = ctx.env.job_id or "local"
+    if cfg.json_path:
+        atomic_write_text(cfg.json_path.replace("%j", job), json.dumps(report, indent=1) + "\n")
+    if cfg.plot_path:
+        plot(report, cfg.plot_path.replace("%j", job))
+    return report
+
+
+def _node_ranks(ctx: DistContext) -> list[int]:
+    mine = torch.tensor([ctx.env.node_rank], dtype=torch.int64)
+    every = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
+    dist.all_gather(every, mine, group=ctx.group)
+    return [int(t.item()) for t in every]
+
+
+def _measure(ctx: DistContext, cfg: ScalingBenchConfig, point: tuple[str, int, int], group) -> list[dict]:
+    """This rank's part of one round of ``point``: per timed step, the slowest rank's wall and phase times."""
+    stepper = _stepper(ctx, cfg, point[2], group)
+    for _ in range(cfg.warmup):
+        stepper()
+    rows = [stepper() for _ in range(cfg.steps)]
+    fields = ("wall", *PHASES)
+    table = torch.tensor([[r[f] for f in fields] for r in rows], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+    return [dict(zip(fields, row)) for row in table.tolist()]
+
+
+def _stepper(ctx: DistContext, cfg: ScalingBenchConfig, batch: int, group):
+    """A fresh model on ``group`` (DDP with hpcdl's defaults; the model alone on one rank) and a function that
+    runs one timed step of it."""
+    from hpcdl.config import SyncConfig
+    from hpcdl.dist.sync import data_parallel
+    from hpcdl.models import MODELS
+    from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
+    from hpcdl.perf.step import synthetic_training
+    from hpcdl.train.step import Stepper
+
+    model, optimizer, criterion, x, y = synthetic_training(cfg.model, batch, cfg.crop or MODELS[cfg.model].crop)
+    schedule = LRSchedule(optimizer, ScheduleConfig(base_lr=1.0, steps_per_epoch=1000, epochs=10, warmup_epochs=1))
+    size = 1 if group is None else dist.get_world_size(group)
+    sync = SyncConfig()
+    net, comm = data_parallel(model, dataclasses.replace(ctx.env, world_size=size), group,
+                              backend=ctx.backend.name, bucket_cap_mb=sync.bucket_cap_mb,
+                              first_bucket_mb=sync.first_bucket_mb, gradient_as_bucket_view=sync.gradient_as_bucket_view)
+    stepper = Stepper(net, criterion, optimizer, schedule, comm=comm, group=group, distributed=group is not None)
+
+    def step() -> dict:
+        t0 = time.perf_counter()
+        result = stepper.step(iter(((x, y),)), 1)
+        return {"wall": time.perf_counter() - t0, **result.times}
+
+    return step
+
+
+def _summaries(steps: dict[tuple, list[dict]], nodes: list[int]) -> list[dict]:
+    out = []
+    for (mode, k, batch), rows in steps.items():
+        walls = sorted(r["wall"] for r in rows)
+        mean = statistics.fmean(walls)
+        out.append({"mode": mode, "ranks": k, "nodes": len(set(nodes[:k])), "batch_per_rank": batch,
+                    "global_batch": batch * k, "steps": len(rows), "images_per_s": batch * k / mean,
+                    "step_ms": {"mean": mean * 1e3, **{f"p{q}": _percentile(walls, q) * 1e3 for q in (50, 90, 99)}},
+                    "phases_ms": {p: statistics.fmean(r[p] for r in rows) * 1e3 for p in PHASES},
+                    "exposed_comm_share": statistics.fmean(r["comm_wait"] for r in rows) / mean})
+    for mode in {p["mode"] for p in out}:
+        these = [p for p in out if p["mode"] == mode]
+        base = min(these, key=lambda p: p["ranks"])
+        for p in these:
+            p["ideal_images_per_s"] = base["images_per_s"] / base["ranks"] * p["ranks"]
+            p["efficiency"] = p["images_per_s"] / p["ideal_images_per_s"]
+    return out
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """The nearest-rank percentile (the value below which ``q`` percent of the steps fall)."""
+    index = max(0, min(len(sorted_values) - 1, -(-len(sorted_values) * q // 100) - 1))
+    return sorted_values[int(index)]
+
+
+def _meta(ctx: DistContext, cfg: ScalingBenchConfig, nodes: list[int]) -> dict:
+    from hpcdl.models import MODELS, build_model
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    return {"benchmark": "scaling", "model": cfg.model, "crop": cfg.crop or MODELS[cfg.model].crop,
+            "gradient_bytes": params * 4, "backend": ctx.backend.name, "world_size": ctx.world_size,
+            "nodes": len(set(nodes)), "ranks_per_node": ctx.env.local_size, "threads": torch.get_num_threads(),
+            "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds, "torch": torch.__version__,
+            "cpu": cpu_model(), "job_id": ctx.env.job_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def format_report(report: dict) -> str:
+    m = report["meta"]
+    lines = [f"# scaling: {m['model']} at {m['crop']} px on {m['world_size']} ranks ({m['nodes']} node(s), "
+             f"{m['ranks_per_node']} per node), backend {m['backend']}, {m['threads']} threads per rank, "
+             f"{m['rounds']} rounds of {m['steps']} steps per point; {m['cpu']}",
+             f"{'mode':6} {'ranks':>5} {'nodes':>5} {'batch/rank':>10} {'global':>6} {'images/s':>9} {'ideal':>9} "
+             f"{'efficiency':>10} {'exposed comm':>12} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"]
+    for p in report["points"]:
+        s = p["step_ms"]
+        lines.append(f"{p['mode']:6} {p['ranks']:>5} {p['nodes']:>5} {p['batch_per_rank']:>10} {p['global_batch']:>6} "
+                     f"{p['images_per_s']:>9.2f} {p['ideal_images_per_s']:>9.2f} {p['efficiency']:>9.1%} "
+                     f"{p['exposed_comm_share']:>11.1%} {s['p50']:>8.1f} {s['p90']:>8.1f} {s['p99']:>8.1f}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, out: str) -> str:
+    """Write :func:`figure` of ``report`` as a PNG at ``out``."""
+    from hpcdl.plot import save_png
+
+    return save_png(figure(report), out)
+
+
+def figure(report: dict):
+    """Throughput and efficiency against rank count, each mode with its ideal (linear) line."""
+    from hpcdl.plot import pyplot
+
+    plt = pyplot("hpcdl bench scaling --plot")
+    m = report["meta"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, color in zip(MODES, ("#4c72b0", "#dd8452")):
+        pts = sorted((p for p in report["points"] if p["mode"] == mode), key=lambda p: p["ranks"])
+        if not pts:
+            continue
+        ranks = [p["ranks"] for p in pts]
+        left.plot(ranks, [p["images_per_s"] for p in pts], "o-", color=color, label=f"{mode} (measured)")
+        left.plot(ranks, [p["ideal_images_per_s"] for p in pts], "--", color=color, label=f"{mode} ideal")
+        right.plot(ranks, [p["efficiency"] * 100 for p in pts], "o-", color=color, label=mode)
+        for p in pts:
+            right.annotate(f"{p['efficiency']:.0%}", (p["ranks"], p["efficiency"] * 100), textcoords="offset points",
+                           xytext=(0, 6), ha="center", fontsize=8, color=color)
+    right.axhline(100, color="grey", linestyle="--", label="ideal")
+    counts = sorted({p["ranks"] for p in report["points"]})
+    for ax in (left, right):
+        ax.set_xlabel("ranks")
+        if counts[-1] / counts[0] > 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_ylabel("images/s")
+    right.set_ylabel("efficiency, % of linear")
+    right.set_ylim(0, 110)
+    fig.suptitle(f"{m['model']} at {m['crop']} px, {m['backend']}, {m['nodes']} node(s) x {m['ranks_per_node']} "
+                 f"ranks, {m['threads']} threads per rank", fontsize=10)
+    fig.tight_layout()
+    return fig

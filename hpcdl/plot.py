@@ -1,0 +1,34 @@
+"""matplotlib, imported only when a command draws, and PNGs written the way every hpcdl file is."""
+
+from __future__ import annotations
+
+import os
+
+from hpcdl.errors import DataError
+
+
+def pyplot(command: str):
+    """matplotlib.pyplot on the Agg backend, or an error naming ``command`` and the extra to install."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise DataError(f"{command} needs matplotlib ({exc}); pip install 'hpcdl[plot]'") from None
+    return plt
+
+
+def save_png(fig, out: str) -> str:
+    """Write ``fig`` to a temporary name beside ``out``, then rename it; close the figure."""
+    import matplotlib.pyplot as plt
+
+    tmp = f"{out}.tmp.png"
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
