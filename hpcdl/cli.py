@@ -187,7 +187,7 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
     cfg = StepBenchConfig(model=args.model, batch=args.batch, crop=args.crop, steps=args.steps, rounds=args.rounds,
                           tuning_model=args.tuning_model, tuning_batch=args.tuning_batch, tuning_crop=args.tuning_crop,
                           tuning_steps=args.tuning_steps, tuning_rounds=args.tuning_rounds, threads=args.threads,
-                          ranks_per_node=args.ranks_per_node)
+                          ranks_per_node=args.ranks_per_node, curve_batches=_ints(args.curve_batches, "--curve-batches"))
     report = bench(cfg, tuple(args.only.split(",")) if args.only else ("overhead", "tuning"))
     sys.stdout.write(format_report(report))
     if args.json:
@@ -242,6 +242,37 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
         return tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise HpcdlError(f"{flag} {text!r}: give whole numbers separated by commas, e.g. 256,512,1024") from None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hpcdl.utils import atomic_write_text
+
+    if args.validate:
+        from hpcdl.perf.validate import format_validation, validate
+
+        rows = validate()
+        print(format_validation(rows))
+        if args.json:
+            atomic_write_text(args.json, json.dumps(rows, indent=1) + "\n")
+        return 0
+    from hpcdl.perf.plan import PlanInputs, format_plan, plan, plot
+
+    if not args.nodes or not args.batch:
+        raise HpcdlError("hpcdl plan needs --nodes and --batch (or --validate)")
+    inputs = PlanInputs(model=args.model, profile=args.profile, throughput=args.throughput, step_json=args.step_json,
+                        calibrate_json=args.calibrate, allreduce_json=args.allreduce_json,
+                        intra_json=args.intra_allreduce_json, algorithm=args.algorithm,
+                        ranks_per_node=args.ranks_per_node, overlap=args.overlap, data_images_s=args.data_images_s)
+    model, notes = inputs.build()
+    rows = plan(model, list(_ints(args.nodes, "--nodes")), args.batch, args.epochs, args.train_images)
+    title = f"{args.model}, global batch {args.batch}, {args.epochs:g} epochs of {args.train_images:,} images"
+    print(format_plan(rows, "\n".join(f"# {line}" for line in [title, *notes])))
+    if args.json:
+        atomic_write_text(args.json, json.dumps({"inputs": dataclasses.asdict(inputs), "notes": notes, "rows": rows},
+                                                indent=1) + "\n")
+    if args.plot:
+        plot(rows, title, args.plot)
+    return 0
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
@@ -376,7 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks the tuning comparison runs at once")
     p.add_argument("--tuning-rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="the overhead comparison's threads (default: torch's)")
-    p.add_argument("--only", help="overhead or tuning (default: both)")
+    p.add_argument("--only", help="overhead, tuning or curve, comma-separated (default: overhead,tuning; curve "
+                                  "whenever --curve-batches is given)")
+    p.add_argument("--curve-batches", default="", metavar="B,...",
+                   help="also the tuned node's images/s at these per-rank batches (hpcdl plan --step-json reads it)")
     p.add_argument("--json", help="also write the report here")
     p.set_defaults(fn=cmd_bench_step)
 
@@ -424,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_bench_large_batch)
 
     _add_pack_parser(sub)
+    _add_plan_parser(sub)
     p = sub.add_parser("verify", help="check a packed dataset's shards against its manifest")
     p.add_argument("dir", help="the dataset root (where manifest.json is)")
     p.add_argument("--full", action="store_true", help="also compare every shard's sha256")
@@ -488,6 +523,36 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("env", help="print this process's rank discovery as JSON").set_defaults(fn=cmd_env)
     sub.add_parser("profiles", help="list the cluster profiles").set_defaults(fn=cmd_profiles)
     return parser
+
+
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="predict step time, time to train and efficiency at each node count",
+                       description="A performance model (docs/scaling.md): per-node compute, the all-reduce's "
+                                   "alpha-beta cost, its overlap with backward, data loading. --validate checks "
+                                   "it against published Stampede2 runs.")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--nodes", default="", help="node counts, e.g. 256,512,1024,1600,2048")
+    p.add_argument("--batch", type=int, help="global batch, e.g. 32768")
+    p.add_argument("--epochs", type=float, default=90)
+    p.add_argument("--train-images", type=int, default=1_281_167, help="images per epoch (default: ImageNet-1K)")
+    p.add_argument("--profile", default="generic", help="the cluster: its network (hpcdl profiles lists them)")
+    p.add_argument("--throughput", help="one node's compute: IMAGES_S, or BATCH:IMAGES_S,... against its batch")
+    p.add_argument("--step-json", help="one node's compute from hpcdl bench step --json (with --curve-batches: "
+                                       "its curve)")
+    p.add_argument("--calibrate", metavar="RESULTS.json",
+                   help="fit the compute and the overlap to hpcdl bench scaling --json")
+    p.add_argument("--allreduce-json", help="fit the network's latency and bandwidth to hpcdl bench allreduce --json "
+                                            "(default: the profile's)")
+    p.add_argument("--algorithm", default="ring", choices=("ring", "rabenseifner", "hierarchical"))
+    p.add_argument("--intra-allreduce-json", help="hierarchical: hpcdl bench allreduce --json on one node's ranks")
+    p.add_argument("--ranks-per-node", type=int, help="default: the calibration's, else the profile's sockets")
+    p.add_argument("--overlap", type=float, help="fraction of backward the all-reduce can hide behind, 0-1 "
+                                                 "(default: the calibration's, else 0)")
+    p.add_argument("--data-images-s", type=float, help="one node's data-loading capacity (hpcdl bench data)")
+    p.add_argument("--validate", action="store_true", help="check the model against the published runs")
+    p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--plot", help="write a PNG of time to train and efficiency against nodes (needs hpcdl[plot])")
+    p.set_defaults(fn=cmd_plan)
 
 
 def _add_pack_parser(sub) -> None:

@@ -32,3 +32,16 @@ def save_png(fig, out: str) -> str:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def counts_axis(axes, counts: list[int], label: str) -> None:
+    """An x axis of rank or node counts on each of ``axes``: each count a tick, base-2 log when they span
+    more than 8x; a grid and a legend."""
+    counts = sorted(counts)
+    for ax in axes:
+        ax.set_xlabel(label)
+        if counts[-1] / counts[0] > 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)

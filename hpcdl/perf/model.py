@@ -21,7 +21,8 @@ one dominates.
 
 :class:`StepModel` puts a step together: a node's compute time for its share of the batch (from a
 measured throughput-against-batch curve), the all-reduce, the part of it hidden behind backward
-(``overlap``), and the data loading, which runs beside the rest and limits only when it is slower.
+(``overlap``), and the data loading, which runs beside the rest and limits only when it is slower. The
+gradients go out in ``messages`` all-reduces (DDP's buckets), each paying the latency term once.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class StepModel:
     ranks_per_node: int = 1
     algorithm: str = "ring"
     intra: Link | None = None  # the node's own link, for the hierarchical all-reduce
+    messages: int = 1  # all-reduces per step (DDP's buckets): each pays the latency term, the bytes are split
     overlap: float = 0.0  # the fraction of backward that communication can hide behind (0: none, 1: all)
     backward_share: float = 2 / 3  # backward's part of the compute (about twice forward's)
     data_images_s: float | None = None  # one node's loading capacity; None: not a limit
@@ -153,6 +155,7 @@ class StepModel:
         compute = batch / self.throughput(batch)
         comm = allreduce_cost(self.algorithm, self.gradient_bytes, nodes, self.ranks_per_node, self.network,
                               self.intra) if nodes * self.ranks_per_node > 1 else Cost(0.0, 0.0)
+        comm = Cost(comm.latency_s * self.messages, comm.bandwidth_s)
         hidden = min(comm.total_s, self.overlap * self.backward_share * compute)
         exposed = comm.total_s - hidden
         data = batch / self.data_images_s if self.data_images_s else 0.0

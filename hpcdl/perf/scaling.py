@@ -228,7 +228,7 @@ def plot(report: dict, out: str) -> str:
 
 def figure(report: dict):
     """Throughput and efficiency against rank count, each mode with its ideal (linear) line."""
-    from hpcdl.plot import pyplot
+    from hpcdl.plot import counts_axis, pyplot
 
     plt = pyplot("hpcdl bench scaling --plot")
     m = report["meta"]
@@ -245,14 +245,7 @@ def figure(report: dict):
             right.annotate(f"{p['efficiency']:.0%}", (p["ranks"], p["efficiency"] * 100), textcoords="offset points",
                            xytext=(0, 6), ha="center", fontsize=8, color=color)
     right.axhline(100, color="grey", linestyle="--", label="ideal")
-    counts = sorted({p["ranks"] for p in report["points"]})
-    for ax in (left, right):
-        ax.set_xlabel("ranks")
-        if counts[-1] / counts[0] > 8:
-            ax.set_xscale("log", base=2)
-        ax.set_xticks(counts, [str(c) for c in counts])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    counts_axis((left, right), list({p["ranks"] for p in report["points"]}), "ranks")
     left.set_ylabel("images/s")
     right.set_ylabel("efficiency, % of linear")
     right.set_ylim(0, 110)

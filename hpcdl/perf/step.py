@@ -11,6 +11,9 @@ Two comparisons, each measured side by side in alternating rounds (the figure is
    selects, and each rank on its own slice of the cores with one thread per core (hpcdl's CPU plan).
    Untuned: PyTorch as it starts, glibc malloc and torch's default threads, every rank on every core.
    The allocator acts only from process start, hence the child processes.
+
+With ``curve_batches``, also the tuned node's images/s at each of those per-rank batches: the
+throughput-vs-batch curve that ``hpcdl plan --step-json`` reads as the node's compute.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from hpcdl.models import build_model
 from hpcdl.optim.factory import OptimConfig, build_optimizer
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
+from hpcdl.errors import ConfigError
 from hpcdl.utils import cpu_model
 
 TUNING_VARS = ("LD_PRELOAD", "GLIBC_TUNABLES", "MALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -47,6 +51,7 @@ class StepBenchConfig:
     tuning_rounds: int = 3
     ranks_per_node: int = 2
     threads: int = 0  # the overhead comparison's threads (0: torch's default)
+    curve_batches: tuple[int, ...] = ()  # per-rank batches of the tuned node's throughput-vs-batch curve
 
 
 def synthetic_training(model_name: str, batch: int, crop: int, seed: int = 0):
@@ -159,12 +164,28 @@ def tuning(cfg: StepBenchConfig) -> dict:
             "setup": {k: {"threads": v[0]["threads"], "allocator": v[0]["allocator"]} for k, v in runs.items()}}
 
 
+def curve(cfg: StepBenchConfig) -> dict:
+    """The tuned node's images/s at each per-rank batch of ``curve_batches``, alternating rounds, medians:
+    the throughput-vs-batch curve ``hpcdl plan --step-json`` reads."""
+    runs: dict[int, list[float]] = {b: [] for b in cfg.curve_batches}
+    for _ in range(cfg.tuning_rounds):
+        for b in runs:
+            runs[b].append(_node_round(replace(cfg, tuning_batch=b), True)["images_per_s"])
+    return {"points": [[b * cfg.ranks_per_node, statistics.median(v)] for b, v in runs.items()], "runs": runs}
+
+
 def bench(cfg: StepBenchConfig, parts: tuple[str, ...] = ("overhead", "tuning")) -> dict:
+    unknown = set(parts) - {"overhead", "tuning", "curve"}
+    if unknown or ("curve" in parts and not cfg.curve_batches):
+        raise ConfigError(f"--only {','.join(parts)}: choose from overhead, tuning, curve; curve needs "
+                          f"--curve-batches, e.g. --curve-batches 8,16,32")
     report = {"config": asdict(cfg), "cpu": cpu_model()}
     if "overhead" in parts:
         report["overhead"] = overhead(cfg)
     if "tuning" in parts:
         report["tuning"] = tuning(cfg)
+    if cfg.curve_batches:
+        report["curve"] = curve(cfg)
     return report
 
 
@@ -188,6 +209,10 @@ def format_report(r: dict) -> str:
             lines.append(f"  {name:8s} {t['images_per_s'][name]:7.2f} images/s per node  ({s['threads']} threads per "
                          f"rank, {s['allocator'].split(':')[0]})")
         lines.append(f"  tuned / untuned: {t['ratio']:.2f}x")
+    if "curve" in r:
+        lines.append(f"tuned node, {c['tuning_model']} at {c['tuning_crop']} px, images/s against the node's batch "
+                     f"({c['ranks_per_node']} ranks), median of {c['tuning_rounds']} alternating rounds:")
+        lines += [f"  batch {b:5g}  {v:8.2f} images/s" for b, v in r["curve"]["points"]]
     return "\n".join(lines) + "\n"
 
 

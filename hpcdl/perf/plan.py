@@ -1,0 +1,305 @@
+"""``hpcdl plan``: a job's step time, epoch time, time to train and efficiency at each node count.
+
+The model is :class:`hpcdl.perf.model.StepModel`. Its inputs, and where each comes from:
+
+- per-node compute: images/s against the node's batch, given (``--throughput``), from ``hpcdl bench step
+  --json`` (its tuned node, and its throughput-vs-batch curve when it measured one), or fitted from
+  ``hpcdl bench scaling --json`` (``--calibrate``);
+- the gradient bytes and DDP's bucket count: from the model's parameters;
+- the network: the profile's alpha-beta link, or one fitted to ``hpcdl bench allreduce --json``;
+- the all-reduce algorithm, the overlap with backward, and the data-loading capacity per node: flags,
+  or (overlap, backward's share of compute) fitted by ``--calibrate``.
+
+``--validate`` checks the model against published runs (:mod:`hpcdl.perf.published`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+
+from hpcdl.errors import ConfigError, DataError
+from hpcdl.perf.model import BatchCurve, Link, StepModel, allreduce_cost
+
+__all__ = ["IMAGENET_TRAIN", "Calibration", "ModelFacts", "PlanInputs", "calibrate", "curve_from_step", "figure", "format_plan",
+           "link_from_allreduce", "model_facts", "plan", "plot"]
+
+IMAGENET_TRAIN = 1_281_167  # ImageNet-1K (ILSVRC2012) training images
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelFacts:
+    name: str
+    gradient_bytes: int  # fp32 gradients, one per parameter
+    train_flops: float  # per image, forward and backward, at the model's crop (a multiply-add is 2)
+    buckets: int  # DDP's all-reduces per step at hpcdl's bucket sizes
+
+
+def model_facts(name: str) -> ModelFacts:
+    """Counted on the meta device: no memory, no arithmetic."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hpcdl.config import SyncConfig
+    from hpcdl.models import MODELS, build_model
+
+    with torch.device("meta"):
+        net = build_model(name)
+        x = torch.empty(2, 3, MODELS[name].crop, MODELS[name].crop)
+    with FlopCounterMode(display=False) as counter:
+        net(x).sum().backward()
+    grad = sum(p.numel() for p in net.parameters()) * 4
+    sync = SyncConfig()
+    first = min(sync.first_bucket_mb or sync.bucket_cap_mb, sync.bucket_cap_mb) * 2 ** 20
+    buckets = 1 + math.ceil(max(0.0, grad - first) / (sync.bucket_cap_mb * 2 ** 20))
+    return ModelFacts(name, grad, counter.get_total_flops() / 2, buckets)
+
+
+def link_from_allreduce(report: dict) -> Link:
+    """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times, each a ring of its
+    ``world_size`` ranks: ``t = 2(p-1) alpha + 2(p-1)/p n beta``, least squares on the relative error."""
+    p = report["meta"]["world_size"]
+    rows = [r for r in report["rows"] if r["time_us"] > 0]
+    if p < 2 or len(rows) < 2:
+        raise DataError(f"an all-reduce report of {p} rank(s) and {len(rows)} sizes cannot give a link; run "
+                        f"hpcdl bench allreduce on 2 or more ranks")
+    # t / t = 1 = a * x1 + b * x2 with x1 = 2(p-1)/t, x2 = 2(p-1)/p * n / t: solve the 2x2 normal equations
+    x1 = [2 * (p - 1) / (r["time_us"] * 1e-6) for r in rows]
+    x2 = [2 * (p - 1) / p * r["bytes"] / (r["time_us"] * 1e-6) for r in rows]
+    s11, s12, s22 = sum(a * a for a in x1), sum(a * b for a, b in zip(x1, x2)), sum(b * b for b in x2)
+    det = s11 * s22 - s12 * s12
+    alpha = (s22 * sum(x1) - s12 * sum(x2)) / det
+    beta = (s11 * sum(x2) - s12 * sum(x1)) / det
+    if beta <= 0:
+        raise DataError("the all-reduce report's times do not grow with size; measure up to larger --max-bytes")
+    return Link(latency_s=max(alpha, 0.0), bandwidth_bytes_s=1 / beta)
+
+
+def curve_from_step(report: dict) -> BatchCurve:
+    """A node's images/s against its batch from ``hpcdl bench step --json``: the tuned node of the tuning
+    comparison, and every point of its batch sweep when it ran one."""
+    points = [(float(b), v) for b, v in report.get("curve", {}).get("points", [])]
+    tuning = report.get("tuning")
+    if tuning:
+        c = report["config"]
+        points.append((c["tuning_batch"] * c["ranks_per_node"], tuning["images_per_s"]["tuned"]))
+    if not points:
+        raise DataError("the bench step report holds no node throughput; run hpcdl bench step without --only overhead")
+    by_batch: dict[float, list[float]] = {}
+    for b, v in points:
+        by_batch.setdefault(b, []).append(v)
+    return BatchCurve(tuple((b, statistics.median(v)) for b, v in by_batch.items()))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Calibration:
+    throughput: BatchCurve
+    overlap: float
+    backward_share: float
+    ranks_per_node: int
+    points: list[dict]  # each measured point beside what the calibrated model gives for it
+
+
+def calibrate(report: dict, network: Link, algorithm: str = "ring", messages: int = 1,
+              intra: Link | None = None) -> Calibration:
+    """Fit the per-node compute and the overlap to ``hpcdl bench scaling --json``.
+
+    - compute: a full node's images/s at its batch, from every point whose ranks fill their nodes (step
+      minus the exposed communication);
+    - backward's share of compute: from the one-rank points' phases;
+    - overlap: the hidden part of each multi-rank point's modelled all-reduce (modelled minus measured
+      exposed), over what backward could hide, averaged and held in [0, 1]. A point whose communication
+      was all hidden only bounds the overlap from below: measure where it shows (more ranks, or nodes).
+    """
+    rpn = report["meta"]["ranks_per_node"]
+    full = [p for p in report["points"] if p["ranks"] == p["nodes"] * rpn]
+    if not full:
+        raise DataError(f"no point of the scaling report fills its nodes ({rpn} ranks each); run bench scaling "
+                        f"with all of a node's ranks")
+    samples: dict[float, list[float]] = {}
+    for p in full:
+        batch = p["batch_per_rank"] * rpn
+        compute_s = (p["step_ms"]["mean"] - p["phases_ms"]["comm_wait"]) / 1e3
+        samples.setdefault(batch, []).append(batch / compute_s)
+    curve = BatchCurve(tuple((b, statistics.median(v)) for b, v in samples.items()))
+    singles = [p for p in report["points"] if p["ranks"] == 1]
+    share = statistics.median(p["phases_ms"]["backward"] / (p["phases_ms"]["forward"] + p["phases_ms"]["backward"]
+                                                            + p["phases_ms"]["optimizer"]) for p in singles) \
+        if singles else 2 / 3
+    overlaps = []
+    for p in full:
+        if p["ranks"] < 2:
+            continue
+        comm = allreduce_cost(algorithm, report["meta"]["gradient_bytes"], p["nodes"], rpn, network, intra)
+        modelled = comm.latency_s * messages + comm.bandwidth_s
+        compute_s = (p["step_ms"]["mean"] - p["phases_ms"]["comm_wait"]) / 1e3
+        hidden = modelled - p["phases_ms"]["comm_wait"] / 1e3
+        overlaps.append(hidden / (share * compute_s))
+    overlap = min(1.0, max(0.0, statistics.fmean(overlaps))) if overlaps else 0.0
+    model = StepModel(gradient_bytes=report["meta"]["gradient_bytes"], throughput=curve, network=network,
+                      ranks_per_node=rpn, algorithm=algorithm, intra=intra, messages=messages, overlap=overlap,
+                      backward_share=share)
+    checked = [{"mode": p["mode"], "ranks": p["ranks"], "nodes": p["nodes"], "measured_images_s": p["images_per_s"],
+                "model_images_s": model.terms(p["nodes"], p["global_batch"])["images_s"]} for p in full]
+    return Calibration(curve, overlap, share, rpn, checked)
+
+
+def plan(model: StepModel, nodes: list[int], global_batch: int, epochs: float, train_images: int) -> list[dict]:
+    """The model's terms at each node count, with epoch time and time to train."""
+    steps = math.ceil(train_images / global_batch)
+    rows = []
+    for n in nodes:
+        if n < 1:
+            raise ConfigError(f"--nodes {n}: a job has at least 1 node")
+        t = model.terms(n, global_batch)
+        rows.append({"nodes": n, "ranks": n * model.ranks_per_node, **t, "steps_per_epoch": steps,
+                     "epoch_s": steps * t["step_s"], "time_to_train_s": epochs * steps * t["step_s"],
+                     "dominant": _dominant(t)})
+    return rows
+
+
+def _dominant(t: dict) -> str:
+    terms = {"compute": t["compute_s"], "all-reduce latency (exposed)": t["exposed_s"] * _part(t, "latency"),
+             "all-reduce bandwidth (exposed)": t["exposed_s"] * _part(t, "bandwidth"), "data loading": t["data_s"]}
+    return max(terms, key=terms.get)
+
+
+def _part(t: dict, which: str) -> float:
+    return t[f"allreduce_{which}_s"] / t["allreduce_s"] if t["allreduce_s"] else 0.0
+
+
+def format_plan(rows: list[dict], header: str) -> str:
+    lines = [header, f"{'nodes':>6} {'ranks':>6} {'batch/node':>10} {'compute':>9} {'ar alpha':>9} {'ar beta':>9} "
+             f"{'hidden':>8} {'exposed':>8} {'data':>8} {'step':>9} {'images/s':>10} {'eff':>6} {'epoch':>8} "
+             f"{'to train':>9}  dominant", f"{'':>6} {'':>6} {'':>10} {'ms':>9} {'ms':>9} {'ms':>9} {'ms':>8} "
+             f"{'ms':>8} {'ms':>8} {'ms':>9} {'':>10} {'':>6} {'min':>8} {'min':>9}"]
+    for r in rows:
+        lines.append(f"{r['nodes']:>6} {r['ranks']:>6} {r['batch_per_node']:>10.1f} {r['compute_s'] * 1e3:>9.1f} "
+                     f"{r['allreduce_latency_s'] * 1e3:>9.2f} {r['allreduce_bandwidth_s'] * 1e3:>9.2f} "
+                     f"{r['hidden_s'] * 1e3:>8.1f} {r['exposed_s'] * 1e3:>8.1f} {r['data_s'] * 1e3:>8.1f} "
+                     f"{r['step_s'] * 1e3:>9.1f} {_rate(r['images_s']):>10} {r['efficiency']:>6.1%} "
+                     f"{r['epoch_s'] / 60:>8.2f} {r['time_to_train_s'] / 60:>9.1f}  {r['dominant']}")
+    return "\n".join(lines)
+
+
+def _rate(v: float) -> str:
+    return f"{v:,.0f}" if v >= 1000 else f"{v:.1f}" if v >= 100 else f"{v:.3f}"
+
+
+def figure(rows: list[dict], title: str):
+    """Predicted time to train and efficiency against node count."""
+    from hpcdl.plot import counts_axis, pyplot
+
+    plt = pyplot("hpcdl plan --plot")
+    nodes = [r["nodes"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(nodes, [r["time_to_train_s"] / 60 for r in rows], "o-", color="#4c72b0", label="predicted")
+    ideal = rows[0]["time_to_train_s"] * rows[0]["nodes"] / 60
+    left.plot(nodes, [ideal / n for n in nodes], "--", color="grey", label=f"linear from {nodes[0]} nodes")
+    left.set_ylabel("time to train, min")
+    right.plot(nodes, [r["efficiency"] * 100 for r in rows], "o-", color="#dd8452", label="compute / step")
+    right.set_ylabel("efficiency, %")
+    right.set_ylim(0, 105)
+    counts_axis((left, right), nodes, "nodes")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot(rows: list[dict], title: str, out: str) -> str:
+    from hpcdl.plot import save_png
+
+    return save_png(figure(rows, title), out)
+
+
+def read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: cannot read it as {what} ({exc})") from None
+
+
+def parse_throughput(text: str) -> BatchCurve:
+    """``IMAGES_S`` (at any batch) or ``BATCH:IMAGES_S,...``: one node's compute."""
+    try:
+        if ":" not in text:
+            return BatchCurve(((1.0, float(text)),))
+        return BatchCurve(tuple((float(b), float(v)) for b, v in (item.split(":") for item in text.split(","))))
+    except ValueError:
+        raise ConfigError(f"--throughput {text!r}: give images/s per node, or BATCH:IMAGES_S pairs separated by "
+                          f"commas (e.g. 32:80,64:98.5)") from None
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class PlanInputs:
+    """Where each of the model's inputs comes from; exactly one source of compute."""
+
+    model: str
+    profile: str = "generic"
+    throughput: str | None = None
+    step_json: str | None = None
+    calibrate_json: str | None = None
+    allreduce_json: str | None = None
+    intra_json: str | None = None  # hpcdl bench allreduce on one node's ranks: the hierarchical all-reduce's node link
+    algorithm: str = "ring"
+    ranks_per_node: int | None = None  # None: the calibration's, else the profile's sockets
+    overlap: float | None = None  # None: the calibration's, else 0
+    data_images_s: float | None = None
+
+    def build(self) -> tuple[StepModel, list[str]]:
+        """The step model and one line per input saying where it came from."""
+        from hpcdl.launch.profiles import get_profile
+
+        sources = [s for s in (self.throughput, self.step_json, self.calibrate_json) if s]
+        if len(sources) != 1:
+            raise ConfigError("give the per-node compute one way: --throughput, --step-json (hpcdl bench step) or "
+                              "--calibrate (hpcdl bench scaling)")
+        facts = model_facts(self.model)
+        profile = get_profile(self.profile)
+        network, intra, net_note = self._links(profile)
+        notes = [f"model {facts.name}: {facts.gradient_bytes / 1e6:.1f} MB of gradients in {facts.buckets} DDP "
+                 f"buckets, {facts.train_flops / 1e9:.2f} GFLOP per training image",
+                 f"network: alpha {network.latency_s * 1e6:.2f} us, {network.bandwidth_bytes_s / 1e9:.2f} GB/s "
+                 f"({net_note}); all-reduce {self.algorithm}"]
+        curve, rpn, overlap, share, note = self._compute(network, intra, facts.buckets)
+        rpn = rpn or profile.sockets
+        notes += [note, "node compute, images/s at batch: " + ", ".join(f"{_rate(v)} at {b:g}" for b, v in curve.points)
+                  + f"; {rpn} ranks per node; overlap {overlap:.2f}"
+                  + (f"; data loading {self.data_images_s:g} images/s per node" if self.data_images_s else "")]
+        model = StepModel(gradient_bytes=facts.gradient_bytes, throughput=curve, network=network, ranks_per_node=rpn,
+                          algorithm=self.algorithm, intra=intra, messages=facts.buckets, overlap=overlap,
+                          backward_share=share, data_images_s=self.data_images_s)
+        return model, notes
+
+    def _links(self, profile) -> tuple[Link, Link | None, str]:
+        """(network, the node's own link for the hierarchical all-reduce, where the network came from)."""
+        intra = None
+        if self.algorithm == "hierarchical":
+            if not self.intra_json:
+                raise ConfigError("--algorithm hierarchical needs the node's own link: --intra-allreduce-json, the "
+                                  "JSON of hpcdl bench allreduce run on the ranks of one node")
+            intra = link_from_allreduce(read_json(self.intra_json, "an hpcdl bench allreduce report"))
+        if self.allreduce_json:
+            return (link_from_allreduce(read_json(self.allreduce_json, "an hpcdl bench allreduce report")), intra,
+                    f"fitted to {self.allreduce_json}")
+        return profile.network_link(), intra, f"profile {profile.name}"
+
+    def _compute(self, network: Link, intra: Link | None, messages: int):
+        """(the node's compute curve, ranks per node or None, overlap, backward's share, where they came from)."""
+        overlap = 0.0 if self.overlap is None else self.overlap
+        if self.step_json:
+            curve = curve_from_step(read_json(self.step_json, "an hpcdl bench step report"))
+            return curve, self.ranks_per_node, overlap, 2 / 3, f"compute from {self.step_json}"
+        if self.throughput:
+            return parse_throughput(self.throughput), self.ranks_per_node, overlap, 2 / 3, "compute given (--throughput)"
+        cal = calibrate(read_json(self.calibrate_json, "an hpcdl bench scaling report"), network, self.algorithm,
+                        messages, intra)
+        note = (f"compute and overlap fitted to {self.calibrate_json}: overlap {cal.overlap:.2f}, backward "
+                f"{cal.backward_share:.0%} of compute; the fit gives its points as " + ", ".join(
+                    f"{p['mode']} {p['ranks']} ranks {_rate(p['measured_images_s'])} -> {_rate(p['model_images_s'])} "
+                    f"img/s" for p in cal.points))
+        return (cal.throughput, self.ranks_per_node or cal.ranks_per_node,
+                cal.overlap if self.overlap is None else self.overlap, cal.backward_share, note)

@@ -1,0 +1,173 @@
+"""``hpcdl plan``: its fits, its validation against the published runs, and its CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, load_json, sbatch_wait
+from hpcdl.errors import ConfigError
+from hpcdl.launch import job_request
+from hpcdl.launch.sbatch import render_sbatch
+from hpcdl.perf.model import BatchCurve, Link, StepModel
+from hpcdl.perf.plan import PlanInputs, calibrate, figure, link_from_allreduce, model_facts, plan
+from hpcdl.perf.published import PUBLISHED
+from hpcdl.perf.validate import CALIBRATION, validate
+
+# The rows the model misses, and why (docs/scaling.md, "Validation"). Each is a strict xfail: a change that
+# brings one within its bound fails here until the docs and this list are updated.
+MISSES = {
+    "resnet50-skx1024": "all-reduce at scale: ~140 ms a step the line-rate ring does not explain",
+    "resnet50-skx1600": "all-reduce at scale: ~100 ms a step the line-rate ring does not explain",
+    "resnet50-knl2048": "all-reduce at scale: ~130 ms a step the line-rate ring does not explain",
+    "surfsara-448": "all-reduce at scale: ~130 ms a step the line-rate ring does not explain",
+    "alexnet-cpu1024": "arXiv's count: 1,024 processors cannot finish in 11 min at the calibrated compute",
+}
+
+
+@pytest.fixture(scope="module")
+def validation() -> dict[str, dict]:
+    return {r["name"]: r for r in validate()}
+
+
+def test_the_calibration_row_alone_sets_the_compute(validation):
+    assert validation[CALIBRATION]["calibration"] and sum(r["calibration"] for r in validation.values()) == 1
+    assert validation[CALIBRATION]["error"] == pytest.approx(0, abs=1e-9)
+    skx = [r for r in validation.values() if r["processor"] == "Xeon Platinum 8160" and r["model"] == "resnet50"]
+    assert len({round(r["compute_images_s_per_node"], 6) for r in skx}) == 1  # one number, no per-row factor
+
+
+@pytest.mark.parametrize("name", [r.name for r in PUBLISHED if r.name != CALIBRATION])
+def test_each_published_row_within_its_bound(validation, name):
+    row = validation[name]
+    assert row["bound"] == (0.15 if row["model"] == "resnet50" and row["minutes"] else 0.25)
+    if name in MISSES:
+        pytest.xfail(f"{name}: {row['error']:+.1%} against {row['bound']:.0%}: {MISSES[name]}")
+    assert abs(row["error"]) <= row["bound"]
+
+
+@pytest.mark.parametrize("name", sorted(MISSES))
+def test_the_misses_stay_documented(validation, name):
+    """A row listed as a miss that comes within its bound must leave MISSES (and docs/scaling.md's table)."""
+    row = validation[name]
+    assert abs(row["error"]) > row["bound"], f"{name} is now within its bound: update MISSES and docs/scaling.md"
+
+
+def test_validate_cli_prints_every_row_with_prediction_and_error(tmp_path):
+    out = subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--validate", "--json", str(tmp_path / "v.json")],
+                         capture_output=True, text=True, check=True).stdout
+    for r in PUBLISHED:
+        line = next(line for line in out.splitlines() if line.startswith(r.name + " "))
+        assert (f"{r.minutes:.1f} min" if r.minutes else f"{r.images_per_s:,.0f}/s") in line
+        assert "%" in line
+    assert len(json.loads((tmp_path / "v.json").read_text())) == len(PUBLISHED)
+
+
+def test_link_fit_recovers_the_link_it_was_made_from():
+    alpha, bw, p = 20e-6, 3e9, 4
+    rows = [{"bytes": n, "time_us": (2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bw) * 1e6} for n in
+            (4, 1 << 10, 1 << 16, 1 << 20, 1 << 24)]
+    link = link_from_allreduce({"meta": {"world_size": p}, "rows": rows})
+    assert link.latency_s == pytest.approx(alpha, rel=1e-6) and link.bandwidth_bytes_s == pytest.approx(bw, rel=1e-6)
+
+
+def _scaling_report(model: StepModel, per_rank: int, counts=(1, 2, 4)) -> dict:
+    """What bench scaling would measure of a job that behaves exactly like ``model`` (one rank per node)."""
+    points = []
+    for k in counts:
+        t = model.terms(k, per_rank * k)
+        compute = t["compute_s"] * 1e3
+        points.append({"mode": "weak", "ranks": k, "nodes": k, "batch_per_rank": per_rank, "global_batch": per_rank * k,
+                       "images_per_s": t["images_s"], "step_ms": {"mean": t["step_s"] * 1e3},
+                       "phases_ms": {"forward": compute / 3, "backward": compute * 2 / 3, "optimizer": 0.0,
+                                     "comm_wait": t["exposed_s"] * 1e3}})
+    return {"meta": {"ranks_per_node": 1, "gradient_bytes": model.gradient_bytes}, "points": points}
+
+
+def test_calibrate_recovers_compute_and_overlap():
+    net = Link(latency_s=50e-6, bandwidth_bytes_s=0.25e9)  # slow enough that backward cannot hide it all
+    truth = StepModel(gradient_bytes=100e6, throughput=BatchCurve(((16, 20.0),)), network=net, overlap=0.4)
+    cal = calibrate(_scaling_report(truth, 16), net)
+    assert cal.throughput(16) == pytest.approx(20.0)
+    assert cal.overlap == pytest.approx(0.4) and cal.backward_share == pytest.approx(2 / 3)
+    for p in cal.points:
+        assert p["model_images_s"] == pytest.approx(p["measured_images_s"])
+    fast = Link(50e-6, 100e9)
+    hidden = calibrate(_scaling_report(dataclasses.replace(truth, network=fast), 16), fast)
+    assert hidden.overlap < 0.4  # all of it hidden: the measurement bounds the overlap only from below
+
+
+def test_plan_rows_and_the_plot_agree(tmp_path):
+    facts = model_facts("resnet50")
+    assert facts.gradient_bytes == 25_557_032 * 4 and facts.buckets == 5  # 1 MB first bucket, then 25 MB ones
+    model = StepModel(gradient_bytes=facts.gradient_bytes, throughput=BatchCurve(((64, 98.5),)),
+                      network=Link(1e-6, 12.5e9), ranks_per_node=2, messages=facts.buckets)
+    rows = plan(model, [256, 512, 1024], 32768, 90, 1_281_167)
+    for r in rows:
+        assert r["steps_per_epoch"] == 40 and r["time_to_train_s"] == pytest.approx(90 * 40 * r["step_s"])
+        assert r["allreduce_latency_s"] == pytest.approx(5 * 2 * (r["ranks"] - 1) * 1e-6)
+    left, right = figure(rows, "t").axes
+    assert list(left.lines[0].get_ydata()) == [r["time_to_train_s"] / 60 for r in rows]
+    assert list(right.lines[0].get_ydata()) == [r["efficiency"] * 100 for r in rows]
+
+
+def test_plan_cli_writes_table_json_and_png(tmp_path):
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--model", "resnet50", "--nodes", "256,512,1024,1600,2048",
+                          "--profile", "stampede2-skx", "--batch", "32768", "--epochs", "90", "--throughput", "64:98.5",
+                          "--json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png")],
+                         capture_output=True, text=True, check=True)
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [r["nodes"] for r in rows] == [256, 512, 1024, 1600, 2048]
+    for r in rows:
+        assert f"{r['time_to_train_s'] / 60:.1f}" in run.stdout
+    assert "12.50 GB/s (profile stampede2-skx)" in run.stdout
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("inputs, message", [
+    (dict(), "give the per-node compute one way"),
+    (dict(throughput="98.5", step_json="x.json"), "give the per-node compute one way"),
+    (dict(throughput="64:lots", profile="stampede2-skx"), "--throughput '64:lots'"),
+    (dict(throughput="98.5", algorithm="hierarchical", profile="stampede2-skx"), "needs the node's own link"),
+    (dict(throughput="98.5"), "profile generic has no network latency and bandwidth"),
+])
+def test_plan_inputs_are_checked(inputs, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        PlanInputs(model="resnet50", **inputs).build()
+
+
+def test_plan_cli_names_a_missing_report(tmp_path):
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--nodes", "2", "--batch", "64", "--profile", "stampede2-skx",
+                          "--step-json", str(tmp_path / "nope.json")], capture_output=True, text=True)
+    assert run.returncode == 2 and f"{tmp_path / 'nope.json'}: cannot read it as an hpcdl bench step report" in run.stderr
+
+
+def test_plan_from_bench_step_and_allreduce_predicts_what_bench_scaling_measures(slurm, tmp_path):
+    """This machine as one node of 2 ranks, ResNet-50 at 8 images a rank (docs/scaling.md): the plan from the
+    node's compute (bench step) and the link (bench allreduce on the node's 2 ranks) against bench scaling's
+    2-rank throughput, within 10%."""
+    def job(name: str, command: list[str]) -> None:
+        script = tmp_path / f"{name}.sbatch"
+        script.write_text(render_sbatch(job_request(profile="local", nodes=1, tasks_per_node=2, time="10",
+                                                    python=PYTHON, output=f"{tmp_path}/{name}-%j.out"), command))
+        sbatch_wait(script, timeout=600)
+
+    subprocess.run([PYTHON, "-m", "hpcdl", "bench", "step", "--only", "curve", "--curve-batches", "8",
+                    "--tuning-model", "resnet50", "--ranks-per-node", "2", "--tuning-steps", "2", "--tuning-rounds", "2",
+                    "--json", str(tmp_path / "step.json")], check=True, capture_output=True)
+    job("allreduce", ["bench", "allreduce", "--max-bytes", "64M", "--seconds-per-size", "0.1",
+                      "--json", f"{tmp_path}/allreduce.json"])
+    job("scaling", ["bench", "scaling", "--model", "resnet50", "--batch", "8", "--ranks", "2", "--modes", "weak",
+                    "--steps", "3", "--rounds", "1", "--json", f"{tmp_path}/scaling.json"])
+    subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--model", "resnet50", "--nodes", "1", "--ranks-per-node", "2",
+                    "--batch", "16", "--step-json", str(tmp_path / "step.json"), "--allreduce-json",
+                    str(tmp_path / "allreduce.json"), "--json", str(tmp_path / "plan.json")], check=True,
+                   capture_output=True)
+    measured = load_json(tmp_path / "scaling.json")["points"][0]
+    assert (measured["ranks"], measured["global_batch"]) == (2, 16)
+    predicted = load_json(tmp_path / "plan.json")["rows"][0]["images_s"]
+    print(f"plan {predicted:.3f} images/s, bench scaling {measured['images_per_s']:.3f}")
+    assert predicted == pytest.approx(measured["images_per_s"], rel=0.10), (predicted, measured["images_per_s"])
