@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
 from hpcdl.optim.factory import OptimConfig, build_optimizer
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
-from hpcdl.errors import ConfigError
 from hpcdl.utils import cpu_model
 
 TUNING_VARS = ("LD_PRELOAD", "GLIBC_TUNABLES", "MALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
