@@ -11,11 +11,12 @@ import pytest
 from conftest import PYTHON, load_json, sbatch_wait
 from hpcdl.errors import ConfigError
 from hpcdl.launch import job_request
+from hpcdl.launch.profiles import get_profile
 from hpcdl.launch.sbatch import render_sbatch
 from hpcdl.perf.model import BatchCurve, Link, StepModel
 from hpcdl.perf.plan import PlanInputs, calibrate, figure, link_from_allreduce, model_facts, plan
 from hpcdl.perf.published import PUBLISHED
-from hpcdl.perf.validate import CALIBRATION, validate
+from hpcdl.perf.validate import CALIBRATION, carried_compute, validate
 
 # The rows the model misses, and why (docs/scaling.md, "Validation"). Each is a strict xfail: a change that
 # brings one within its bound fails here until the docs and this list are updated.
@@ -128,15 +129,22 @@ def test_plan_cli_writes_table_json_and_png(tmp_path):
 
 
 @pytest.mark.parametrize("inputs, message", [
-    (dict(), "give the per-node compute one way"),
     (dict(throughput="98.5", step_json="x.json"), "give the per-node compute one way"),
     (dict(throughput="64:lots", profile="stampede2-skx"), "--throughput '64:lots'"),
     (dict(throughput="98.5", algorithm="hierarchical", profile="stampede2-skx"), "needs the node's own link"),
-    (dict(throughput="98.5"), "profile generic has no network latency and bandwidth"),
+    (dict(throughput="98.5"), "profile generic has no network latency and bandwidth; measure them with hpcdl bench"),
 ])
 def test_plan_inputs_are_checked(inputs, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         PlanInputs(model="resnet50", **inputs).build()
+
+
+def test_without_a_compute_source_the_plan_carries_the_published_one(validation):
+    model, notes = PlanInputs(model="resnet50", profile="stampede2-skx").build()
+    assert model.throughput(64) == pytest.approx(validation["resnet50-skx1024"]["compute_images_s_per_node"])
+    assert any("carried from the published surfsara-64 run" in line for line in notes)
+    with pytest.raises(ConfigError, match="profile local has no nominal peak"):
+        carried_compute(model_facts("resnet50"), get_profile("local"))
 
 
 def test_plan_cli_names_a_missing_report(tmp_path):

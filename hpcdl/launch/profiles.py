@@ -46,7 +46,8 @@ class ClusterProfile:
         from hpcdl.perf.model import Link
 
         if self.network_latency_us is None or self.network_gb_s is None:
-            raise ConfigError(f"profile {self.name} has no network latency and bandwidth; give them explicitly")
+            raise ConfigError(f"profile {self.name} has no network latency and bandwidth; measure them with hpcdl "
+                              f"bench allreduce (hpcdl plan --allreduce-json) or choose a profile that has them")
         return Link(latency_s=self.network_latency_us * 1e-6, bandwidth_bytes_s=self.network_gb_s * 1e9)
 
 

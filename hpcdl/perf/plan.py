@@ -254,20 +254,22 @@ class PlanInputs:
         from hpcdl.launch.profiles import get_profile
 
         sources = [s for s in (self.throughput, self.step_json, self.calibrate_json) if s]
-        if len(sources) != 1:
+        if len(sources) > 1:
             raise ConfigError("give the per-node compute one way: --throughput, --step-json (hpcdl bench step) or "
                               "--calibrate (hpcdl bench scaling)")
-        facts = model_facts(self.model)
         profile = get_profile(self.profile)
+        facts = model_facts(self.model)
         network, intra, net_note = self._links(profile)
         notes = [f"model {facts.name}: {facts.gradient_bytes / 1e6:.1f} MB of gradients in {facts.buckets} DDP "
                  f"buckets, {facts.train_flops / 1e9:.2f} GFLOP per training image",
                  f"network: alpha {network.latency_s * 1e6:.2f} us, {network.bandwidth_bytes_s / 1e9:.2f} GB/s "
                  f"({net_note}); all-reduce {self.algorithm}"]
-        curve, rpn, overlap, share, note = self._compute(network, intra, facts.buckets)
+        curve, rpn, overlap, share, note = self._compute(network, intra, facts, profile)
         rpn = rpn or profile.sockets
-        notes += [note, "node compute, images/s at batch: " + ", ".join(f"{_rate(v)} at {b:g}" for b, v in curve.points)
-                  + f"; {rpn} ranks per node; overlap {overlap:.2f}"
+        points = curve.points
+        shown = f"{_rate(points[0][1])} at every batch" if len(points) == 1 else ", ".join(
+            f"{_rate(v)} at {b:g}" for b, v in points)
+        notes += [note, f"node compute, images/s: {shown}; {rpn} ranks per node; overlap {overlap:.2f}"
                   + (f"; data loading {self.data_images_s:g} images/s per node" if self.data_images_s else "")]
         model = StepModel(gradient_bytes=facts.gradient_bytes, throughput=curve, network=network, ranks_per_node=rpn,
                           algorithm=self.algorithm, intra=intra, messages=facts.buckets, overlap=overlap,
@@ -287,16 +289,23 @@ class PlanInputs:
                     f"fitted to {self.allreduce_json}")
         return profile.network_link(), intra, f"profile {profile.name}"
 
-    def _compute(self, network: Link, intra: Link | None, messages: int):
+    def _compute(self, network: Link, intra: Link | None, facts: ModelFacts, profile):
         """(the node's compute curve, ranks per node or None, overlap, backward's share, where they came from)."""
         overlap = 0.0 if self.overlap is None else self.overlap
+        if not (self.step_json or self.throughput or self.calibrate_json):
+            from hpcdl.perf.validate import CALIBRATION, carried_compute
+
+            ips = carried_compute(facts, profile)
+            return (BatchCurve(((1.0, ips),)), self.ranks_per_node, overlap, 2 / 3,
+                    f"compute carried from the published {CALIBRATION} run by training FLOPs and the node's nominal "
+                    f"peak (as hpcdl plan --validate does; measure with --step-json to replace it)")
         if self.step_json:
             curve = curve_from_step(read_json(self.step_json, "an hpcdl bench step report"))
             return curve, self.ranks_per_node, overlap, 2 / 3, f"compute from {self.step_json}"
         if self.throughput:
             return parse_throughput(self.throughput), self.ranks_per_node, overlap, 2 / 3, "compute given (--throughput)"
         cal = calibrate(read_json(self.calibrate_json, "an hpcdl bench scaling report"), network, self.algorithm,
-                        messages, intra)
+                        facts.buckets, intra)
         note = (f"compute and overlap fitted to {self.calibrate_json}: overlap {cal.overlap:.2f}, backward "
                 f"{cal.backward_share:.0%} of compute; the fit gives its points as " + ", ".join(
                     f"{p['mode']} {p['ranks']} ranks {_rate(p['measured_images_s'])} -> {_rate(p['model_images_s'])} "

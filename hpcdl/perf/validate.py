@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from hpcdl.errors import ConfigError
 from hpcdl.launch.profiles import get_profile
 from hpcdl.perf.model import BatchCurve, StepModel
 from hpcdl.perf.plan import IMAGENET_TRAIN, ModelFacts, model_facts
 from hpcdl.perf.published import PROCESSORS_PER_NODE, PUBLISHED, PublishedRun
 
-__all__ = ["BOUNDS", "CALIBRATION", "PROFILE_OF", "validate", "format_validation"]
+__all__ = ["BOUNDS", "CALIBRATION", "PROFILE_OF", "carried_compute", "format_validation", "validate"]
 
 CALIBRATION = "surfsara-64"
 PROFILE_OF = {"Xeon Platinum 8160": "stampede2-skx", "Xeon Phi 7250": "stampede2-knl"}
@@ -49,16 +50,27 @@ def calibration_compute(facts: ModelFacts) -> float:
     return row.batch_per_node / (step_s - comm["exposed_s"])
 
 
+def carried_compute(facts: ModelFacts, profile, base_facts: ModelFacts | None = None) -> float:
+    """One node's compute images/s for ``facts``' model on ``profile``'s node, carried from the calibration
+    row by the rules above (training FLOPs, nominal peak)."""
+    base = next(r for r in PUBLISHED if r.name == CALIBRATION)
+    base_facts = base_facts or model_facts(base.model)
+    base_profile = get_profile(PROFILE_OF[base.processor])
+    if profile.peak_fp32_tflops is None:
+        raise ConfigError(f"profile {profile.name} has no nominal peak (clock_ghz, fp32_flops_per_cycle, "
+                          f"cores_per_node) to carry the published compute to; give --throughput, --step-json or "
+                          f"--calibrate")
+    return (calibration_compute(base_facts) * base_facts.train_flops / facts.train_flops
+            * profile.peak_fp32_tflops / base_profile.peak_fp32_tflops)
+
+
 def validate() -> list[dict]:
     facts = {name: model_facts(name) for name in sorted({r.model for r in PUBLISHED})}
     base = next(r for r in PUBLISHED if r.name == CALIBRATION)
-    base_ips = calibration_compute(facts[base.model])
-    base_peak = get_profile(PROFILE_OF[base.processor]).peak_fp32_tflops
     out = []
     for row in PUBLISHED:
         f = facts[row.model]
-        ips = (base_ips * facts[base.model].train_flops / f.train_flops
-               * get_profile(PROFILE_OF[row.processor]).peak_fp32_tflops / base_peak)
+        ips = carried_compute(f, get_profile(PROFILE_OF[row.processor]), facts[base.model])
         t = _step_model(row, f, ips).terms(row.nodes, row.global_batch)
         if row.minutes:
             steps = -(-IMAGENET_TRAIN // row.global_batch)
