@@ -131,7 +131,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_env(args: argparse.Namespace) -> int:
     from hpcdl.dist.env import discover
 
-    print(json.dumps(dataclasses.asdict(discover())))
+    # One write: under mpiexec the ranks share stdout, and print's separate newline can land after
+    # another rank's line when Python runs unbuffered.
+    sys.stdout.write(json.dumps(dataclasses.asdict(discover())) + "\n")
+    sys.stdout.flush()
     return 0
 
 
