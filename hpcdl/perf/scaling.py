@@ -193,12 +193,11 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 def _meta(ctx: DistContext, cfg: ScalingBenchConfig, nodes: list[int]) -> dict:
-    from hpcdl.models import MODELS, build_model
+    from hpcdl.models import MODELS
+    from hpcdl.perf.plan import model_facts
 
-    with torch.device("meta"):
-        params = sum(p.numel() for p in build_model(cfg.model).parameters())
     return {"benchmark": "scaling", "model": cfg.model, "crop": cfg.crop or MODELS[cfg.model].crop,
-            "gradient_bytes": params * 4, "backend": ctx.backend.name, "world_size": ctx.world_size,
+            "gradient_bytes": model_facts(cfg.model).gradient_bytes, "backend": ctx.backend.name, "world_size": ctx.world_size,
             "nodes": len(set(nodes)), "ranks_per_node": ctx.env.local_size, "threads": torch.get_num_threads(),
             "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds, "torch": torch.__version__,
             "cpu": cpu_model(), "job_id": ctx.env.job_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
