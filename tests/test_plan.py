@@ -169,7 +169,7 @@ def test_plan_from_bench_step_and_allreduce_predicts_what_bench_scaling_measures
     job("allreduce", ["bench", "allreduce", "--max-bytes", "64M", "--seconds-per-size", "0.1",
                       "--json", f"{tmp_path}/allreduce.json"])
     job("scaling", ["bench", "scaling", "--model", "resnet50", "--batch", "8", "--ranks", "2", "--modes", "weak",
-                    "--steps", "3", "--rounds", "1", "--json", f"{tmp_path}/scaling.json"])
+                    "--steps", "3", "--rounds", "2", "--json", f"{tmp_path}/scaling.json"])
     subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--model", "resnet50", "--nodes", "1", "--ranks-per-node", "2",
                     "--batch", "16", "--step-json", str(tmp_path / "step.json"), "--allreduce-json",
                     str(tmp_path / "allreduce.json"), "--json", str(tmp_path / "plan.json")], check=True,
