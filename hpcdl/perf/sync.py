@@ -258,7 +258,8 @@ def _bare_group(group):
     """For the latency floor only: a group of ``group``'s ranks on a Python backend whose all-reduce is
     nothing but MPI's (no op, dtype or layout checks, no queue, no timeout): what any Python backend
     pays for torch.distributed's dispatch. Not a backend to train with."""
-    from hpcdl.dist.mpi import MPIProcessGroup, _DoneWork
+    from hpcdl.dist.mpi import MPIProcessGroup
+    from hpcdl.dist.threaded import _DoneWork
 
     class BareMPI(MPIProcessGroup):
         def allreduce(self, tensors, opts):

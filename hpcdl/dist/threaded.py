@@ -1,0 +1,385 @@
+"""The core of hpcdl's own process groups: a communication library called from Python, asynchronously.
+
+torch's wheels carry gloo only. hpcdl reaches other libraries (MPI through mpi4py, oneCCL through its
+C API) with a torch ``ProcessGroup`` written in Python; this module is what they share, so that a
+library is one small file of primitives (see :class:`ThreadedProcessGroup`).
+
+Collectives are asynchronous. Each call queues the operation for a :class:`CommThread` and returns a
+:class:`torch.distributed.Work` at once; the thread runs the library's calls in issue order and
+completes the Work's future, so DDP keeps computing gradients while earlier buckets are reduced. A
+small collective (at most the group's ``inline_bytes``) issued while nothing is queued may run on the
+caller's thread instead, which saves two thread hand-offs (the small-message latency); a library that
+must be called from one thread only (oneCCL) sets ``inline_bytes = 0``.
+
+A collective that does not complete within its group's timeout fails its Work with a message that
+names this rank, the library and the operation; the caller (``hpcdl.dist.process_group.fail_fast``)
+then names the lost rank from the heartbeats. A library that cannot abort a call leaves its thread
+stuck in it; at exit such a process leaves at once (``exit_if_stuck``) instead of crashing in the
+library's destructors.
+
+The base also does what every library needs around its primitives: AVG as a sum divided by the size,
+reductions of dtypes the library lacks in fp32, non-contiguous tensors, the list and ``_single`` forms
+of the collectives torch calls, and an unsupported reduce op refused with the same clear error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from hpcdl.errors import ConfigError
+
+__all__ = ["CommThread", "ThreadedProcessGroup"]
+
+_SUM, _AVG = dist.ReduceOp.RedOpType.SUM, dist.ReduceOp.RedOpType.AVG
+_OPS = {"SUM": dist.ReduceOp.RedOpType.SUM, "AVG": _AVG, "MAX": dist.ReduceOp.RedOpType.MAX,
+        "MIN": dist.ReduceOp.RedOpType.MIN, "PRODUCT": dist.ReduceOp.RedOpType.PRODUCT}
+
+
+class _Work(dist.Work):
+    def __init__(self, future: Future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self._future.wait()  # raises the collective's error
+        return True
+
+    def get_future(self) -> Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class _DoneWork(dist.Work):
+    """The Work of a collective that already ran on the caller's thread; its future is made on demand."""
+
+    def __init__(self, result):
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        return True
+
+    def get_future(self) -> Future:
+        future: Future = Future()
+        future.set_result(self._result)
+        return future
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class CommThread:
+    """One thread that runs the queued collectives of one or more groups in issue order, and a watchdog
+    that fails the Work of one that outlives its group's timeout (no library here can cancel a call).
+
+    ``exit_if_stuck``: at exit, a process whose thread is still inside a library call leaves with
+    ``os._exit(1)`` after flushing its logs (oneCCL crashes in its destructors otherwise).
+    """
+
+    def __init__(self, name: str, *, exit_if_stuck: bool = False):
+        self.name, self.exit_if_stuck = name, exit_if_stuck
+        self._queue: queue.Queue = queue.Queue()
+        # While collectives are queued only the thread calls the library; a caller runs one inline only when
+        # none is, and holds the lock meanwhile so that nothing is queued (and started) under it.
+        self.lock = threading.Lock()
+        self.queued = 0  # collectives handed to the thread and not yet finished
+        self._started = None  # (start time, group, operation, future) of the collective in progress
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
+        self._thread.start()
+        self._watchdog.start()
+        atexit.register(self.shutdown)
+
+    def put(self, fn, future: Future, group: "ThreadedProcessGroup", what) -> None:
+        """Queue ``fn(False)``; the caller holds ``lock`` and has counted it in ``queued``."""
+        self._queue.put((fn, future, group, what))
+
+    def run_here(self, fn) -> None:
+        """Run ``fn()`` on the thread and wait for it (creating or destroying a communicator); not timed."""
+        done: Future = Future()
+        with self.lock:
+            self.queued += 1
+        self._queue.put((lambda inline: fn(), done, None, "setup"))
+        done.wait()
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, future, group, what = item
+            self._started = (time.monotonic(), group, what, future)
+            try:
+                result = fn(False)
+            except Exception as exc:  # the library's error goes to whoever waits on the Work
+                result = exc if group is None else group.failed(what, exc)
+            with self.lock:
+                self.queued -= 1
+            self._started = None
+            if future.done():  # the watchdog failed it already
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.2):
+            started = self._started
+            if not started or started[1] is None or started[3].done():
+                continue
+            limit = started[1].timeout.total_seconds()
+            if limit and time.monotonic() - started[0] > limit:
+                group = started[1]
+                started[3].set_exception(dist.DistBackendError(
+                    f"rank {group.rank()}: {group.LIBRARY} {describe(started[2])} {group.timed_out()}"))
+
+    def stuck(self) -> bool:
+        """Whether the thread is inside a library call that the watchdog has already given up on."""
+        started = self._started
+        return bool(started and started[3].done() and self._thread.is_alive())
+
+    def shutdown(self) -> None:
+        """Stop the threads: after what is queued has run, and before the interpreter finalizes (a daemon
+        thread woken during finalization is unwound through C++ frames, which aborts the process)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._queue.put(None)
+        if self._thread is not threading.current_thread():  # bounded: a thread stuck in a call stays behind
+            self._thread.join(timeout=0.5 if self.stuck() else 5.0)
+        self._watchdog.join(timeout=1.0)
+        if self.exit_if_stuck and self._thread.is_alive():
+            logging.getLogger(__name__).error("%s: a collective never completed; leaving without finalizing the "
+                                              "library (it cannot abort the call)", self.name)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+
+class ThreadedProcessGroup(dist.ProcessGroup):
+    """A torch process group whose collectives a library runs on a :class:`CommThread`.
+
+    A library subclasses it with its name (``BACKEND_NAME``, ``LIBRARY``), the dtypes it reduces
+    (``NATIVE``; others are reduced in fp32 and copied back), its reduce ops (``library_op``), and six
+    primitives on contiguous CPU tensors, each run on the thread (or inline when ``inline`` is true):
+    ``_allreduce(buf, op)``, ``_reduce(buf, op, root)`` (in place on the root), ``_broadcast(buf, root)``,
+    ``_allgather(send, recv)`` (``recv`` holds every rank's ``send`` in rank order),
+    ``_reduce_scatter(send, recv, op)`` and ``_barrier()``.
+    """
+
+    BACKEND_NAME = ""
+    LIBRARY = ""
+    NATIVE: frozenset = frozenset()
+    inline_bytes = 0
+
+    def __init__(self, rank: int, world_size: int, timeout: timedelta, thread: CommThread):
+        super().__init__(rank, world_size)
+        self.timeout, self.thread = timeout, thread
+
+    def getBackendName(self) -> str:
+        return self.BACKEND_NAME
+
+    def name(self) -> str:
+        return self.BACKEND_NAME
+
+    def library_op(self, name: str):
+        """The library's reduce op for ``name`` (SUM, MAX, MIN, PRODUCT); ``None`` if it has none."""
+        raise NotImplementedError
+
+    def failed(self, what, exc: Exception) -> Exception:
+        """The error a Work carries when the library call for ``what`` raised ``exc``."""
+        return dist.DistBackendError(f"rank {self.rank()}: {self.LIBRARY} {describe(what)} failed: {exc}")
+
+    def timed_out(self) -> str:
+        return f"did not complete within {self.timeout}; a peer rank is gone or stuck"
+
+    # -- queueing -------------------------------------------------------------------------------------------
+    def _submit(self, fn, what, nbytes: int) -> dist.Work:
+        """Run ``fn(inline)``, which makes the library calls, and return its Work.
+
+        It runs here (``inline=True``) when it is small and the thread has nothing queued, so that
+        collectives still reach the library in the order they were issued. Otherwise it is queued and the
+        Work completes when the thread has run it (``inline=False``; failed by the watchdog on a timeout).
+        """
+        thread = self.thread
+        with thread.lock:
+            if nbytes <= self.inline_bytes and not thread.queued:
+                try:
+                    return _DoneWork(fn(True))
+                except Exception as exc:  # delivered by the Work, as from the thread
+                    failed: Future = Future()
+                    failed.set_exception(dist.DistBackendError(f"rank {self.rank()}: {self.LIBRARY} {describe(what)} "
+                                                               + self.timed_out()) if isinstance(exc, TimeoutError)
+                                         else self.failed(what, exc))
+                    return _Work(failed)
+            thread.queued += 1
+        future: Future = Future()
+        thread.put(fn, future, self, what)
+        return _Work(future)
+
+    # -- what every library needs around its primitives -----------------------------------------------------
+    def _op(self, opts) -> tuple[bool, object]:
+        """(whether to divide by the size afterwards, the library's op) for ``opts.reduceOp``."""
+        op = opts.reduceOp.op
+        name = "SUM" if op in (_SUM, _AVG) else next((k for k, v in _OPS.items() if v == op), str(op))
+        library_op = self.library_op(name)
+        if library_op is None:
+            raise ConfigError(f"backend {self.BACKEND_NAME}: reduce op {op} is not supported; use SUM, AVG, MAX, MIN "
+                              "or PRODUCT")
+        return op == _AVG, library_op
+
+    def _reducible(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(a contiguous tensor of a dtype the library reduces, whether to copy it back into ``tensor``)."""
+        if tensor.dtype not in self.NATIVE:
+            return tensor.float(), True
+        if tensor.is_contiguous():
+            return tensor, False
+        return tensor.contiguous(), True
+
+    def _divide(self, buf: torch.Tensor) -> None:
+        if not buf.is_floating_point():
+            raise ConfigError(f"backend {self.BACKEND_NAME}: AVG of {buf.dtype} is not supported (an integer mean); "
+                              "reduce with SUM and divide")
+        buf.div_(self.size())
+
+    # -- collectives ----------------------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        avg, op = self._op(opts)
+
+        def run(inline):
+            for t in tensors:
+                buf, back = self._reducible(t)
+                self._allreduce(buf, op, inline)
+                if avg:
+                    self._divide(buf)
+                if back:
+                    t.copy_(buf)
+            return tensors
+
+        return self._submit(run, ("allreduce", tensors), _nbytes(tensors))
+
+    def reduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        (avg, op), root = self._op(opts), opts.rootRank
+
+        def run(inline):
+            for t in tensors:
+                buf, back = self._reducible(t)
+                self._reduce(buf, op, root, inline)
+                if self.rank() == root:
+                    if avg:
+                        self._divide(buf)
+                    if back:
+                        t.copy_(buf)
+            return tensors
+
+        return self._submit(run, ("reduce", tensors), _nbytes(tensors))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        root = opts.rootRank
+
+        def run(inline):
+            for t in tensors:
+                buf = t if t.is_contiguous() else t.contiguous()
+                self._broadcast(buf, root, inline)
+                if buf is not t:
+                    t.copy_(buf)
+            return tensors
+
+        return self._submit(run, f"broadcast from rank {root}", _nbytes(tensors))
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
+        def run(inline):
+            for outs, inp in zip(outputs, inputs):
+                flat = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
+                self._allgather(inp.contiguous(), flat, inline)
+                for r, out in enumerate(outs):
+                    out.copy_(flat[r])
+            return outputs
+
+        return self._submit(run, "allgather", _nbytes(inputs) * self.size())
+
+    def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> dist.Work:
+        def run(inline):
+            recv = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+            self._allgather(inp.contiguous(), recv, inline)
+            if recv is not output:
+                output.copy_(recv)
+            return [output]
+
+        return self._submit(run, "allgather", _nbytes([output]))
+
+    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts) -> dist.Work:
+        avg, op = self._op(opts)
+
+        def run(inline):
+            send, _ = self._reducible(inp)
+            recv = torch.empty(output.shape, dtype=send.dtype)
+            self._reduce_scatter(send, recv, op, inline)
+            if avg:
+                self._divide(recv)
+            output.copy_(recv)
+            return [output]
+
+        return self._submit(run, "reduce_scatter", _nbytes([inp]))
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts) -> dist.Work:
+        for out, ins in zip(outputs, inputs):
+            self._reduce_scatter_base(out, torch.stack(ins), opts).wait()
+        return _DoneWork(outputs)
+
+    # torch >= 2.10 names the flat variants *_single; earlier releases call the *_base ones.
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> dist.Work:
+        return self._allgather_base(output, inp, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts) -> dist.Work:
+        return self._reduce_scatter_base(output, inp, opts)
+
+    def barrier(self, opts=None) -> dist.Work:
+        return self._submit(lambda inline: self._barrier(inline), "barrier", 0)
+
+    # -- the library's primitives ---------------------------------------------------------------------------
+    def _allreduce(self, buf: torch.Tensor, op, inline: bool) -> None:
+        raise NotImplementedError
+
+    def _reduce(self, buf: torch.Tensor, op, root: int, inline: bool) -> None:
+        raise NotImplementedError
+
+    def _broadcast(self, buf: torch.Tensor, root: int, inline: bool) -> None:
+        raise NotImplementedError
+
+    def _allgather(self, send: torch.Tensor, recv: torch.Tensor, inline: bool) -> None:
+        raise NotImplementedError
+
+    def _reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op, inline: bool) -> None:
+        raise NotImplementedError
+
+    def _barrier(self, inline: bool) -> None:
+        raise NotImplementedError
+
+
+def describe(what) -> str:
+    """The operation, for messages: built only when one is needed, never on the fast path."""
+    if isinstance(what, str):
+        return what
+    name, tensors = what
+    return f"{name} of {sum(t.numel() for t in tensors)} elements ({', '.join(sorted({str(t.dtype) for t in tensors}))})"
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return tensors[0].nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors)
