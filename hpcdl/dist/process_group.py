@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from hpcdl.dist.affinity import CpuPlan, allocator_in_use, apply_cpu_plan, plan_cpus
-from hpcdl.dist.backend import BackendChoice, ccl_environment, choose_backend
+from hpcdl.dist.backend import BackendChoice, choose_backend
 from hpcdl.dist.env import RankEnv, discover
 from hpcdl.errors import LaunchError, RankLostError
 
@@ -101,26 +101,24 @@ class DistContext:
 
 
 def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIMEOUT, comm_threads: int | None = None,
-                     data_workers: int = 0, heartbeat_s: float = 2.0, env: RankEnv | None = None) -> DistContext:
+                     data_workers: int = 0, heartbeat_s: float = 2.0, env: RankEnv | None = None,
+                     ccl_lib: str | None = None) -> DistContext:
     """Discover this rank, tune its CPUs, and join the default process group.
 
     ``timeout`` bounds every collective, the first rendezvous included; shorten it with
-    :func:`set_timeout` once the ranks are running.
+    :func:`set_timeout` once the ranks are running. ``ccl_lib``: the libccl to use (see
+    :mod:`hpcdl.dist.ccl_runtime`).
     """
     env = env or discover()
-    choice = choose_backend(backend)
-    if comm_threads is None:
-        comm_threads = 1 if choice.name == "ccl" else 0
-    cpu = plan_cpus(local_rank=env.local_rank, local_size=env.local_size, comm_threads=comm_threads,
+    row, choice = choose_backend(backend, ccl_lib=ccl_lib)
+    cpu = plan_cpus(local_rank=env.local_rank, local_size=env.local_size,
+                    comm_threads=choice.comm_threads if comm_threads is None else comm_threads,
                     data_workers=data_workers)
     apply_cpu_plan(cpu)
-    if choice.name == "ccl":
-        os.environ.update(ccl_environment(env, cpu, os.environ))
-        import oneccl_bindings_for_pytorch  # noqa: F401  (registers the backend)
-    if choice.name == "mpi4py":
-        from hpcdl.dist.mpi import register
-
-        register()
+    if row.environment:
+        os.environ.update(row.environment(env, cpu, os.environ))
+    if row.register:
+        row.register()
     store = _server_or_client(env, timeout)
     heartbeat = Heartbeat(env, heartbeat_s)
     dist.init_process_group(choice.name, store=dist.PrefixStore("pg/", store), rank=env.rank,

@@ -108,13 +108,14 @@ class CommThread:
         """Queue ``fn(False)``; the caller holds ``lock`` and has counted it in ``queued``."""
         self._queue.put((fn, future, group, what))
 
-    def run_here(self, fn) -> None:
-        """Run ``fn()`` on the thread and wait for it (creating or destroying a communicator); not timed."""
+    def run_here(self, fn, group: "ThreadedProcessGroup | None" = None, what: str = "setup"):
+        """Run ``fn()`` on the thread, wait for it and return its result (creating or destroying a
+        communicator); timed by ``group``'s timeout when one is given."""
         done: Future = Future()
         with self.lock:
             self.queued += 1
-        self._queue.put((lambda inline: fn(), done, None, "setup"))
-        done.wait()
+        self._queue.put((lambda inline: fn(), done, group, what))
+        return done.wait()
 
     def _serve(self) -> None:
         while True:
@@ -147,6 +148,9 @@ class CommThread:
                 group = started[1]
                 started[3].set_exception(dist.DistBackendError(
                     f"rank {group.rank()}: {group.LIBRARY} {describe(started[2])} {group.timed_out()}"))
+
+    def closed(self) -> bool:
+        return self._closed.is_set()
 
     def stuck(self) -> bool:
         """Whether the thread is inside a library call that the watchdog has already given up on."""

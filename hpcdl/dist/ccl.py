@@ -1,0 +1,107 @@
+"""A oneCCL process group on oneCCL's C API: oneCCL for torch.distributed on the torch we ship,
+without Intel's end-of-life torch-ccl bindings.
+
+Registered as ``oneccl`` (``--backend ccl`` selects it). The library comes from
+:mod:`hpcdl.dist.ccl_runtime`. Each group's communicator is created from a unique id that the group's
+rank 0 makes and the others read from the group's rendezvous store (oneCCL's id carries rank 0's
+key-value-store address; no PMI and no MPI launcher are needed). oneCCL reduces fp16 and bf16 itself;
+AVG (which oneCCL's CPU plugin rejects) is a sum divided by the size, and the barrier a one-element
+all-reduce, both from :mod:`hpcdl.dist.threaded`.
+
+oneCCL must be called from one thread per process (two communicators used from two threads at once
+crash it), so every group of a process shares one :class:`CommThread` and nothing runs inline. oneCCL
+cannot abort a call: a collective whose peer is gone blocks that thread for good; the watchdog fails
+its Work after the timeout, and at exit the process leaves without finalizing oneCCL.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hpcdl.dist import ccl_runtime
+from hpcdl.dist.threaded import CommThread, ThreadedProcessGroup
+
+__all__ = ["BACKEND_NAME", "CCLProcessGroup", "register"]
+
+BACKEND_NAME = "oneccl"
+_TYPES = {torch.float32: "onecclFloat32", torch.float64: "onecclFloat64", torch.float16: "onecclFloat16",
+          torch.bfloat16: "onecclBfloat16", torch.int8: "onecclInt8", torch.uint8: "onecclUint8",
+          torch.int32: "onecclInt32", torch.int64: "onecclInt64"}
+_OPS = {"SUM": "onecclSum", "PRODUCT": "onecclProd", "MAX": "onecclMax", "MIN": "onecclMin"}
+_thread: CommThread | None = None
+_thread_lock = threading.Lock()
+
+
+def comm_thread() -> CommThread:
+    """The process's one oneCCL thread."""
+    global _thread
+    with _thread_lock:
+        if _thread is None:
+            _thread = CommThread("hpcdl-oneccl", exit_if_stuck=True)
+        return _thread
+
+
+class CCLProcessGroup(ThreadedProcessGroup):
+    """A torch process group over a oneCCL communicator of its ranks."""
+
+    BACKEND_NAME = BACKEND_NAME
+    LIBRARY = "oneCCL"
+    NATIVE = frozenset(_TYPES)
+    inline_bytes = 0  # one thread calls oneCCL
+
+    def __init__(self, rank: int, world_size: int, timeout: timedelta, store: dist.Store):
+        super().__init__(rank, world_size, timeout, comm_thread())
+        self.ccl = ccl = ccl_runtime.load()
+        self._types = {dtype: ccl.enums[name] for dtype, name in _TYPES.items()}
+        self._ops = {op: ccl.enums[name] for op, name in _OPS.items()}
+        if rank == 0:
+            store.set("hpcdl/oneccl-id", self.thread.run_here(ccl.unique_id))
+        uid = store.get("hpcdl/oneccl-id")  # waits for rank 0, within the store's timeout
+        self.comm = self.thread.run_here(lambda: ccl.init_rank(world_size, uid, rank), self,
+                                         f"communicator creation ({world_size} ranks)")
+        self._one = torch.zeros(1)
+
+    def library_op(self, name: str):
+        return self._ops.get(name)
+
+    def _allreduce(self, buf, op, inline):
+        self.ccl.call("AllReduce", self.comm, buf.data_ptr(), buf.data_ptr(), buf.numel(), self._types[buf.dtype], op)
+
+    def _reduce(self, buf, op, root, inline):
+        self.ccl.call("Reduce", self.comm, buf.data_ptr(), buf.data_ptr(), buf.numel(), self._types[buf.dtype], op,
+                      root)
+
+    def _broadcast(self, buf, root, inline):
+        self.ccl.call("Broadcast", self.comm, buf.data_ptr(), buf.data_ptr(), buf.nbytes, self._types[torch.uint8],
+                      root)
+
+    def _allgather(self, send, recv, inline):
+        self.ccl.call("AllGather", self.comm, send.data_ptr(), recv.data_ptr(), send.nbytes, self._types[torch.uint8])
+
+    def _reduce_scatter(self, send, recv, op, inline):
+        self.ccl.call("ReduceScatter", self.comm, send.data_ptr(), recv.data_ptr(), recv.numel(),
+                      self._types[send.dtype], op)
+
+    def _barrier(self, inline):
+        self._allreduce(self._one, self._ops["SUM"], inline)
+
+    def shutdown(self) -> None:
+        """Destroy the communicator on the thread (unless a call there never returned)."""
+        comm, self.comm = self.comm, None
+        if comm is not None and not self.thread.stuck() and not self.thread.closed():
+            self.thread.run_here(lambda: self.ccl.destroy(comm))
+
+
+def create(opts, pg_options=None) -> CCLProcessGroup:
+    """torch's factory for ``oneccl`` groups (``extended_api``): the group's store carries the unique id."""
+    return CCLProcessGroup(opts.group_rank, opts.group_size, opts.timeout, opts.store)
+
+
+def register() -> None:
+    """Make ``oneccl`` a torch.distributed backend name (once per process)."""
+    if BACKEND_NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu"])

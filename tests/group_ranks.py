@@ -1,0 +1,103 @@
+"""One rank of test_mpi and test_ccl: hpcdl's process group on BACKEND (mpi or ccl), checked collective by
+collective and dtype by dtype, then DDP keeping replicas identical.
+
+Run as ``group_ranks.py OUT BACKEND`` under mpiexec, srun or with torch's env:// variables; writes rank R's
+findings to OUT/rankR.json.
+"""
+
+import hashlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hpcdl.dist.env import rank_and_world
+from hpcdl.dist.process_group import init_distributed, shutdown
+from hpcdl.log import setup_logging
+
+out, backend = sys.argv[1], sys.argv[2]
+setup_logging(rank_and_world()[0])
+ctx = init_distributed(backend)
+rank, world = ctx.rank, ctx.world_size
+found = {"backend": dist.get_backend(), "rank": rank}
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.int16)
+for dtype in DTYPES:
+    t = torch.arange(6, dtype=dtype) + rank
+    dist.all_reduce(t)
+    found[f"sum {dtype}"] = t.tolist()
+for op in ("MAX", "MIN", "PRODUCT"):
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        t = torch.tensor([1, 2, 3], dtype=dtype) * (rank + 2)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        found[f"{op.lower()} {dtype}"] = t.tolist()
+for dtype in (torch.float32, torch.float16, torch.float64):
+    t = torch.tensor([2.0 * (rank + 1)], dtype=dtype)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    found[f"avg {dtype}"] = t.item()
+strided = torch.arange(12.0).reshape(3, 4)[:, 1] + rank  # not contiguous
+dist.all_reduce(strided)
+found["sum strided"] = strided.tolist()
+for dtype in (torch.bfloat16, torch.float16, torch.int64, torch.float32):
+    b = torch.full((3,), rank + 1, dtype=dtype)
+    dist.broadcast(b, src=world - 1)
+    found[f"broadcast {dtype}"] = b.tolist()
+r = torch.full((4,), float(rank + 1))
+dist.reduce(r, dst=0)
+found["reduce to 0"] = r.tolist() if rank == 0 else None
+parts = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+dist.all_gather(parts, torch.full((2,), rank, dtype=torch.int64))
+found["allgather"] = [p.tolist() for p in parts]
+flat = torch.zeros(2 * world, dtype=torch.float16)
+getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(flat, torch.full((2,), rank + 0.5, dtype=torch.float16))
+found["allgather single fp16"] = flat.tolist()
+rs = torch.empty(2)
+getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(rs, torch.arange(2.0 * world) * (rank + 1))
+found["reduce_scatter"] = rs.tolist()
+rl = torch.empty(2)
+dist.reduce_scatter(rl, [torch.full((2,), float(q + 10 * rank)) for q in range(world)])
+found["reduce_scatter list"] = rl.tolist()
+objects = [None] * world
+dist.all_gather_object(objects, {"rank": rank})
+found["objects"] = objects
+dist.barrier()
+# A subgroup of rank 1 alone, then of both: new communicators over their ranks (dist.new_group is collective).
+alone = dist.new_group([world - 1])
+if rank == world - 1:
+    t = torch.tensor([5.0])
+    dist.all_reduce(t, group=alone)
+    found["subgroup alone"] = t.item()
+both = dist.new_group(list(range(world)))
+t = torch.tensor([float(rank)])
+dist.all_reduce(t, group=both)
+found["subgroup all"] = t.item()
+# Each rank decides alone where a small collective runs (MPI: inline or on the thread): here rank 0 queues it
+# behind a large all-reduce still in flight while rank 1, which waited for that one, issues it with nothing queued.
+mixed = []
+for small in ("all_reduce", "broadcast", "barrier"):
+    big = torch.ones(1 << 20)  # 4 MB: above the inline limit
+    work = dist.all_reduce(big, async_op=True)
+    if rank == 1:
+        work.wait()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t) if small == "all_reduce" else dist.broadcast(t, src=0) if small == "broadcast" else dist.barrier()
+    work.wait()
+    mixed.append([big[0].item()] + ([t.item()] if small != "barrier" else []))
+found["mixed paths"] = mixed
+# DDP: 20 steps on different data per rank; the replicas must stay bitwise identical.
+torch.manual_seed(rank)  # different initial weights: DDP's broadcast must make them equal
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)  # several buckets
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+for step in range(20):
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+found["weights sha256"] = digest
+found["env"] = {k: v for k, v in __import__("os").environ.items() if k.startswith(("CCL_", "FI_"))}
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump(found, f)
+shutdown(ctx)
