@@ -138,6 +138,21 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ccl(args: argparse.Namespace) -> int:
+    from hpcdl.dist import ccl_runtime
+
+    if args.action == "install":
+        root = ccl_runtime.install(Path(args.prefix) if args.prefix else None,
+                                   wheels=Path(args.wheels) if args.wheels else None, force=args.force)
+        print(f"oneCCL {ccl_runtime.VERSION} runtime in {root} (every file matches its pinned sha256)")
+        if args.prefix and Path(args.prefix) != ccl_runtime.home():
+            print(f"use it with: export HPCDL_CCL_HOME={root}")
+        return 0
+    ccl = ccl_runtime.load()
+    print(f"oneCCL {ccl.version} from {ccl.runtime.library} ({ccl.runtime.source})")
+    return 0
+
+
 def cmd_profiles(args: argparse.Namespace) -> int:
     from hpcdl.launch.profiles import PROFILES
     from hpcdl.utils import format_duration
@@ -524,6 +539,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_timeline)
 
     sub.add_parser("env", help="print this process's rank discovery as JSON").set_defaults(fn=cmd_env)
+    ccl = sub.add_parser("ccl", help="the oneCCL runtime of backend ccl").add_subparsers(dest="action", required=True)
+    p = ccl.add_parser("install", help=f"assemble hpcdl's pinned oneCCL runtime from PyPI's wheels (sha256-checked); "
+                       "run it on the login node")
+    p.add_argument("--prefix", help="where (default: HPCDL_CCL_HOME, or ~/.cache/hpcdl/oneccl-VERSION)")
+    p.add_argument("--wheels", help="a folder holding the wheels already (no download)")
+    p.add_argument("--force", action="store_true", help="assemble it again even if it is there")
+    p.set_defaults(fn=cmd_ccl)
+    ccl.add_parser("info", help="which libccl backend ccl loads, from which source, and its version"
+                   ).set_defaults(fn=cmd_ccl)
     sub.add_parser("profiles", help="list the cluster profiles").set_defaults(fn=cmd_profiles)
     return parser
 

@@ -45,7 +45,8 @@ class LoopConfig:
     compile: bool = False  # torch.compile the model
     ipex: str = "auto"  # auto: ipex.optimize when intel_extension_for_pytorch imports and matches torch; off
     accum_steps: int = 1  # micro-batches per optimizer step; each is per_rank_batch / accum_steps images
-    backend: str = "auto"  # auto | gloo | ccl | mpi
+    backend: str = "auto"  # auto | gloo | ccl | mpi; auto: ccl when a oneCCL runtime loads, else gloo
+    ccl_lib: str = ""  # the libccl.so.2 (or its folder) for backend ccl; "": HPCDL_CCL_LIB, CCL_ROOT, hpcdl's runtime
     timeout_s: float = 300.0  # collective timeout once the first step is done (start-up allows 10 minutes)
     max_steps: int = 0  # stop after this many steps (0: the schedule's total)
     eval_every: int = 1  # epochs between evaluations (0: at the end only)

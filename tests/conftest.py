@@ -119,3 +119,15 @@ def data(tmp_path_factory) -> Path:
     pack(PackConfig(src=train.root, out=str(root / "train"), shard_size="64K", workers=1))
     pack(PackConfig(src=val.root, out=str(root / "val"), shard_size="64K", workers=1))
     return root
+
+
+@pytest.fixture(scope="session")
+def ccl():
+    """hpcdl's oneCCL runtime (make venv runs 'hpcdl ccl install'); in CI its absence fails."""
+    from hpcdl.dist.ccl_runtime import find_runtime
+    from hpcdl.errors import ConfigError
+
+    try:
+        return find_runtime()
+    except ConfigError as exc:
+        missing("oneCCL", str(exc))

@@ -1,45 +1,65 @@
+import subprocess
+import sys
+
 import pytest
 
 from hpcdl.dist.affinity import plan_cpus
-from hpcdl.dist.backend import ccl_environment, ccl_status, choose_backend
+from hpcdl.dist.backend import AUTO_ORDER, BACKENDS, ccl_environment, choose_backend, interface_to
 from hpcdl.dist.env import discover
 from hpcdl.errors import ConfigError
 
 
-def test_auto_falls_back_to_gloo_and_says_why():
-    ok, why = ccl_status()
-    choice = choose_backend("auto")
-    assert choice.name == ("ccl" if ok else "gloo")
-    assert why in choice.reason
+def test_auto_picks_ccl_when_its_runtime_loads_and_gloo_otherwise(ccl):
+    row, choice = choose_backend("auto")
+    assert row.name == "ccl" and choice.name == "oneccl" and "auto: oneCCL 2022.2.0" in choice.reason
+    row, choice = choose_backend("auto", environ={}, ccl_lib="/nonexistent")
+    assert row.name == "gloo" and "not ccl: oneCCL: /nonexistent (named by loop.ccl_lib) does not exist" in choice.reason
 
 
-@pytest.mark.skipif(ccl_status()[0], reason="oneCCL bindings are installed here")
-def test_ccl_requested_without_bindings_says_how_to_install():
-    with pytest.raises(ConfigError, match="Intel's wheel index"):
-        choose_backend("ccl")
-
-
-def test_mpi_selects_the_mpi4py_group_and_names_the_library():
-    choice = choose_backend("mpi")
-    assert choice.name == "mpi4py" and "mpi4py" in choice.reason and "MPICH" in choice.reason
+@pytest.mark.parametrize("name, library", [("gloo", "gloo"), ("mpi", "MPICH"), ("ccl", "oneCCL 2022.2.0")])
+def test_every_row_checks_and_names_its_library(name, library, ccl, mpiexec):
+    # a fresh process each: a process that loaded oneCCL first cannot load the mpich wheel's MPI (docs/communication.md)
+    code = f"from hpcdl.dist.backend import choose_backend; r, c = choose_backend({name!r}); print(r.torch_name, c.reason)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"{BACKENDS[name].torch_name} requested: ") and library in run.stdout
+    assert set(AUTO_ORDER) <= set(BACKENDS)
 
 
 def test_unknown_backend_lists_the_choices():
-    with pytest.raises(ConfigError, match="auto, gloo, ccl, mpi"):
+    with pytest.raises(ConfigError, match="auto, gloo, mpi, ccl"):
         choose_backend("nccl")
 
 
-def test_ccl_variables_without_an_mpi_launcher():
-    env = discover({"SLURM_JOB_ID": "1", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
-                    "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
-                    "MASTER_ADDR": "h"})
+def _slurm_env(nodes: int, tasks_per_node: int, rank: int, master: str = "127.0.0.1"):
+    return discover({"SLURM_JOB_ID": "1", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % tasks_per_node),
+                     "SLURM_NODEID": str(rank // tasks_per_node), "SLURM_STEP_NUM_TASKS": str(nodes * tasks_per_node),
+                     "SLURM_STEP_NUM_NODES": str(nodes), "SLURM_STEP_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})",
+                     "MASTER_ADDR": master})
+
+
+def test_ccl_variables_on_one_node_use_shm_and_no_offload():
+    plan = plan_cpus(local_rank=1, local_size=2, comm_threads=0, task_cpus=set(range(24, 48)), online_cpus=48)
+    got = ccl_environment(_slurm_env(1, 2, 1), plan, {"CCL_LOG_LEVEL": "info"})
+    assert got == {"CCL_WORKER_OFFLOAD": "0", "CCL_PROCESS_LAUNCHER": "none", "CCL_ATL_TRANSPORT": "ofi",
+                   "CCL_LOCAL_RANK": "1", "CCL_LOCAL_SIZE": "2", "FI_PROVIDER": "shm", "CCL_ATL_SHM": "1",
+                   "CCL_KVS_IFACE": "lo"}  # the user's CCL_LOG_LEVEL stays
+
+
+def test_ccl_variables_across_nodes_use_tcp_on_the_rendezvous_interface():
+    plan = plan_cpus(local_rank=0, local_size=2, comm_threads=0, task_cpus={0, 1}, online_cpus=4)
+    got = ccl_environment(_slurm_env(2, 2, 2), plan, {})
+    assert (got["FI_PROVIDER"], got["CCL_ATL_SHM"], got["FI_TCP_IFACE"], got["CCL_KVS_IFACE"]) == ("tcp", "1", "lo", "lo")
+    site = ccl_environment(_slurm_env(2, 2, 2), plan, {"FI_PROVIDER": "psm3"})  # a site's module exported it
+    assert "FI_PROVIDER" not in site and "FI_TCP_IFACE" not in site
+
+
+def test_ccl_workers_when_offload_is_on_are_pinned_to_the_plans_communication_cpus():
     plan = plan_cpus(local_rank=1, local_size=2, comm_threads=2, task_cpus=set(range(24, 48)), online_cpus=48)
-    got = ccl_environment(env, plan, {"CCL_WORKER_COUNT": "4"})
-    assert got == {"CCL_WORKER_AFFINITY": "46,47", "CCL_PROCESS_LAUNCHER": "none",
-                   "CCL_LOCAL_RANK": "1", "CCL_LOCAL_SIZE": "2"}  # the user's CCL_WORKER_COUNT stays
+    got = ccl_environment(_slurm_env(1, 2, 1), plan, {"CCL_WORKER_OFFLOAD": "1"})
+    assert got["CCL_WORKER_COUNT"] == "2" and got["CCL_WORKER_AFFINITY"] == "46,47"
+    assert BACKENDS["ccl"].comm_threads({"CCL_WORKER_OFFLOAD": "1"}) == 1 and BACKENDS["ccl"].comm_threads({}) == 0
 
 
-def test_ccl_variables_under_mpiexec_leave_the_launcher_alone():
-    env = discover({"PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"})
-    plan = plan_cpus(local_rank=0, local_size=1, comm_threads=1, task_cpus={0, 1, 2, 3}, online_cpus=4)
-    assert ccl_environment(env, plan, {}) == {"CCL_WORKER_COUNT": "1", "CCL_WORKER_AFFINITY": "3"}
+def test_interface_to_an_unresolvable_address_is_none():
+    assert interface_to("127.0.0.1") == "lo" and interface_to("no-such-host.invalid") is None

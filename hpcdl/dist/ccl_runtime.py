@@ -281,9 +281,13 @@ _LOADED: OneCCL | None = None
 
 
 def load(user_path: str | None = None) -> OneCCL:
-    """The process's oneCCL (loaded once; the first call decides which library)."""
+    """The process's oneCCL, loaded once: a process cannot hold two libccl."""
     global _LOADED
+    runtime = find_runtime(user_path)
     if _LOADED is None:
-        _LOADED = OneCCL(find_runtime(user_path))
+        _LOADED = OneCCL(runtime)
         log.info("oneCCL %s from %s (%s)", _LOADED.version, _LOADED.runtime.library, _LOADED.runtime.source)
+    elif _LOADED.runtime.library.resolve() != runtime.library.resolve():
+        raise ConfigError(f"oneCCL: this process loaded {_LOADED.runtime.library} already; it cannot also load "
+                          f"{runtime.library} ({runtime.source})")
     return _LOADED

@@ -52,7 +52,7 @@ CHECKPOINT_FORMAT = 1
 def train(cfg: RunConfig) -> dict:
     """Train ``cfg`` on this job's ranks; returns the run's summary (the same on every rank)."""
     stop = StopSignal(cfg.checkpoint.signal)  # before any worker forks: they inherit the handler
-    ctx = init_distributed(cfg.loop.backend, data_workers=cfg.data.workers)
+    ctx = init_distributed(cfg.loop.backend, data_workers=cfg.data.workers, ccl_lib=cfg.loop.ccl_lib or None)
     with fail_fast(ctx):
         set_timeout(ctx, timedelta(seconds=cfg.loop.timeout_s))
         summary = Trainer(cfg, ctx, stop).fit()

@@ -1,4 +1,5 @@
-"""One rank of test_mpi's timeout check: rank 1 joins an all-reduce late; rank 0's Work must fail first."""
+"""One rank of test_groups' timeout check (``timeout_ranks.py OUT BACKEND``): rank 1 joins an all-reduce late;
+rank 0's Work must fail first."""
 
 import json
 import sys
@@ -10,8 +11,8 @@ import torch.distributed as dist
 
 from hpcdl.dist.process_group import init_distributed
 
-out = sys.argv[1]
-ctx = init_distributed("mpi", timeout=timedelta(seconds=2))
+out, backend = sys.argv[1], sys.argv[2]
+ctx = init_distributed(backend, timeout=timedelta(seconds=2))
 x = torch.ones(3)
 if ctx.rank == 1:
     time.sleep(8)  # late: rank 0's collective outlives its 2 s timeout meanwhile
@@ -27,5 +28,5 @@ else:
 with open(f"{out}/rank{ctx.rank}.json", "w") as f:
     json.dump(result, f)
 if ctx.rank == 0:
-    time.sleep(8)  # the MPI call itself completes once rank 1 joins; then both can leave
+    time.sleep(8)  # the library's call itself completes once rank 1 joins; then both can leave
 dist.destroy_process_group()

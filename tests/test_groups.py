@@ -1,0 +1,89 @@
+"""hpcdl's own process groups on real processes: the mpi4py group (``--backend mpi``) and the oneCCL group
+(``--backend ccl``), every collective and dtype hpcdl uses, DDP keeping replicas identical, under each
+launcher, and a late peer failing the collective within the timeout."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, REPO, free_port, mpi_run, rank_env, sbatch_wait
+
+SUMS = [1, 3, 5, 7, 9, 11]  # 2 ranks: rank r contributes arange(6) + r
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "int16")
+EXPECTED = {
+    **{f"sum torch.{d}": SUMS for d in DTYPES},
+    **{f"{op} torch.{d}": want for op, want in (("max", [3, 6, 9]), ("min", [2, 4, 6]), ("product", [6, 24, 54]))
+       for d in ("float32", "bfloat16", "int64")},
+    **{f"avg torch.{d}": 3.0 for d in ("float32", "float16", "float64")},
+    "sum strided": [3.0, 11.0, 19.0],
+    **{f"broadcast torch.{d}": [2, 2, 2] for d in ("bfloat16", "float16", "int64", "float32")},
+    "allgather": [[0, 0], [1, 1]], "allgather single fp16": [0.5, 0.5, 1.5, 1.5], "objects": [{"rank": 0}, {"rank": 1}],
+    "subgroup all": 1.0, "mixed paths": [[2.0, 3.0], [2.0, 1.0], [2.0]],  # all-reduce, broadcast from 0, barrier
+}
+TORCH_NAME = {"mpi": "mpi4py", "ccl": "oneccl"}
+
+
+def check_ranks(out, backend: str) -> list[dict]:
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for found in ranks:
+        assert found["backend"] == TORCH_NAME[backend]
+        assert {k: found[k] for k in EXPECTED} == EXPECTED
+    assert ranks[0]["reduce to 0"] == [3.0] * 4 and ranks[1]["subgroup alone"] == 5.0
+    assert ranks[0]["reduce_scatter"] == [0.0, 3.0] and ranks[1]["reduce_scatter"] == [6.0, 9.0]
+    assert ranks[0]["reduce_scatter list"] == [10.0, 10.0] and ranks[1]["reduce_scatter list"] == [12.0, 12.0]
+    assert ranks[0]["weights sha256"] == ranks[1]["weights sha256"]
+    return ranks
+
+
+def srun_ranks(tmp_path, backend: str, *shape: str) -> list[dict]:
+    script = tmp_path / "group.sbatch"
+    script.write_text(f"#!/bin/bash\nsrun --mpi=pmi2 {PYTHON} {REPO / 'tests' / 'group_ranks.py'} {tmp_path} {backend}\n")
+    sbatch_wait(script, *shape, f"--output={tmp_path}/out", f"--chdir={tmp_path}",
+                env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "via slurm" in (tmp_path / "out").read_text()
+    return check_ranks(tmp_path, backend)
+
+
+@pytest.mark.parametrize("backend", ["mpi", "ccl"])
+def test_group_under_mpiexec(backend, mpiexec, ccl, tmp_path):
+    run = mpi_run(mpiexec, REPO / "tests" / "group_ranks.py", tmp_path, backend)
+    assert run.returncode == 0, run.stderr[-3000:]
+    check_ranks(tmp_path, backend)
+    assert f"backend {TORCH_NAME[backend]} (requested: " in run.stderr
+
+
+def test_mpi_group_under_srun(slurm, tmp_path):
+    srun_ranks(tmp_path, "mpi", "--nodes=1", "--ntasks=2")
+
+
+def test_ccl_group_as_plain_processes(ccl, tmp_path):
+    port = free_port()
+    procs = [subprocess.Popen([PYTHON, REPO / "tests" / "group_ranks.py", tmp_path, "ccl"], cwd=tmp_path,
+                              env={**rank_env(r, 2, port), "PYTHONPATH": str(REPO)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:]
+    ranks = check_ranks(tmp_path, "ccl")
+    assert f"oneCCL 2022.2.0 from {ccl.library}" in outs[0]
+    assert ranks[0]["env"]["FI_PROVIDER"] == "shm" and ranks[0]["env"]["CCL_WORKER_OFFLOAD"] == "0"
+
+
+@pytest.mark.parametrize("shape, provider", [(("--nodes=1", "--ntasks=2"), "shm"),
+                                             (("--nodes=2", "--ntasks=2", "--ntasks-per-node=1"), "tcp")])
+def test_ccl_group_under_srun(shape, provider, two_nodes, ccl, tmp_path):
+    ranks = srun_ranks(tmp_path, "ccl", *shape)
+    assert {r["env"]["FI_PROVIDER"] for r in ranks} == {provider}
+    if provider == "tcp":  # the interface that reaches the rendezvous address, for the data and oneCCL's store
+        assert ranks[0]["env"]["FI_TCP_IFACE"] == ranks[0]["env"]["CCL_KVS_IFACE"]
+
+
+@pytest.mark.parametrize("backend", ["mpi", "ccl"])
+def test_a_stuck_collective_fails_within_the_timeout_naming_the_rank(backend, mpiexec, ccl, tmp_path):
+    run = mpi_run(mpiexec, REPO / "tests" / "timeout_ranks.py", tmp_path, backend)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    library = {"mpi": "MPI", "ccl": "oneCCL"}[backend]
+    assert f"rank 0: {library} allreduce of 3 elements (torch.float32) did not complete within 0:00:02" in rank0["error"]
+    assert rank0["after_s"] < 6
