@@ -5,10 +5,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CUDA build of torch runs on the CPU; this pair is what the local package index holds.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-APT_PACKAGES := slurmctld slurmd slurm-client munge libpmix-dev slurmdbd mariadb-server libjemalloc2
+# libfabric1: oneCCL's transport (backend ccl); the wheels' own libfabric>=2.6 requirement is on no registry.
+APT_PACKAGES := slurmctld slurmd slurm-client munge libpmix-dev slurmdbd mariadb-server libjemalloc2 libfabric1
 PYTEST_ARGS ?=
 
-.PHONY: all demo test venv system slurm slurm-down slurm-scripts clean
+.PHONY: all demo test venv ccl system slurm slurm-down slurm-scripts clean
 all: test
 
 $(VENV)/.installed: setup.py
@@ -18,7 +19,12 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q -e '.[dev,mpi,plot]' mpich
 	touch $@
 
-venv: $(VENV)/.installed
+# backend ccl: hpcdl's pinned oneCCL runtime (three wheels from PyPI, sha256-checked) in ~/.cache/hpcdl, and
+# Debian's libfabric1. A runtime already there is only checked.
+ccl: $(VENV)/.installed system
+	$(PY) -m hpcdl ccl install
+
+venv: $(VENV)/.installed ccl
 
 system:
 	@if [ "$$(id -u)" != 0 ]; then echo "system: not root, not installing: $(APT_PACKAGES)"; exit 0; fi; \
