@@ -171,7 +171,8 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 def cmd_bench_allreduce(args: argparse.Namespace) -> int:
     from hpcdl.perf.allreduce import bench
 
-    report = bench(backend=args.backend, timeout_s=args.timeout, startup_timeout_s=args.startup_timeout,
+    report = bench(backend=args.backend, backends=args.backends, timeout_s=args.timeout,
+                   startup_timeout_s=args.startup_timeout,
                    heartbeat_s=args.heartbeat, min_bytes=args.min_bytes, max_bytes=args.max_bytes, dtype=args.dtype,
                    warmup=args.warmup, seconds_per_size=args.seconds_per_size, max_iters=args.max_iters,
                    json_path=args.json)
@@ -216,8 +217,8 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_sync(args: argparse.Namespace) -> int:
-    from hpcdl.dist.process_group import init_distributed, shutdown
-    from hpcdl.perf.sync import SyncBenchConfig, bucket_spec, bench, format_report
+    from hpcdl.dist.process_group import backend_groups, init_distributed, shutdown
+    from hpcdl.perf.sync import SyncBenchConfig, bench, bucket_spec, format_comparison, format_report
 
     caps = {k: v for k, v in (("bucket_cap_mb", args.bucket_cap_mb), ("first_bucket_mb", args.first_bucket_mb))
             if v is not None}
@@ -226,14 +227,19 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
                           buckets=tuple(filter(None, args.buckets.split(","))), **caps)
     for spec in cfg.buckets:  # before any rank starts
         bucket_spec(spec)
-    ctx = init_distributed(cfg.backend)
-    report = bench(cfg, ctx.env, ctx.group)
-    if report is not None:
-        sys.stdout.write(format_report(report))
+    ctx = init_distributed("gloo" if args.backends else cfg.backend)
+    groups = backend_groups(ctx, args.backends) if args.backends else {ctx.backend.name: ctx.group}
+    reports = {name: bench(cfg, ctx.env, group) for name, group in groups.items()}
+    if ctx.rank == 0:
+        for report in reports.values():
+            sys.stdout.write(format_report(report))
+        if len(reports) > 1:
+            sys.stdout.write(format_comparison(reports))
         if args.json:
             from hpcdl.utils import atomic_write_text
 
-            atomic_write_text(args.json, json.dumps(report, indent=1) + "\n")
+            out = reports if len(reports) > 1 else next(iter(reports.values()))
+            atomic_write_text(args.json, json.dumps(out, indent=1) + "\n")
     shutdown(ctx)
     return 0
 
@@ -382,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
     p = bench.add_parser("allreduce", help="allreduce latency and bandwidth over message sizes, checked")
     p.add_argument("--backend", default="auto", help="auto | gloo | ccl | mpi")
+    p.add_argument("--backends", help="compare several side by side in one run, e.g. gloo,mpi,ccl (mpi needs "
+                   "mpiexec or srun --mpi)")
     p.add_argument("--min-bytes", help="smallest message (default: one element, 4 B for float32)")
     p.add_argument("--max-bytes", default="256M")
     p.add_argument("--dtype", default="float32", help="float32 | float64 | int64")
@@ -436,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "weak scaling, bucket sweep (run on a job's ranks)")
     p.add_argument("--model", default="resnet50")
     p.add_argument("--backend", default="auto", help="auto | gloo | ccl | mpi")
+    p.add_argument("--backends", help="compare several in one run, e.g. gloo,mpi,ccl: each runs the whole benchmark "
+                   "in turn on its own group")
     p.add_argument("--bucket-cap-mb", type=float, help="hpcdl's DDP: the bucket cap (default: sync.bucket_cap_mb)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--scaling-model", default="alexnet_bn", help="weak scaling: this model, 1 rank vs all")

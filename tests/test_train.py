@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, free_port, start_ranks
+from conftest import PYTHON, REPO, free_port, sbatch_wait, start_ranks
 
 BASE = ["demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
         "--set", "data.min_scale=0.5", "--set", "epochs=4", "--set", "loop.log_every=1"]
@@ -184,6 +184,21 @@ def test_slurm_job_requeues_itself_and_resumes_bit_for_bit(slurm, data, tmp_path
     final = "ckpt-000000060.pt"
     a, b = model_state(tmp_path / "ref" / "checkpoints" / final), model_state(tmp_path / "cut" / "checkpoints" / final)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_the_demo_preset_trains_to_its_target_on_ccl_through_sbatch(slurm, ccl, demo_data, tmp_path):
+    script = tmp_path / "ccl-demo.sbatch"
+    made = hpcdl("sbatch", "--profile", "local", "--nodes", 1, "--tasks-per-node", 2, "--time", 5, "--job-name",
+                 "ccl-demo", "--output", f"{tmp_path}/ccl-demo-%j.out", "--python", PYTHON, "--write", script, "--",
+                 "train", "demo_tiny_lars", "--set", "epochs=12", "--set", f"data.train={demo_data / 'train'}",
+                 "--set", f"data.val={demo_data / 'val'}", "--set", f"run_dir={tmp_path / 'run'}",
+                 "--set", "loop.backend=ccl", "--set", "checkpoint.every_minutes=0")
+    assert made.returncode == 0, made.stderr
+    job = sbatch_wait(script, f"--chdir={tmp_path}", env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    out = (tmp_path / f"ccl-demo-{job}.out").read_text()
+    assert "backend oneccl (requested: oneCCL 2022.2.0" in out, out[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["best_top1"] >= 95 and summary["time_to_target_s"] is not None, summary
 
 
 def test_submitit_job_checkpoints_through_its_protocol_and_resumes(slurm, data, tmp_path, monkeypatch):

@@ -21,11 +21,12 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from hpcdl.dist.affinity import CpuPlan, allocator_in_use, apply_cpu_plan, plan_cpus
-from hpcdl.dist.backend import BackendChoice, choose_backend
+from hpcdl.dist.backend import BACKENDS, BackendChoice, choose_backend
 from hpcdl.dist.env import RankEnv, discover
-from hpcdl.errors import LaunchError, RankLostError
+from hpcdl.errors import ConfigError, LaunchError, RankLostError
 
-__all__ = ["STARTUP_TIMEOUT", "DistContext", "fail_fast", "init_distributed", "set_timeout", "shutdown"]
+__all__ = ["STARTUP_TIMEOUT", "DistContext", "backend_groups", "fail_fast", "init_distributed", "set_timeout",
+           "shutdown"]
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,27 @@ def _log_startup(ctx: DistContext) -> None:
     log.info("backend %s (%s); collective timeout %s", ctx.backend.name, ctx.backend.reason, ctx.timeout)
     log.info("cpu: %s", ctx.cpu.describe())
     log.info("allocator: %s", allocator_in_use())
+
+
+def backend_groups(ctx: DistContext, names: str, timeout: timedelta | None = None) -> dict[str, dist.ProcessGroup]:
+    """A group of all ranks on each backend in ``names`` (comma-separated rows of the table), beside the default
+    group, for benchmarks that compare them in one job (collective). Created in the table's order: a process that
+    loaded oneCCL first could not load the mpich wheel's MPI (their libfabrics differ; see docs/communication.md)."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in BACKENDS]
+    if unknown or not wanted:
+        raise ConfigError(f"--backends {names!r}: choose from {', '.join(BACKENDS)}, comma-separated")
+    groups = {}
+    for name in (n for n in BACKENDS if n in wanted):
+        row, choice = choose_backend(name)
+        if row.environment:
+            os.environ.update(row.environment(ctx.env, ctx.cpu, os.environ))
+        if row.register:
+            row.register()
+        groups[choice.name] = dist.new_group(list(range(ctx.world_size)), timeout=timeout or ctx.timeout,
+                                             backend=choice.name)
+        log.info("backend %s beside the default group (%s)", choice.name, choice.reason)
+    return groups
 
 
 def set_timeout(ctx: DistContext, timeout: timedelta) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdl.dist.affinity import allocator_in_use
-from hpcdl.dist.process_group import DistContext, fail_fast, init_distributed, set_timeout, shutdown
+from hpcdl.dist.process_group import DistContext, backend_groups, fail_fast, init_distributed, set_timeout, shutdown
 from hpcdl.errors import ConfigError
 from hpcdl.utils import atomic_write_text, format_bytes, parse_bytes
 
@@ -63,18 +63,24 @@ class AllreduceConfig:
         return out
 
 
-def run(ctx: DistContext, cfg: AllreduceConfig, timeout: timedelta) -> dict | None:
-    """Run the sweep on every rank; rank 0 prints the table and returns the report."""
+def run(ctx: DistContext, cfg: AllreduceConfig, timeout: timedelta, backends: str | None = None) -> dict | None:
+    """Run the sweep on every rank; rank 0 prints the table and returns the report.
+
+    ``backends`` (``gloo,mpi,ccl``): a group on each, measured size by size in turn, side by side; otherwise
+    the default group's backend alone.
+    """
     layout = _layout(ctx)
     set_timeout(ctx, timeout)
-    rows = []
     with fail_fast(ctx):
+        groups = backend_groups(ctx, backends, timeout) if backends else {ctx.backend.name: ctx.group}
+        rows = []
         for nbytes in cfg.sizes():
-            row = _measure(ctx, cfg, nbytes)
-            rows.append(row)
-            if ctx.rank == 0:
-                log.debug("%s", row)
-    report = {"meta": _meta(ctx, cfg), "ranks": layout, "rows": rows}
+            for name, group in groups.items():
+                row = {"backend": name, **_measure(ctx, cfg, nbytes, group)}
+                rows.append(row)
+                if ctx.rank == 0:
+                    log.debug("%s", row)
+    report = {"meta": {**_meta(ctx, cfg), "backends": list(groups)}, "ranks": layout, "rows": rows}
     if ctx.rank != 0:
         return None
     print(format_report(report), flush=True)
@@ -96,17 +102,18 @@ def _layout(ctx: DistContext) -> list[dict]:
     return gathered
 
 
-def _measure(ctx: DistContext, cfg: AllreduceConfig, nbytes: int) -> dict:
+def _measure(ctx: DistContext, cfg: AllreduceConfig, nbytes: int, group) -> dict:
+    """Time ``group``'s all-reduce of ``nbytes``; agreement (check, iterations, times) goes over the default group."""
     dtype, n = DTYPES[cfg.dtype], nbytes // DTYPES[cfg.dtype].itemsize
-    ok = _check(ctx, dtype, n)
+    ok = _check(ctx, dtype, n, group)
     buf = torch.zeros(n, dtype=dtype)
     for _ in range(cfg.warmup):
-        dist.all_reduce(buf, group=ctx.group)
-    iters = _agree_on_iters(ctx, cfg, buf)
-    dist.barrier(group=ctx.group)
+        dist.all_reduce(buf, group=group)
+    iters = _agree_on_iters(ctx, cfg, buf, group)
+    dist.barrier(group=group)
     start = time.perf_counter()
     for _ in range(iters):
-        dist.all_reduce(buf, group=ctx.group)
+        dist.all_reduce(buf, group=group)
     per_iter = (time.perf_counter() - start) / iters
     slowest, fastest = _max_min(ctx, per_iter)
     algbw = n * dtype.itemsize / slowest
@@ -115,21 +122,21 @@ def _measure(ctx: DistContext, cfg: AllreduceConfig, nbytes: int) -> dict:
             "min_time_us": fastest * 1e6, "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9, "correct": ok}
 
 
-def _check(ctx: DistContext, dtype: torch.dtype, n: int) -> bool:
+def _check(ctx: DistContext, dtype: torch.dtype, n: int, group) -> bool:
     """Allreduce ``(rank+1) + i % 7`` and compare with the exact sum; True only if every rank agrees."""
     w = ctx.world_size
     pattern = torch.arange(n, dtype=torch.int64) % 7
     buf = (pattern + ctx.rank + 1).to(dtype)
-    dist.all_reduce(buf, group=ctx.group)
+    dist.all_reduce(buf, group=group)
     expected = (pattern * w + w * (w + 1) // 2).to(dtype)
     flag = torch.tensor([int(torch.equal(buf, expected))], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.group)
     return bool(flag.item())
 
 
-def _agree_on_iters(ctx: DistContext, cfg: AllreduceConfig, buf: torch.Tensor) -> int:
+def _agree_on_iters(ctx: DistContext, cfg: AllreduceConfig, buf: torch.Tensor, group) -> int:
     start = time.perf_counter()
-    dist.all_reduce(buf, group=ctx.group)
+    dist.all_reduce(buf, group=group)
     probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=ctx.group)  # every rank computes the same count
     return max(1, min(cfg.max_iters, int(cfg.seconds_per_size / max(probe.item(), 1e-9))))
@@ -149,30 +156,52 @@ def _meta(ctx: DistContext, cfg: AllreduceConfig) -> dict:
 
 def format_report(report: dict) -> str:
     meta = report["meta"]
-    lines = [f"# allreduce on {meta['world_size']} ranks, {meta['nodes']} node(s), backend {meta['backend']}, "
+    backends = meta.get("backends") or [meta["backend"]]
+    lines = [f"# allreduce on {meta['world_size']} ranks, {meta['nodes']} node(s), backend {', '.join(backends)}, "
              f"dtype {meta['dtype']}, torch {meta['torch']}"]
     lines += [f"#   rank {r['rank']}: node {r['node_rank']} local {r['local_rank']} host {r['host']} "
               f"({r['launcher']}, {r['threads']} threads) rendezvous {r['master_addr']}:{r['master_port']}"
               for r in report["ranks"]]
-    lines.append(f"{'size':>10} {'elements':>10} {'iters':>6} {'time(us)':>11} {'min(us)':>11} "
-                 f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}  check")
-    for row in report["rows"]:
-        lines.append(f"{format_bytes(row['bytes']):>10} {row['elements']:>10} {row['iters']:>6} "
-                     f"{row['time_us']:>11.1f} {row['min_time_us']:>11.1f} {row['algbw_GBps']:>12.3f} "
-                     f"{row['busbw_GBps']:>12.3f}  {'ok' if row['correct'] else 'WRONG'}")
-    bad = [format_bytes(r["bytes"]) for r in report["rows"] if not r["correct"]]
+    for backend in backends:
+        if len(backends) > 1:
+            lines.append(f"## {backend}")
+        lines.append(f"{'size':>10} {'elements':>10} {'iters':>6} {'time(us)':>11} {'min(us)':>11} "
+                     f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}  check")
+        for row in (r for r in report["rows"] if r.get("backend", backend) == backend):
+            lines.append(f"{format_bytes(row['bytes']):>10} {row['elements']:>10} {row['iters']:>6} "
+                         f"{row['time_us']:>11.1f} {row['min_time_us']:>11.1f} {row['algbw_GBps']:>12.3f} "
+                         f"{row['busbw_GBps']:>12.3f}  {'ok' if row['correct'] else 'WRONG'}")
+    if len(backends) > 1:
+        lines += _comparison(report["rows"], backends)
+    bad = [f"{format_bytes(r['bytes'])} ({r.get('backend', meta['backend'])})" for r in report["rows"] if not r["correct"]]
     lines.append(f"# reduced values: {'all correct' if not bad else 'WRONG at ' + ', '.join(bad)}")
     return "\n".join(lines)
 
 
-def bench(*, backend: str = "auto", timeout_s: float = 300.0, startup_timeout_s: float = 600.0,
-          heartbeat_s: float = 2.0, **config) -> dict | None:
+def _comparison(rows: list[dict], backends: list[str]) -> list[str]:
+    """Side by side: each backend's time per size, and the bandwidth ratio of every later backend to every earlier one."""
+    pairs = [(b, a) for i, a in enumerate(backends) for b in backends[i + 1:]]
+    by = {(r["backend"], r["bytes"]): r for r in rows}
+    sizes = sorted({r["bytes"] for r in rows})
+    lines = ["## side by side: time (us) per all-reduce, and bandwidth ratios",
+             f"{'size':>10} " + " ".join(f"{b:>10}" for b in backends) + " " + " ".join(f"{b + '/' + a:>14}"
+                                                                                      for b, a in pairs)]
+    for size in sizes:
+        lines.append(f"{format_bytes(size):>10} " + " ".join(f"{by[b, size]['time_us']:>10.1f}" for b in backends) + " "
+                     + " ".join(f"{by[b, size]['busbw_GBps'] / by[a, size]['busbw_GBps']:>13.2f}x" for b, a in pairs))
+    return lines
+
+
+def bench(*, backend: str = "auto", backends: str | None = None, timeout_s: float = 300.0,
+          startup_timeout_s: float = 600.0, heartbeat_s: float = 2.0, **config) -> dict | None:
     """Join the job's process group, run the sweep, leave. Rank 0 returns the report.
 
-    This is what ``hpcdl bench allreduce`` runs, and what a submitit job can call directly.
+    This is what ``hpcdl bench allreduce`` runs, and what a submitit job can call directly. ``backends``
+    (``gloo,mpi,ccl``) compares several in one run; the default group is then gloo's.
     """
     cfg = AllreduceConfig(**config)
-    ctx = init_distributed(backend, timeout=timedelta(seconds=startup_timeout_s), heartbeat_s=heartbeat_s)
-    report = run(ctx, cfg, timedelta(seconds=timeout_s))
+    ctx = init_distributed("gloo" if backends else backend, timeout=timedelta(seconds=startup_timeout_s),
+                           heartbeat_s=heartbeat_s)
+    report = run(ctx, cfg, timedelta(seconds=timeout_s), backends)
     shutdown(ctx)  # not reached after a RankLostError: a broken group cannot be torn down cleanly
     return report

@@ -295,6 +295,23 @@ def _latency(iters: int, group, mpi) -> dict:
     return out
 
 
+def format_comparison(reports: dict[str, dict]) -> str:
+    """Backends side by side (``--backends``): the flat and fused all-reduce of the gradient set, DDP's sync
+    (hook ``none``) and the one-float all-reduce, each against the first backend."""
+    first = next(iter(reports))
+    rows = [("flat all-reduce", "ms", lambda r: r["ms"]["flat"]), ("fused all-reduce", "ms", lambda r: r["ms"]["fused"]),
+            ("DDP sync (none)", "ms", lambda r: r["hooks"].get("none", {}).get("ms")),
+            ("one-float all-reduce", "us", lambda r: r["latency_us"]["torch.distributed"])]
+    lines = [f"side by side, {reports[first]['model']}'s gradients: " + ", ".join(reports) + f" (ratio: / {first})"]
+    for name, unit, get in rows:
+        base = get(reports[first])
+        if base is None:
+            continue
+        lines.append(f"  {name:22s}" + "".join(f"  {b} {get(r):.1f} {unit} ({get(r) / base:.2f}x)"
+                                                for b, r in reports.items()))
+    return "\n".join(lines) + "\n"
+
+
 def format_report(r: dict) -> str:
     lines = [f"gradient sync of {r['model']}: {r['tensors']} tensors, {r['parameters'] / 1e6:.1f}M parameters "
              f"({r['parameters'] * 4 / 2 ** 20:.0f} MB fp32), {r['buckets']} buckets; {r['world_size']} ranks, "
