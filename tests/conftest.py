@@ -133,16 +133,18 @@ def ccl():
         missing("oneCCL", str(exc))
 
 
+
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> Path:
-    """The demo's data at a smaller scale (600 training images in 10 classes, 100 for validation, short side 72),
-    on which demo_tiny_lars reaches its 95% target in 12 epochs."""
-    from hpcdl.data.pack import Encoding, PackConfig, pack
+    """The demo's dataset (``make demo``): 10 synthetic classes, 150 training and 25 validation images each,
+    packed at short side 72."""
+    from hpcdl.data.images import Encoding
+    from hpcdl.data.pack import PackConfig, pack
     from hpcdl.data.synthetic import generate
 
     root = tmp_path_factory.mktemp("demo-data")
-    for split, per_class, seed in (("train", 60, 1), ("val", 10, 2)):
+    for split, per_class, seed in (("train", 150, 1), ("val", 25, 2)):
         src = generate(str(root / f"src-{split}"), classes=10, per_class=per_class, seed=seed)
-        pack(PackConfig(src=src.root, out=str(root / split), shard_size="1MB", workers=1,
-                        encoding=Encoding(short_side=72)))
+        pack(PackConfig(src=src.root, out=str(root / split), shard_size="1MB", encoding=Encoding(short_side=72),
+                        workers=2))
     return root

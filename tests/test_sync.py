@@ -16,9 +16,9 @@ def _results(tmp_path, world):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "ccl"])
 @pytest.mark.parametrize("hook", ["none", "hierarchical", "fp16", "bf16"])
-def test_replicas_stay_identical_and_sums_match_a_plain_allreduce(mpiexec, tmp_path, backend, hook):
+def test_replicas_stay_identical_and_sums_match_a_plain_allreduce(mpiexec, ccl, tmp_path, backend, hook):
     run = mpi_run(mpiexec, REPO / "tests" / "sync_ranks.py", tmp_path, backend, hook)
     assert run.returncode == 0, run.stderr
     ranks = _results(tmp_path, 2)
@@ -26,14 +26,15 @@ def test_replicas_stay_identical_and_sums_match_a_plain_allreduce(mpiexec, tmp_p
     assert all(r["max_rel_error"] <= TOLERANCE[hook] for r in ranks), ranks
 
 
-def test_hierarchical_on_two_nodes_matches_flat(two_nodes, tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "ccl"])
+def test_hierarchical_on_two_nodes_matches_flat(two_nodes, ccl, tmp_path, backend):
     from conftest import sbatch_wait
 
     for hook in ("none", "hierarchical"):
         out = tmp_path / hook
         out.mkdir()
         script = out / "sync.sbatch"
-        script.write_text(f"#!/bin/bash\nsrun {PYTHON} {REPO / 'tests' / 'sync_ranks.py'} {out} gloo {hook}\n")
+        script.write_text(f"#!/bin/bash\nsrun {PYTHON} {REPO / 'tests' / 'sync_ranks.py'} {out} {backend} {hook}\n")
         sbatch_wait(script, "--nodes=2", "--ntasks-per-node=2", f"--output={out}/out", f"--chdir={out}",
                     env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
     flat, hier = _results(tmp_path / "none", 4), _results(tmp_path / "hierarchical", 4)
@@ -80,21 +81,6 @@ def test_bench_sync_reports_every_path(mpiexec, tmp_path):
     assert set(r["bucket_sweep"]) == {"25", "0.05:25"} and "bucket sweep" in run.stdout
     bad = mpi_run(mpiexec, "-m", "hpcdl", "bench", "sync", "--buckets", "1:x")
     assert bad.returncode == 2 and "--buckets item '1:x': give CAP or FIRST:CAP in MB" in bad.stderr
-
-
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory):
-    """The demo's dataset (``make demo``): 10 synthetic classes, 150 training and 25 validation images each."""
-    from hpcdl.data.images import Encoding
-    from hpcdl.data.pack import PackConfig, pack
-    from hpcdl.data.synthetic import generate
-
-    root = tmp_path_factory.mktemp("demo-data")
-    for split, per_class, seed in (("train", 150, 1), ("val", 25, 2)):
-        src = generate(str(root / f"src-{split}"), classes=10, per_class=per_class, seed=seed)
-        pack(PackConfig(src=src.root, out=str(root / split), shard_size="1MB", encoding=Encoding(short_side=72),
-                        workers=2))
-    return root
 
 
 def test_chunk_sparse_trains_as_well_as_dense(mpiexec, demo_data, tmp_path):

@@ -190,7 +190,7 @@ def test_the_demo_preset_trains_to_its_target_on_ccl_through_sbatch(slurm, ccl, 
     script = tmp_path / "ccl-demo.sbatch"
     made = hpcdl("sbatch", "--profile", "local", "--nodes", 1, "--tasks-per-node", 2, "--time", 5, "--job-name",
                  "ccl-demo", "--output", f"{tmp_path}/ccl-demo-%j.out", "--python", PYTHON, "--write", script, "--",
-                 "train", "demo_tiny_lars", "--set", "epochs=12", "--set", f"data.train={demo_data / 'train'}",
+                 "train", "demo_tiny_lars", "--set", f"data.train={demo_data / 'train'}",
                  "--set", f"data.val={demo_data / 'val'}", "--set", f"run_dir={tmp_path / 'run'}",
                  "--set", "loop.backend=ccl", "--set", "checkpoint.every_minutes=0")
     assert made.returncode == 0, made.stderr

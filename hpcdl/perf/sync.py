@@ -16,7 +16,8 @@ parameter shapes whose backward yields random gradients at once, so that the tim
 
 It also times a one-float all-reduce (small-message latency), through torch.distributed and, with
 ``--backend mpi``, through raw mpi4py and through a bare Python backend that does nothing but the MPI
-call (the floor torch's dispatch sets for any backend written in Python); weak scaling: ``scaling_model`` trained at the same per-rank
+call (the floor torch's dispatch sets for any backend written in Python), with ``--backend ccl`` through
+raw oneCCL (ctypes calls in a row on the communication thread); weak scaling: ``scaling_model`` trained at the same per-rank
 batch by rank 0 alone (the other ranks wait) and by all ranks with hpcdl's DDP, efficiency = t(1) / t(N);
 and a bucket-size sweep: that DDP training step for each ``FIRST:CAP`` in ``buckets`` (MB), alternating
 rounds, which is how ``sync.bucket_cap_mb`` and ``sync.first_bucket_mb`` got their defaults.
@@ -292,7 +293,35 @@ def _latency(iters: int, group, mpi) -> dict:
         for _ in range(iters):
             fn()
         out[name] = (time.perf_counter() - t0) / iters * 1e6
+    raw = _raw_oneccl(group, x)
+    if raw:
+        raw(50)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        raw(iters)
+        out["raw oneCCL"] = (time.perf_counter() - t0) / iters * 1e6
     return out
+
+
+def _raw_oneccl(group, x: torch.Tensor):
+    """For a oneccl group: ``loop(n)`` makes n one-float onecclAllReduce calls in a row on the group's
+    communication thread (oneCCL must be called from that one), so no hand-off is timed: oneCCL's own latency
+    through ctypes. None for other backends."""
+    from hpcdl.dist.ccl import CCLProcessGroup
+
+    pg = group if group is not None else dist.group.WORLD
+    if not isinstance(pg, CCLProcessGroup):
+        return None
+    args = (pg.comm, x.data_ptr(), x.data_ptr(), 1, pg.ccl.enums["onecclFloat32"], pg.ccl.enums["onecclSum"])
+
+    def loop(n: int) -> None:
+        def calls():
+            for _ in range(n):
+                pg.ccl.call("AllReduce", *args)
+
+        pg.thread.run_here(calls)
+
+    return loop
 
 
 def format_comparison(reports: dict[str, dict]) -> str:
