@@ -103,3 +103,15 @@ def test_a_rank_killed_in_a_ccl_allreduce_ends_every_rank_within_the_timeout(ccl
     # oneCCL cannot abort the call: the watchdog fails it at the timeout, then the heartbeats name the rank
     assert elapsed < timeout_s + 5, elapsed
     assert "Segmentation fault" not in log and "terminated with signal" not in log
+
+
+def test_a_process_that_leaves_without_destroying_its_groups_exits_with_its_status(ccl, tmp_path):
+    """oneCCL hangs at exit with a live communicator; the communication thread destroys what is left."""
+    from conftest import free_port, rank_env
+
+    code = ("import torch, torch.distributed as dist\nfrom hpcdl.dist.process_group import init_distributed, set_timeout\n"
+            "from datetime import timedelta\nctx = init_distributed('ccl')\nset_timeout(ctx, timedelta(seconds=30))\n"
+            "t = torch.ones(2)\ndist.all_reduce(t)\nraise SystemExit(3)\n")
+    run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 3, run.stderr[-2000:]

@@ -192,11 +192,12 @@ def test_the_demo_preset_trains_to_its_target_on_ccl_through_sbatch(slurm, ccl, 
                  "ccl-demo", "--output", f"{tmp_path}/ccl-demo-%j.out", "--python", PYTHON, "--write", script, "--",
                  "train", "demo_tiny_lars", "--set", f"data.train={demo_data / 'train'}",
                  "--set", f"data.val={demo_data / 'val'}", "--set", f"run_dir={tmp_path / 'run'}",
-                 "--set", "loop.backend=ccl", "--set", "checkpoint.every_minutes=0")
+                 "--set", "loop.backend=ccl", "--set", f"loop.ccl_lib={ccl.library.parent}",
+                 "--set", "checkpoint.every_minutes=0")
     assert made.returncode == 0, made.stderr
     job = sbatch_wait(script, f"--chdir={tmp_path}", env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     out = (tmp_path / f"ccl-demo-{job}.out").read_text()
-    assert "backend oneccl (requested: oneCCL 2022.2.0" in out, out[-3000:]
+    assert f"backend oneccl (requested: oneCCL 2022.2.0 from {ccl.library} (named by loop.ccl_lib)" in out, out[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["best_top1"] >= 95 and summary["time_to_target_s"] is not None, summary
 

@@ -63,6 +63,7 @@ class CCLProcessGroup(ThreadedProcessGroup):
         uid = store.get("hpcdl/oneccl-id")  # waits for rank 0, within the store's timeout
         self.comm = self.thread.run_here(lambda: ccl.init_rank(world_size, uid, rank), self,
                                          f"communicator creation ({world_size} ranks)")
+        self.thread.closers[id(self)] = self._destroy  # at exit, if nobody destroyed the group before
         self._one = torch.zeros(1)
 
     def library_op(self, name: str):
@@ -89,11 +90,17 @@ class CCLProcessGroup(ThreadedProcessGroup):
     def _barrier(self, inline):
         self._allreduce(self._one, self._ops["SUM"], inline)
 
-    def shutdown(self) -> None:
-        """Destroy the communicator on the thread (unless a call there never returned)."""
+    def _destroy(self) -> None:
+        """On the thread: destroy the communicator, once."""
         comm, self.comm = self.comm, None
-        if comm is not None and not self.thread.stuck() and not self.thread.closed():
-            self.thread.run_here(lambda: self.ccl.destroy(comm))
+        if comm is not None:
+            self.ccl.destroy(comm)
+
+    def shutdown(self) -> None:
+        """Destroy the communicator on the thread (unless a call there never returned). A process that exits
+        with a live communicator hangs in oneCCL's destructors: the thread destroys what is left at exit."""
+        if self.thread.closers.pop(id(self), None) and not self.thread.stuck() and not self.thread.closed():
+            self.thread.run_here(self._destroy)
 
 
 def create(opts, pg_options=None) -> CCLProcessGroup:

@@ -281,8 +281,11 @@ _LOADED: OneCCL | None = None
 
 
 def load(user_path: str | None = None) -> OneCCL:
-    """The process's oneCCL, loaded once: a process cannot hold two libccl."""
+    """The process's oneCCL, loaded once: a process cannot hold two libccl. Without ``user_path``, the one
+    already loaded (a group created after ``init_distributed(ccl_lib=...)`` uses that library)."""
     global _LOADED
+    if _LOADED is not None and user_path is None:
+        return _LOADED
     runtime = find_runtime(user_path)
     if _LOADED is None:
         _LOADED = OneCCL(runtime)

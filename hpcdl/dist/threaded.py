@@ -98,6 +98,7 @@ class CommThread:
         self.queued = 0  # collectives handed to the thread and not yet finished
         self._started = None  # (start time, group, operation, future) of the collective in progress
         self._closed = threading.Event()
+        self.closers: dict[int, object] = {}  # what must run on the thread before it stops (live communicators)
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         self._thread.start()
@@ -149,6 +150,25 @@ class CommThread:
                 started[3].set_exception(dist.DistBackendError(
                     f"rank {group.rank()}: {group.LIBRARY} {describe(started[2])} {group.timed_out()}"))
 
+    def _close_all(self, timeout_s: float) -> None:
+        """Run the registered closers on the thread, waiting at most ``timeout_s`` (a process that exits with a
+        live oneCCL communicator hangs in oneCCL's destructors)."""
+        done, closers = threading.Event(), list(self.closers.values())
+        self.closers.clear()
+
+        def run(inline):
+            for close in closers:
+                try:
+                    close()
+                except Exception as exc:  # leaving anyway: say what could not be closed
+                    logging.getLogger(__name__).warning("%s: closing at exit failed: %s", self.name, exc)
+            done.set()
+
+        with self.lock:
+            self.queued += 1
+        self._queue.put((run, Future(), None, "closing"))
+        done.wait(timeout_s)
+
     def closed(self) -> bool:
         return self._closed.is_set()
 
@@ -162,6 +182,8 @@ class CommThread:
         thread woken during finalization is unwound through C++ frames, which aborts the process)."""
         if self._closed.is_set():
             return
+        if self.closers and not self.stuck():
+            self._close_all(timeout_s=30.0)
         self._closed.set()
         self._queue.put(None)
         if self._thread is not threading.current_thread():  # bounded: a thread stuck in a call stays behind
