@@ -87,6 +87,20 @@ def start_ranks(world: int, args: list[str], tmp_path: Path) -> list[subprocess.
     return procs
 
 
+def start_long_sweep(tmp_path: Path, timeout_s: float, *extra: str) -> list[subprocess.Popen]:
+    """2 ranks in a 1 MB all-reduce loop that would run for minutes, returned once they are inside it (after
+    the start-up timeout was shortened to ``timeout_s``): for killing or freezing one of them."""
+    procs = start_ranks(2, ["bench", "allreduce", *extra, "--min-bytes", "1M", "--max-bytes", "1M",
+                            "--seconds-per-size", "600", "--max-iters", "1000000", "--heartbeat", "0.5",
+                            "--timeout", str(timeout_s)], tmp_path)
+    deadline = time.time() + 60
+    while "collective timeout now" not in (tmp_path / "rank0.log").read_text():
+        assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "rank0.log").read_text()
+        time.sleep(0.2)
+    time.sleep(1.0)  # well inside the timed loop
+    return procs
+
+
 def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int = 240, args: tuple = ()) -> str:
     """Submit with sbatch options ``extra`` and script arguments ``args``, wait for the end, return the job
     id; raise with the output on failure."""

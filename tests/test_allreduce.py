@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import PYTHON, REPO, free_port, rank_env, start_ranks
+from conftest import PYTHON, REPO, free_port, rank_env, start_long_sweep, start_ranks
 
 QUICK = ["bench", "allreduce", "--max-bytes", "64K", "--seconds-per-size", "0.02", "--heartbeat", "0.5"]
 
@@ -34,21 +34,10 @@ def test_torchrun_launch(tmp_path):
     assert all(r["correct"] for r in report["rows"])
 
 
-def _start_long_sweep(tmp_path, timeout_s: float):
-    procs = start_ranks(2, ["bench", "allreduce", "--min-bytes", "1M", "--max-bytes", "1M", "--seconds-per-size",
-                            "600", "--max-iters", "1000000", "--heartbeat", "0.5", "--timeout", str(timeout_s)], tmp_path)
-    deadline = time.time() + 60
-    while "collective timeout now" not in (tmp_path / "rank0.log").read_text():
-        assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "rank0.log").read_text()
-        time.sleep(0.2)
-    time.sleep(1.0)  # well inside the timed loop
-    return procs
-
-
 @pytest.mark.parametrize("victim,how", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)])
 def test_lost_rank_is_named_and_the_survivor_exits_within_the_timeout(tmp_path, victim, how):
     timeout_s = 10
-    procs = _start_long_sweep(tmp_path, timeout_s)
+    procs = start_long_sweep(tmp_path, timeout_s)
     survivor = 1 - victim
     procs[victim].send_signal(how)
     start = time.time()

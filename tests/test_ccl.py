@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from conftest import IN_CI, PYTHON, REPO, start_ranks
+from conftest import IN_CI, PYTHON, REPO, start_long_sweep
 from hpcdl.dist import ccl_runtime
 
 
@@ -80,14 +80,7 @@ def test_a_oneccl_without_the_c_api_is_named(ccl, old_oneccl):
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_rank_killed_in_a_ccl_allreduce_ends_every_rank_within_the_timeout(ccl, tmp_path, victim):
     timeout_s = 10
-    procs = start_ranks(2, ["bench", "allreduce", "--backend", "ccl", "--min-bytes", "1M", "--max-bytes", "1M",
-                            "--seconds-per-size", "600", "--max-iters", "1000000", "--heartbeat", "0.5",
-                            "--timeout", str(timeout_s)], tmp_path)
-    deadline = time.time() + 60
-    while "collective timeout now" not in (tmp_path / "rank0.log").read_text():
-        assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "rank0.log").read_text()
-        time.sleep(0.2)
-    time.sleep(1.0)  # inside the timed loop: the survivor is in a oneCCL call that will never complete
+    procs = start_long_sweep(tmp_path, timeout_s, "--backend", "ccl")  # then in a oneCCL call that never completes
     procs[victim].send_signal(signal.SIGKILL)
     start = time.time()
     survivor = 1 - victim
