@@ -52,6 +52,18 @@ def test_ccl_variables_across_nodes_use_tcp_on_the_rendezvous_interface():
     assert (got["FI_PROVIDER"], got["CCL_ATL_SHM"], got["FI_TCP_IFACE"], got["CCL_KVS_IFACE"]) == ("tcp", "1", "lo", "lo")
     site = ccl_environment(_slurm_env(2, 2, 2), plan, {"FI_PROVIDER": "psm3"})  # a site's module exported it
     assert "FI_PROVIDER" not in site and "FI_TCP_IFACE" not in site
+    profile = ccl_environment(_slurm_env(2, 2, 2), plan, {"HPCDL_FI_PROVIDER": "psm2"})  # what the sbatch script exports
+    assert profile["FI_PROVIDER"] == "psm2" and "FI_TCP_IFACE" not in profile
+    assert ccl_environment(_slurm_env(1, 2, 0), plan, {"HPCDL_FI_PROVIDER": "psm2"})["FI_PROVIDER"] == "shm"  # one node
+
+
+def test_sbatch_scripts_carry_the_profiles_fabric_provider():
+    from hpcdl.launch.job import job_request
+    from hpcdl.launch.sbatch import render_sbatch
+
+    script = render_sbatch(job_request(profile="frontera-clx", nodes=2, tasks_per_node=2), ["train", "x.yaml"])
+    assert 'export HPCDL_FI_PROVIDER="${HPCDL_FI_PROVIDER:-verbs;ofi_rxm}"' in script
+    assert "HPCDL_FI_PROVIDER=" not in render_sbatch(job_request(profile="generic"), ["train", "x.yaml"])
 
 
 def test_ccl_workers_when_offload_is_on_are_pinned_to_the_plans_communication_cpus():

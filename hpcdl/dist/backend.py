@@ -83,8 +83,9 @@ def ccl_environment(env: RankEnv, plan: CpuPlan, environ: Mapping[str, str]) -> 
     - No launcher of oneCCL's: communicators come from unique ids through hpcdl's rendezvous store
       (``CCL_PROCESS_LAUNCHER=none``, with the local rank and size from the launch).
     - The transport is libfabric's: ``shm`` when the job is on one node, ``tcp`` across nodes (with
-      ``CCL_ATL_SHM=1`` for the ranks that share a node); a site's provider (psm3, verbs, cxi) comes
-      from ``FI_PROVIDER`` as its module exports it. ``CCL_KVS_IFACE`` and ``FI_TCP_IFACE`` name the
+      ``CCL_ATL_SHM=1`` for the ranks that share a node), or ``HPCDL_FI_PROVIDER`` across nodes (the
+      cluster profile's, which hpcdl's sbatch scripts export: psm2 on Omni-Path, verbs on InfiniBand); a
+      ``FI_PROVIDER`` the site's module exports wins. ``CCL_KVS_IFACE`` and ``FI_TCP_IFACE`` name the
       interface that reaches the rendezvous address.
     """
     wanted = {"CCL_WORKER_OFFLOAD": "0", "CCL_PROCESS_LAUNCHER": "none", "CCL_ATL_TRANSPORT": "ofi", "CCL_LOG_LEVEL": "error",
@@ -96,7 +97,7 @@ def ccl_environment(env: RankEnv, plan: CpuPlan, environ: Mapping[str, str]) -> 
     if env.nodes == 1:
         wanted |= {"FI_PROVIDER": "shm", "CCL_ATL_SHM": "1"}
     else:
-        wanted["FI_PROVIDER"] = "tcp"
+        wanted["FI_PROVIDER"] = environ.get("HPCDL_FI_PROVIDER") or "tcp"
         if env.local_size > 1:
             wanted["CCL_ATL_SHM"] = "1"
     iface = interface_to(env.master_addr)

@@ -32,6 +32,7 @@ class ClusterProfile:
     sockets: int = 1  # processors per node: hpcdl plan's default ranks per node
     clock_ghz: float | None = None  # nominal base clock (hpcdl plan's peak FLOPs); None: not known
     fp32_flops_per_cycle: int | None = None  # per core: vector lanes x 2 (FMA) x FMA units
+    fi_provider: str = ""  # libfabric provider for backend ccl across nodes (HPCDL_FI_PROVIDER); "": tcp
     notes: str = ""
 
     @property
@@ -57,12 +58,14 @@ PROFILES: dict[str, ClusterProfile] = {p.name: p for p in (
         partition="skx-normal", cores_per_node=48, mem_gb_per_node=192, max_time=timedelta(hours=48),
         max_nodes=128, network="Intel Omni-Path 100 Gb/s (fat tree)", network_latency_us=1.0, network_gb_s=12.5,
         sockets=2, clock_ghz=2.1, fp32_flops_per_cycle=64,  # AVX-512, 2 FMA units: 6.45 TFLOPS a node
+        fi_provider="psm2",  # Omni-Path's native provider
         notes="Use skx-large for 129-868 nodes. 2 sockets x 24 cores: 2 or 4 ranks per node usually beat 1."),
     ClusterProfile(
         name="stampede2-knl", description="TACC Stampede2, Knights Landing nodes: Xeon Phi 7250",
         partition="normal", cores_per_node=68, mem_gb_per_node=96, max_time=timedelta(hours=48),
         max_nodes=256, network="Intel Omni-Path 100 Gb/s (fat tree)", network_latency_us=1.0, network_gb_s=12.5,
         sockets=1, clock_ghz=1.4, fp32_flops_per_cycle=64,  # AVX-512, 2 VPUs: 6.09 TFLOPS a node
+        fi_provider="psm2",
         notes=("16 GB MCDRAM per node. In cache-quadrant mode (partition normal) it acts as a cache and needs "
                "nothing. In flat mode (partitions *-flat-quadrant) it is NUMA node 1: wrap the command in "
                "'numactl --preferred=1' so tensors land in MCDRAM. Use 'large' for 257-2048 nodes.")),
@@ -71,6 +74,7 @@ PROFILES: dict[str, ClusterProfile] = {p.name: p for p in (
         partition="normal", cores_per_node=56, mem_gb_per_node=192, max_time=timedelta(hours=48),
         max_nodes=512, network="Mellanox InfiniBand HDR-100 (fat tree)", network_latency_us=1.0, network_gb_s=12.5,
         sockets=2, clock_ghz=2.7, fp32_flops_per_cycle=64,  # AVX-512, 2 FMA units: 9.68 TFLOPS a node
+        fi_provider="verbs;ofi_rxm",  # InfiniBand: verbs with the reliable-messaging utility provider
         notes="Use 'large' for 513-2048 nodes. Set GLOO_SOCKET_IFNAME=ib0 so gloo uses the fabric."),
     ClusterProfile(
         name="generic", description="Any Slurm cluster: nothing assumed, the scheduler checks the request",

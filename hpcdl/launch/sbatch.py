@@ -108,6 +108,8 @@ def _header(req: JobRequest, command: list[str]) -> list[str]:
         "#   HPCDL_ALLOCATOR   auto | jemalloc | tcmalloc | glibc | none (default auto: jemalloc, tcmalloc, then glibc).",
         "#   GLOO_SOCKET_IFNAME  the interface gloo uses, e.g. ib0, when the hostname resolves to Ethernet.",
         "#   SLURM_MPI_TYPE    srun's PMI plugin, when the command uses MPI (pmi2 for MPICH, pmix for Open MPI).",
+        "#   HPCDL_FI_PROVIDER libfabric's provider for backend ccl across nodes (default below: the profile's;"
+        " FI_PROVIDER, if exported, wins).",
     ]
     if prof.notes:
         lines.append(f"# Note: {prof.notes}")
@@ -123,6 +125,8 @@ def render_sbatch(req: JobRequest, command: list[str]) -> str:
         "",
         "set -euo pipefail",
         f'if [ -z "${{HPCDL_PYTHON:-}}" ]; then HPCDL_PYTHON={shlex.quote(req.python or "python3")}; fi',
+        *([f'export HPCDL_FI_PROVIDER="${{HPCDL_FI_PROVIDER:-{req.cluster_profile.fi_provider}}}"']
+          if req.cluster_profile.fi_provider else []),
         "# The allocator acts only if chosen before Python starts; the node itself decides which one it has.",
         f'tuning=$("$HPCDL_PYTHON" -m hpcdl tune --exports --allocator "${{HPCDL_ALLOCATOR:-{req.allocator}}}")',
         'eval "$tuning"',
