@@ -1,5 +1,5 @@
-"""One rank of test_mpi and test_ccl: hpcdl's process group on BACKEND (mpi or ccl), checked collective by
-collective and dtype by dtype, then DDP keeping replicas identical.
+"""One rank of test_groups: hpcdl's process group on BACKEND (mpi, ccl, or the one-file store backend), checked
+collective by collective and dtype by dtype, then DDP keeping replicas identical.
 
 Run as ``group_ranks.py OUT BACKEND`` under mpiexec, srun or with torch's env:// variables; writes rank R's
 findings to OUT/rankR.json.
@@ -17,6 +17,8 @@ from hpcdl.dist.process_group import init_distributed, shutdown
 from hpcdl.log import setup_logging
 
 out, backend = sys.argv[1], sys.argv[2]
+if backend == "store":
+    import store_backend  # noqa: F401  (a backend of one file: adds its row to the table)
 setup_logging(rank_and_world()[0])
 ctx = init_distributed(backend)
 rank, world = ctx.rank, ctx.world_size

@@ -22,7 +22,7 @@ EXPECTED = {
     "allgather": [[0, 0], [1, 1]], "allgather single fp16": [0.5, 0.5, 1.5, 1.5], "objects": [{"rank": 0}, {"rank": 1}],
     "subgroup all": 1.0, "mixed paths": [[2.0, 3.0], [2.0, 1.0], [2.0]],  # all-reduce, broadcast from 0, barrier
 }
-TORCH_NAME = {"mpi": "mpi4py", "ccl": "oneccl"}
+TORCH_NAME = {"mpi": "mpi4py", "ccl": "oneccl", "store": "hpcdl-store"}
 
 
 def check_ranks(out, backend: str) -> list[dict]:
@@ -58,14 +58,23 @@ def test_mpi_group_under_srun(slurm, tmp_path):
     srun_ranks(tmp_path, "mpi", "--nodes=1", "--ntasks=2")
 
 
-def test_ccl_group_as_plain_processes(ccl, tmp_path):
+def plain_ranks(tmp_path, backend: str) -> tuple[list[dict], list[str]]:
     port = free_port()
-    procs = [subprocess.Popen([PYTHON, REPO / "tests" / "group_ranks.py", tmp_path, "ccl"], cwd=tmp_path,
+    procs = [subprocess.Popen([PYTHON, REPO / "tests" / "group_ranks.py", tmp_path, backend], cwd=tmp_path,
                               env={**rank_env(r, 2, port), "PYTHONPATH": str(REPO)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:]
-    ranks = check_ranks(tmp_path, "ccl")
+    return check_ranks(tmp_path, backend), outs
+
+
+def test_a_backend_of_one_file_and_one_table_row_passes_every_check(tmp_path):
+    """tests/store_backend.py: the threaded base plus six primitives over the rendezvous store."""
+    plain_ranks(tmp_path, "store")
+
+
+def test_ccl_group_as_plain_processes(ccl, tmp_path):
+    ranks, outs = plain_ranks(tmp_path, "ccl")
     assert f"oneCCL 2022.2.0 from {ccl.library}" in outs[0]
     assert ranks[0]["env"]["FI_PROVIDER"] == "shm" and ranks[0]["env"]["CCL_WORKER_OFFLOAD"] == "0"
 
