@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from hpcdl import __version__
 from hpcdl.errors import HpcdlError, RankLostError
@@ -550,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("env", help="print this process's rank discovery as JSON").set_defaults(fn=cmd_env)
     ccl = sub.add_parser("ccl", help="the oneCCL runtime of backend ccl").add_subparsers(dest="action", required=True)
-    p = ccl.add_parser("install", help=f"assemble hpcdl's pinned oneCCL runtime from PyPI's wheels (sha256-checked); "
+    p = ccl.add_parser("install", help="assemble hpcdl's pinned oneCCL runtime from PyPI's wheels (sha256-checked); "
                        "run it on the login node")
     p.add_argument("--prefix", help="where (default: HPCDL_CCL_HOME, or ~/.cache/hpcdl/oneccl-VERSION)")
     p.add_argument("--wheels", help="a folder holding the wheels already (no download)")
