@@ -98,15 +98,16 @@ def test_every_quirk_is_packed_or_rejected_with_its_reason(tmp_path):
     run = hpcdl("pack", gen.root, tmp_path / "out", "--workers", 2, "--shard-size", "128K")
     manifest, images = packed_images(tmp_path / "out")
     rejected = {r["path"].split("/", 1)[1]: r["reason"] for r in manifest.rejected}
-    assert rejected.keys() == {"quirk_truncated.JPEG", "quirk_corrupt.JPEG", "quirk_empty.JPEG",
+    assert rejected.keys() == {"quirk_truncated.JPEG", "quirk_header_cut.JPEG", "quirk_corrupt.JPEG", "quirk_empty.JPEG",
                                "quirk_not_image.JPEG", "quirk_unreadable.JPEG", "quirk_bad_name_\\xff\\xfe.JPEG"}
     assert rejected["quirk_truncated.JPEG"].startswith("truncated or corrupt")
+    assert rejected["quirk_header_cut.JPEG"].startswith("truncated or corrupt")  # was an OSError out of a worker
     assert rejected["quirk_empty.JPEG"] == "empty file"
     assert rejected["quirk_not_image.JPEG"].startswith("not an image")
     assert rejected["quirk_corrupt.JPEG"].startswith(("not an image", "truncated or corrupt"))
     assert rejected["quirk_unreadable.JPEG"].startswith("unreadable")
     assert rejected["quirk_bad_name_\\xff\\xfe.JPEG"] == "file name is not valid UTF-8"
-    assert "6 inputs rejected" in run.stderr and "img/s, ETA" in run.stderr
+    assert "7 inputs rejected" in run.stderr and "img/s, ETA" in run.stderr
     assert manifest.num_images == 3 * 4 + 3 + 1
     for quirk in ("png_named_jpeg", "cmyk", "grayscale"):
         data, label, _, _ = images[f"{wnid(0)}/quirk_{quirk}.JPEG"]
@@ -145,7 +146,7 @@ def test_killed_pack_resumes_to_a_complete_dataset(tmp_path):
     manifest, images = packed_images(out)
     sources = {f"{d}/{f}" for d in os.listdir(gen.root) for f in os.listdir(os.path.join(gen.root, d))}
     rejected = {r["path"] for r in manifest.rejected}
-    assert len(rejected) == 6 and not rejected & images.keys()
+    assert len(rejected) == 7 and not rejected & images.keys()
     assert images.keys() | {r for r in rejected if "bad_name" not in r} == {s for s in sources if "bad_name" not in s}
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
 

@@ -52,7 +52,7 @@ def test_imagenet1k_recipe_packs_as_a_slurm_array(slurm, tmp_path):
     train = json.loads((out / "train" / "manifest.json").read_text())
     val = json.loads((out / "val" / "manifest.json").read_text())
     assert train["options"]["parts"] == 2 and len(list((out / "train" / "parts").iterdir())) == 2, logs
-    assert train["num_images"] == 4 * 6 + 3 and train["summary"]["rejected"] == 6
+    assert train["num_images"] == 4 * 6 + 3 and train["summary"]["rejected"] == 7
     assert val["num_images"] == 12 and val["classes"] == train["classes"]
     assert train["classes"][2]["name"] == "class 2"
     assert verify(str(out / "train"), full=True) == [] and verify(str(out / "val"), full=True) == []

@@ -15,7 +15,7 @@ def main() -> None:
     p.add_argument("--per-class", type=int, default=100, help="train images per class")
     p.add_argument("--val-per-class", type=int, default=20, help="val images per class (layout imagenet)")
     p.add_argument("--layout", default="imagenet", choices=LAYOUTS)
-    p.add_argument("--quirks", action="store_true", help="add a PNG named .JPEG, CMYK, grayscale, truncated, "
+    p.add_argument("--quirks", action="store_true", help="add a PNG named .JPEG, CMYK, grayscale, truncated (in data and header), "
                                                          "corrupt, empty, non-image, unreadable, non-UTF-8 name")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()

@@ -49,21 +49,20 @@ def prepare(data: bytes, enc: Encoding) -> tuple[bytes, tuple[int, int], tuple[i
     """-> (JPEG bytes, stored (height, width), original (height, width)). Raises Rejected."""
     if not data:
         raise Rejected("empty file")
-    try:
+    try:  # a file cut inside its header fails in open(), one cut in its data in load()
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             im = Image.open(io.BytesIO(data))
+            original = (im.height, im.width)
+            target = enc.target(*im.size)
+            if target and im.format == "JPEG":
+                im.draft("RGB", target)  # decode at 1/2, 1/4 or 1/8 scale when that still covers the target
+            fmt, mode = im.format, im.mode
+            im.load()  # a full decode: truncated and corrupt files fail here, not in training
     except UnidentifiedImageError:
         raise Rejected("not an image: no image format Pillow knows starts these bytes") from None
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
         raise Rejected(f"not an image: {exc}") from None
-    original = (im.height, im.width)
-    target = enc.target(*im.size)
-    if target and im.format == "JPEG":
-        im.draft("RGB", target)  # decode at 1/2, 1/4 or 1/8 scale when that still covers the target
-    fmt, mode = im.format, im.mode
-    try:
-        im.load()  # a full decode: truncated and corrupt files fail here, not in training
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise Rejected(f"truncated or corrupt: {exc}") from None
     if fmt == "JPEG" and mode == "RGB" and target is None:

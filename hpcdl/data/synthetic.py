@@ -133,6 +133,7 @@ def write_quirks(folder: str, classes: int, rng: np.random.Generator) -> dict:
         "cmyk": jpeg(pixels, mode="CMYK"),
         "grayscale": jpeg(pixels, mode="L"),
         "truncated": good[:len(good) // 2],
+        "header_cut": good[:300],  # a partial download: cut inside the JPEG header (Pillow fails in open())
         "corrupt": good[:2] + bytes(rng.integers(0, 256, 4000, dtype=np.uint8)),
         "empty": b"",
         "not_image": b"this is a text file, not an image\n",
