@@ -323,7 +323,7 @@ def load_yaml(path: str) -> RunConfig:
         if "preset" in data:
             base = get_preset(str(data.pop("preset")))
             return apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in flatten(data).items()], frozen=DERIVED)
-        return from_dict(RunConfig, data, where=path)
+        return from_dict(RunConfig, data, where="config")
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 

@@ -40,6 +40,13 @@ def from_dict(cls, data: dict, where: str = "config"):
     unknown = sorted(set(data) - fields)
     if unknown:
         raise ConfigError(f"{where}: unknown keys {unknown}; valid keys: {', '.join(sorted(fields))}")
+    required = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in data
+                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if required:
+        key = f"{where}.{required[0]}".removeprefix("config.")
+        place = "at the top level" if where == "config" else f"under {where.removeprefix('config.')}:"
+        raise ConfigError(f"{key} is not set and has no default: add '{required[0]}: VALUE' {place}, or start from a "
+                          "preset ('preset: NAME' in a YAML file; hpcdl presets lists them)")
     return cls(**{k: coerce(hints[k], v, f"{where}.{k}") for k, v in data.items()})
 
 

@@ -58,3 +58,26 @@ def test_yaml_config_files(tmp_path):
     bad.write_text("preset: resnet50_b32k_lars\nschedule: {steps_per_epoch: 3}\n")
     with pytest.raises(ConfigError, match="steps_per_epoch: follows"):
         resolve(str(bad))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: mine\nmodel: tiny_cnn\nglobal_batch: 64\nepochs: 2\noptimizer: {name: lars}\nschedule: {decay: cosine}\n",
+     "schedule.base_lr is not set and has no default: add 'base_lr: VALUE' under schedule:"),
+    ("name: mine\n", "model is not set and has no default: add 'model: VALUE' at the top level"),
+])
+def test_a_yaml_without_a_required_value_names_it_and_the_fix(tmp_path, text, message):
+    """Was a TypeError from the dataclass (ScheduleConfig.__init__() missing ... 'base_lr')."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "my.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="preset: NAME") as info:
+        resolve(str(path), [])
+    assert message in str(info.value) and str(path) in str(info.value)
+    run = subprocess.run([sys.executable, "-m", "hpcdl", "train", str(path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+    partial = tmp_path / "partial.yaml"  # a partial section on top of a preset is filled from it
+    partial.write_text("preset: demo_tiny_lars\nschedule: {decay: cosine}\n")
+    cfg = resolve(str(partial), [])
+    assert cfg.schedule.decay == "cosine" and cfg.schedule.base_lr == get_preset("demo_tiny_lars").schedule.base_lr
