@@ -166,7 +166,7 @@ def install(root: Path | None = None, *, wheels: Path | None = None, force: bool
 
 
 def _wheel(package: str, wheels: Path | None, tmp: Path) -> Path:
-    name = package.replace("-", "_") if package != "oneccl" else package
+    name = package.replace("-", "_")  # the wheel file's spelling
     if wheels:
         found = sorted(wheels.glob(f"{name}-{VERSION}-*.whl"))
         if found:

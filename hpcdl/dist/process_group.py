@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from hpcdl.dist.affinity import CpuPlan, allocator_in_use, apply_cpu_plan, plan_cpus
-from hpcdl.dist.backend import BACKENDS, BackendChoice, choose_backend
+from hpcdl.dist.backend import BACKENDS, Backend, BackendChoice, choose_backend
 from hpcdl.dist.env import RankEnv, discover
 from hpcdl.errors import ConfigError, LaunchError, RankLostError
 
@@ -116,10 +116,7 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
                     comm_threads=choice.comm_threads if comm_threads is None else comm_threads,
                     data_workers=data_workers)
     apply_cpu_plan(cpu)
-    if row.environment:
-        os.environ.update(row.environment(env, cpu, os.environ))
-    if row.register:
-        row.register()
+    _prepare_backend(row, env, cpu)
     store = _server_or_client(env, timeout)
     heartbeat = Heartbeat(env, heartbeat_s)
     dist.init_process_group(choice.name, store=dist.PrefixStore("pg/", store), rank=env.rank,
@@ -127,6 +124,14 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
     ctx = DistContext(env=env, backend=choice, cpu=cpu, timeout=timeout, group=None, heartbeat=heartbeat)
     _log_startup(ctx)
     return ctx
+
+
+def _prepare_backend(row: Backend, env: RankEnv, cpu: CpuPlan) -> None:
+    """Set the row's variables for this rank (those the user exported stay) and register it with torch."""
+    if row.environment:
+        os.environ.update(row.environment(env, cpu, os.environ))
+    if row.register:
+        row.register()
 
 
 def _server_or_client(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
@@ -172,10 +177,7 @@ def backend_groups(ctx: DistContext, names: str, timeout: timedelta | None = Non
     groups = {}
     for name in (n for n in BACKENDS if n in wanted):
         row, choice = choose_backend(name)
-        if row.environment:
-            os.environ.update(row.environment(ctx.env, ctx.cpu, os.environ))
-        if row.register:
-            row.register()
+        _prepare_backend(row, ctx.env, ctx.cpu)
         groups[choice.name] = dist.new_group(list(range(ctx.world_size)), timeout=timeout or ctx.timeout,
                                              backend=choice.name)
         log.info("backend %s beside the default group (%s)", choice.name, choice.reason)
