@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hpcdl import __version__
 from hpcdl.errors import HpcdlError, RankLostError
+from hpcdl.utils import leave_now
 
 log = logging.getLogger("hpcdl")
 
@@ -628,9 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except RankLostError as exc:
         log.error("%s", exc)
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(1)  # a broken process group can hang interpreter shutdown; leave now
+        leave_now(1)  # a broken process group can hang interpreter shutdown
     except HpcdlError as exc:
         log.error("%s", exc)
         return 2

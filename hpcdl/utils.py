@@ -85,3 +85,29 @@ def cpu_model() -> str:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return "unknown"
+
+
+_last_words: list = []
+
+
+def before_leaving(fn) -> None:
+    """Have :func:`leave_now` call ``fn()`` first (to release what the exit handlers would have released)."""
+    _last_words.append(fn)
+
+
+def leave_now(status: int) -> None:
+    """End the process at once with ``status``, skipping interpreter shutdown and library destructors (a
+    broken process group or a library stuck in a call can hang them): run what :func:`before_leaving`
+    registered, flush the logs, ``os._exit``."""
+    import logging
+    import sys
+
+    for fn in _last_words:
+        try:
+            fn()
+        except Exception as exc:  # leaving anyway
+            logging.getLogger(__name__).warning("before leaving: %s", exc)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

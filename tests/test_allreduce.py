@@ -4,6 +4,7 @@ import json
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,9 @@ def test_lost_rank_is_named_and_the_survivor_exits_within_the_timeout(request, t
         code = procs[survivor].wait(timeout=timeout_s + 10)
     finally:
         procs[victim].kill()
+        procs[victim].wait()
+        for path in Path("/dev/shm").glob(f"{procs[victim].pid}:*"):  # what a killed rank leaves behind
+            path.unlink()
     elapsed = time.time() - start
     log = (tmp_path / f"rank{survivor}.log").read_text()
     assert code not in (0, None)
@@ -59,6 +63,8 @@ def test_lost_rank_is_named_and_the_survivor_exits_within_the_timeout(request, t
     assert elapsed < timeout_s + 5, elapsed
     if backend == "ccl":  # named with the operation, and no crash in oneCCL's destructors on the way out
         assert "oneCCL allreduce" in last and "Segmentation fault" not in log and "terminated with signal" not in log
+        # leaving without finalizing oneCCL, the survivor still removed libfabric's 64 MB shm file
+        assert not list(Path("/dev/shm").glob(f"{procs[survivor].pid}:*"))
 
 
 def test_bad_arguments_exit_2_with_the_flag_named(tmp_path):

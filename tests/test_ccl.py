@@ -4,6 +4,7 @@ that leaves with its groups alive. A rank lost in a oneCCL all-reduce: test_allr
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +86,32 @@ def test_a_process_that_leaves_without_destroying_its_groups_exits_with_its_stat
     run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 3, run.stderr[-2000:]
+
+
+def test_a_stale_shm_file_named_with_the_ranks_pid_does_not_stop_it(ccl, tmp_path):
+    """A rank killed outright leaves libfabric's /dev/shm/PID:UID:N behind; a later process with that PID
+    failed with 'fi_enable(endpoint) fails with ret: -16' (libfabric takes it for a live one's). The stale
+    file here is planted by a stand-in (junk where a killed rank's header would be: libfabric refuses both
+    alike), since no test can choose the PID a process gets."""
+    from conftest import free_port, rank_env
+
+    code = ("import os, torch, torch.distributed as dist\n"
+            "from hpcdl.dist.process_group import init_distributed\n"
+            "from hpcdl.log import setup_logging\nsetup_logging(0, verbose=True)\n"
+            "stale = f'/dev/shm/{os.getpid()}:{os.getuid()}:0'\n"
+            "open(stale, 'wb').write(os.urandom(4096))\n"
+            "ctx = init_distributed('ccl')\n"
+            "t = torch.full((3,), float(ctx.rank + 1))\ndist.all_reduce(t)\n"
+            "assert t.tolist() == [3.0] * 3, t\nprint('pid', os.getpid())\n")
+    port = free_port()
+    procs = [subprocess.Popen([PYTHON, "-c", code], env={**rank_env(r, 2, port), "PYTHONPATH": str(REPO)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=90) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert "removed 1 stale libfabric shm file" in err
+        pid = int(out.split()[-1])
+        assert not list(Path("/dev/shm").glob(f"{pid}:*")), "a clean exit leaves no shm file"
 
 
 def test_install_assembles_a_runtime_that_loads_and_reuses_it(ccl, tmp_path):

@@ -12,18 +12,29 @@ oneCCL must be called from one thread per process (two communicators used from t
 crash it), so every group of a process shares one :class:`CommThread` and nothing runs inline. oneCCL
 cannot abort a call: a collective whose peer is gone blocks that thread for good; the watchdog fails
 its Work after the timeout, and at exit the process leaves without finalizing oneCCL.
+
+libfabric's ``shm`` transport keeps each process's queues in a 64 MB file ``/dev/shm/PID:UID:N``, which
+only a clean finalize removes. A process that leaves without finalizing (above) removes its own files on
+the way out; one killed outright leaves them behind, and a later process that gets the same PID then
+failed to create its communicator ("fi_enable: Device or resource busy": libfabric takes a file named
+with a live PID for one in use). Such a file is stale by construction, since its PID is now this
+process's, so a process removes the files named with its own PID before its first communicator.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from hpcdl.dist import ccl_runtime
 from hpcdl.dist.threaded import CommThread, ThreadedProcessGroup
+from hpcdl.utils import before_leaving
 
 __all__ = ["BACKEND_NAME", "CCLProcessGroup", "register"]
 
@@ -36,13 +47,41 @@ _thread: CommThread | None = None
 _thread_lock = threading.Lock()
 
 
+SHM_DIR = Path("/dev/shm")
+log = logging.getLogger(__name__)
+
+
 def comm_thread() -> CommThread:
-    """The process's one oneCCL thread."""
+    """The process's one oneCCL thread (made with its first group, after stale shm files are gone)."""
     global _thread
     with _thread_lock:
         if _thread is None:
+            gone = remove_shm_files()
+            if gone:
+                log.info("removed %d stale libfabric shm file(s) named with this PID: %s", len(gone),
+                         ", ".join(gone))
+            before_leaving(remove_shm_files)
             _thread = CommThread("hpcdl-oneccl", exit_if_stuck=True)
         return _thread
+
+
+def shm_files(pid: int | None = None, root: Path = SHM_DIR) -> list[Path]:
+    """libfabric shm's files of process ``pid`` (default: this one): ``PID:UID:N`` (libfabric 1.x's
+    ``smr_endpoint_name``, with the ``fi_shm://`` prefix that ``shm_open`` does not keep)."""
+    pid = os.getpid() if pid is None else pid
+    return sorted(p for p in root.glob(f"{pid}:{os.getuid()}:*") if p.name.rsplit(":", 1)[1].isdigit())
+
+
+def remove_shm_files(pid: int | None = None, root: Path = SHM_DIR) -> list[str]:
+    """Unlink :func:`shm_files`; the names removed. A process that maps one keeps its memory until it unmaps."""
+    gone = []
+    for path in shm_files(pid, root):
+        try:
+            path.unlink()
+            gone.append(path.name)
+        except FileNotFoundError:
+            pass
+    return gone
 
 
 class CCLProcessGroup(ThreadedProcessGroup):

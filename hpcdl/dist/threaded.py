@@ -27,9 +27,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -39,6 +37,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from hpcdl.errors import ConfigError
+from hpcdl.utils import leave_now
 
 __all__ = ["CommThread", "ThreadedProcessGroup"]
 
@@ -114,10 +113,14 @@ class CommThread:
         """Run ``fn()`` on the thread, wait for it and return its result (creating or destroying a
         communicator); timed by ``group``'s timeout when one is given."""
         done: Future = Future()
+        self._enqueue(lambda inline: fn(), done, group, what)
+        return done.wait()
+
+    def _enqueue(self, fn, future: Future, group, what) -> None:
+        """Count and queue ``fn`` (for callers that do not hold ``lock``)."""
         with self.lock:
             self.queued += 1
-        self._queue.put((lambda inline: fn(), done, group, what))
-        return done.wait()
+        self._queue.put((fn, future, group, what))
 
     def _serve(self) -> None:
         while True:
@@ -165,9 +168,7 @@ class CommThread:
                     logging.getLogger(__name__).warning("%s: closing at exit failed: %s", self.name, exc)
             done.set()
 
-        with self.lock:
-            self.queued += 1
-        self._queue.put((run, Future(), None, "closing"))
+        self._enqueue(run, Future(), None, "closing")
         done.wait(timeout_s)
 
     def closed(self) -> bool:
@@ -193,10 +194,7 @@ class CommThread:
         if self.exit_if_stuck and self._thread.is_alive():
             logging.getLogger(__name__).error("%s: a collective never completed; leaving without finalizing the "
                                               "library (it cannot abort the call)", self.name)
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            leave_now(1)
 
 
 class ThreadedProcessGroup(dist.ProcessGroup):
