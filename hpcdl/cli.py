@@ -352,7 +352,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
         manifest = pack(PackConfig(
             src=args.src, out=args.out, layout=args.layout, shard_size=args.shard_size, workers=args.workers,
             encoding=Encoding(max_side=args.max_side, short_side=args.short_side, quality=args.quality),
-            resume=args.resume, seed=args.seed, part=args.part,
+            resume=args.resume, seed=args.seed, part=args.part, image_timeout_s=args.image_timeout,
             sources=SourceOptions(names=args.names, val_labels=args.val_labels, synsets=args.synsets)))
     s = summarize(manifest)
     where = "dataset" if manifest.parts == 1 else f"part {manifest.part}/{manifest.parts}"
@@ -610,6 +610,8 @@ def _add_pack_parser(sub) -> None:
     p.add_argument("--quality", type=int, default=90, help="JPEG quality when re-encoding")
     p.add_argument("--workers", type=int, default=0, help="encoding processes (default: one per CPU)")
     p.add_argument("--resume", action="store_true", help="keep finished, verified shards and go on")
+    p.add_argument("--image-timeout", type=float, default=60.0, metavar="S",
+                   help="reject an input that takes longer than S seconds to read and decode")
     p.add_argument("--seed", type=int, default=0, help="the shuffle before sharding")
     p.add_argument("--part", help="i/n: pack part i of n (default: from the Slurm array or MPI rank)")
     p.add_argument("--merge", action="store_true", help="only merge finished parts into manifest.json")

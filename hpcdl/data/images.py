@@ -50,7 +50,8 @@ def prepare(data: bytes, enc: Encoding) -> tuple[bytes, tuple[int, int], tuple[i
     if not data:
         raise Rejected("empty file")
     try:  # a file cut inside its header fails in open(), one cut in its data in load()
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # Pillow's warnings on damaged metadata: the manifest says it
+            warnings.simplefilter("ignore")
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             im = Image.open(io.BytesIO(data))
             original = (im.height, im.width)

@@ -10,12 +10,15 @@ matches and starts at the first image after it. The last part to finish merges t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import logging
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -43,6 +46,7 @@ class PackConfig:
     seed: int = 0
     part: str | None = None  # "i/n"; default: the Slurm array task or MPI rank, else the whole dataset
     sources: SourceOptions = field(default_factory=SourceOptions)
+    image_timeout_s: float = 60.0  # an input that takes longer to read and decode is rejected
 
     def __post_init__(self):
         if isinstance(self.shard_size, str):
@@ -52,6 +56,8 @@ class PackConfig:
         if self.workers < 0:
             raise ConfigError(f"--workers {self.workers} must be 0 (one per CPU) or more")
         self.workers = self.workers or len(os.sched_getaffinity(0))
+        if not self.image_timeout_s > 0:
+            raise ConfigError(f"--image-timeout {self.image_timeout_s} must be more than 0 seconds (e.g. 60)")
 
 
 def detect_part(spec: str | None, environ=os.environ) -> tuple[int, int]:
@@ -146,17 +152,43 @@ def _remove_unlisted(out: str, part: int, kept: list[ShardEntry]) -> None:
             os.unlink(f)  # written by a run that died before recording it
 
 
-def _encode(enc: Encoding, item: Item) -> tuple:
+def _encode(enc: Encoding, timeout_s: float, item: Item) -> tuple:
+    """("ok", bytes, size, original size) or ("rejected", reason): whatever the input holds."""
     if item.bad_name:
         return ("rejected", "file name is not valid UTF-8")
     try:
-        data = item.read()
-    except OSError as exc:
-        return ("rejected", f"unreadable: {exc.strerror or exc}")
-    try:
-        return ("ok", *prepare(data, enc))
+        with _time_limit(timeout_s):
+            try:
+                data = item.read()
+            except OSError as exc:
+                return ("rejected", f"unreadable: {exc.strerror or exc}")
+            return ("ok", *prepare(data, enc))
     except Rejected as exc:
         return ("rejected", str(exc))
+    except Exception as exc:  # a decoder's error that prepare() does not know: the pack still finishes
+        log.warning("%s: unexpected %s from the image decoder: %s", item.key, type(exc).__name__, exc)
+        return ("rejected", f"truncated or corrupt: {type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise Rejected in this (main) thread after ``seconds``: a decoder that would run for minutes on a
+    crafted file gives up instead of stalling the pack. Pillow's decoders return to Python between chunks,
+    where the alarm's handler runs. Off a main thread (no signals there) there is no limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise Rejected(f"took longer than {seconds:g} s to read and decode (--image-timeout)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class _ShardBuffer:
@@ -198,7 +230,8 @@ class _Results:
     """Encoded results in item order, from a process pool (or in this process with one worker)."""
 
     def __init__(self, cfg: PackConfig, items: list[Item]):
-        self.fn, self.items, self.workers, self.pool = functools.partial(_encode, cfg.encoding), items, cfg.workers, None
+        self.fn = functools.partial(_encode, cfg.encoding, cfg.image_timeout_s)
+        self.items, self.workers, self.pool = items, cfg.workers, None
 
     def __enter__(self):
         if self.workers == 1:

@@ -7,8 +7,10 @@ seed, so every shard mixes classes and every array task sees the same plan.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import stat
 import re
 import tarfile
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from typing import Callable
 from hpcdl.errors import ConfigError
 
 WNID = re.compile(r"n\d{8}")
+MAX_INPUT_BYTES = 256 << 20  # the largest ImageNet-22K images are tens of MB
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +34,17 @@ class Item:
     bad_name: bool = False
 
     def read(self) -> bytes:
-        with open(self.path, "rb") as f:
+        """The bytes; OSError for what is not a regular file (a FIFO would block a plain open for good) or
+        is larger than :data:`MAX_INPUT_BYTES` (read whole, it would take a worker's memory)."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            size = st.st_size if self.size < 0 else self.size
+            if size > MAX_INPUT_BYTES:
+                raise OSError(errno.EFBIG, f"{size} bytes, more than any image hpcdl packs "
+                                           f"({MAX_INPUT_BYTES >> 20} MB)")
             if self.size < 0:
                 return f.read()
             f.seek(self.offset)
