@@ -18,7 +18,7 @@ from hpcdl.data.images import Encoding
 from hpcdl.data.pack import PackConfig, detect_part, pack
 from hpcdl.data.synthetic import generate, wnid
 from hpcdl.data.verify import verify
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, DataError
 
 SMALL = (160, 120)
 
@@ -71,7 +71,7 @@ def test_round_trip_keeps_bytes_labels_and_mixes_classes(tmp_path):
     assert len(manifest.shards) > 2
     for s in manifest.shards:
         with open_h5(os.path.join(tmp_path / "out", s.file)) as f:
-            assert f.attrs["format_version"] == 1 and f.attrs["num_classes"] == 4
+            assert f.attrs["format_version"] == 2 and f.attrs["num_classes"] == 4
             if s.count >= 4:
                 assert len(set(f["labels"][:])) > 1, f"{s.file} holds a single class: no shuffle before sharding"
     assert verify(str(tmp_path / "out"), full=True) == []
@@ -186,12 +186,92 @@ def test_damage_is_named_by_verify_and_by_the_reader(damaged, kind):
         ShardDataset(str(bad), verify="full")
     if kind == "flipped":  # quick start-up checks pass; the read of the damaged image names it
         ds = ShardDataset(str(bad))
-        with pytest.raises(DataError, match=f"{shard}: image \\d+ fails its CRC32"):
+        with pytest.raises(DataError, match=f"{shard}: image \\d+ \\(n\\d+/n\\d+_\\d+\\.JPEG\\) fails its CRC32"):
             for i in range(len(ds)):
                 ds[i]
     else:
         with pytest.raises(DataError, match=str(shard)):
             ShardDataset(str(bad))
+
+
+def _flip_in(shard, dataset: str, at: int = 0) -> None:
+    """Flip the low bit of byte ``at`` of a contiguous dataset (``None``: byte ``at`` of the file)."""
+    offset = 0
+    if dataset:
+        with open_h5(str(shard)) as f:
+            offset = f[dataset].id.get_offset()
+    data = bytearray(shard.read_bytes())
+    data[offset + at] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("image byte", r"image 3 \(n\d+/\w+\.JPEG\) fails its CRC32"),
+    ("label", r"image 2 \(n\d+/\w+\.JPEG\) fails its CRC32"),  # still a valid class: only the CRC sees it
+    ("offset", r"image \d \(n\d+/\w+\.JPEG\) fails its CRC32"),
+    ("crc32", r"image 1 \(n\d+/\w+\.JPEG\) fails its CRC32"),
+    ("HDF5 signature", "not a readable hpcdl shard"),
+    ("truncated", "not a readable hpcdl shard|fails its CRC32"),
+    ("missing", "cannot open the shard"),
+    ("manifest count", "its index does not match the manifest's 7 images"),
+])
+def test_the_reader_without_start_up_checks_names_damage_when_it_reads_it(damaged, tmp_path, kind, message):
+    """verify='none' (no start-up checks): every kind of damage still stops the read that meets it, naming
+    the shard (and the image), instead of returning a wrong image or label."""
+    from hpcdl.data.dataset import ShardDataset
+
+    bad = tmp_path / "bad"
+    shutil.copytree(damaged / "good", bad)
+    shard = sorted(bad.glob("*.h5"))[1]
+    with open_h5(str(shard)) as f:
+        offsets = f["offsets"][:]
+    if kind == "image byte":
+        _flip_in(shard, "images", int(offsets[3]) + 100)
+    elif kind == "label":
+        _flip_in(shard, "labels", 2 * 8)  # int64 little-endian: the low byte of label 2
+    elif kind == "offset":
+        _flip_in(shard, "offsets", 2 * 8 + 1)  # offsets[2] moves by 256 bytes
+    elif kind == "crc32":
+        _flip_in(shard, "crc32", 1 * 4)
+    elif kind == "HDF5 signature":
+        _flip_in(shard, None, 1)
+    elif kind == "truncated":
+        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size * 2 // 3])
+    elif kind == "missing":
+        shard.unlink()
+    else:
+        manifest = json.loads((bad / "manifest.json").read_text())
+        manifest["shards"][1]["count"] -= 1
+        (bad / "manifest.json").write_text(json.dumps(manifest))
+    ds = ShardDataset(str(bad), verify="none")
+    with pytest.raises(DataError, match=f"{shard}: ({message})"):
+        for i in range(len(ds)):
+            ds[i]
+
+
+def test_version_1_shards_are_still_read(damaged, tmp_path):
+    """A dataset packed before the label joined the checksum (format 1) reads as before."""
+    import h5py
+
+    from hpcdl.data.dataset import ShardDataset
+    from hpcdl.data.format import crc32, sha256_file
+
+    old = tmp_path / "v1"
+    shutil.copytree(damaged / "good", old)
+
+    for shard in old.glob("*.h5"):
+        with h5py.File(shard, "r+", locking=False) as f:
+            offsets, images = f["offsets"][:], f["images"][:]
+            f["crc32"][:] = [crc32(images[offsets[i]:offsets[i + 1]]) for i in range(len(offsets) - 1)]
+            f.attrs["format_version"] = 1
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    for s in manifest["shards"]:
+        s["bytes"], s["sha256"] = (old / s["file"]).stat().st_size, sha256_file(str(old / s["file"]))
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    new, ds = ShardDataset(str(damaged / "good")), ShardDataset(str(old), verify="full")
+    assert [ds[i] for i in range(len(ds))] == [new[i] for i in range(len(new))]
+    assert verify(str(old), full=True) == []
 
 
 def test_parts_pack_separately_and_merge(tmp_path):

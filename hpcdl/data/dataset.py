@@ -1,8 +1,10 @@
 """The reader: a map-style Dataset over packed shards.
 
 Shards are opened lazily, in the process that reads them, and reopened after a fork: a DataLoader
-worker never uses an HDF5 handle its parent opened. Every read checks the image's CRC32, so damage
-that start-up checks did not look for is reported with the shard and image, not decoded into noise.
+worker never uses an HDF5 handle its parent opened. Every read checks the record's CRC32 (the image's
+bytes and its label), so damage that start-up checks did not look for is reported with the shard and
+the image's key, not decoded into noise or trained on under a wrong label. A shard that is missing,
+cut short or no longer HDF5, or that disagrees with the manifest, is reported when it is first opened.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Callable
 import numpy as np
 from torch.utils.data import Dataset
 
-from hpcdl.data.format import Manifest, crc32, open_h5
+from hpcdl.data.format import Manifest, open_h5, record_crc, shard_version
 from hpcdl.data.sampler import Sample
 from hpcdl.data.verify import check_dataset, load_manifest
 from hpcdl.errors import ConfigError, DataError
@@ -33,6 +35,7 @@ class _OpenShard:
     offsets: np.ndarray
     labels: np.ndarray
     crcs: np.ndarray
+    version: int  # the shard's format version: what its CRC32s cover
 
 
 class ShardDataset(Dataset):
@@ -64,6 +67,7 @@ class ShardDataset(Dataset):
         self.starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
         self.classes = self.manifest.classes
         self.files_opened = 0  # in this process
+        self.checksums = True  # bench data turns it off to show what the check costs
         self._open: dict[int, _OpenShard] = {}
         self._pid = None
         _raise_open_file_limit()
@@ -90,18 +94,19 @@ class ShardDataset(Dataset):
     def read(self, shard: int, i: int) -> tuple[bytes, int]:
         s = self._shard(shard)
         start, stop = int(s.offsets[i]), int(s.offsets[i + 1])
-        data = os.pread(s.fd, stop - start, s.base + start)
-        if len(data) != stop - start or crc32(data) != s.crcs[i]:
-            raise DataError(f"{self.paths[shard]}: image {i} fails its CRC32, the shard is damaged; run "
-                            f"'hpcdl verify --full {self.root}', then repack or restore the shard")
-        return data, int(s.labels[i])
+        data, label = os.pread(s.fd, stop - start, s.base + start), int(s.labels[i])
+        if self.checksums and (len(data) != stop - start or record_crc(data, label, s.version) != s.crcs[i]):
+            raise DataError(f"{self.paths[shard]}: image {i} ({_key(self.paths[shard], i)}) fails its CRC32, "
+                            f"the shard is damaged; run 'hpcdl verify --full {self.root}', then repack or "
+                            f"restore the shard")
+        return data, label
 
     def _shard(self, shard: int) -> _OpenShard:
         if self._pid != os.getpid():  # a fresh process (a forked worker): drop the parent's handles
             self._open, self._pid = {}, os.getpid()
         s = self._open.get(shard)
         if s is None:
-            s = self._open[shard] = _open_shard(self.paths[shard])
+            s = self._open[shard] = _open_shard(self.paths[shard], self.shard_sizes[shard], self.root)
             self.files_opened += 1
         return s
 
@@ -111,15 +116,42 @@ class ShardDataset(Dataset):
         return state
 
 
-def _open_shard(path: str) -> _OpenShard:
+def _open_shard(path: str, count: int, root: str) -> _OpenShard:
     """Read the index arrays through h5py, then read images with one pread each at their file offset."""
-    raw = open(path, "rb")  # kept open for the reads; h5py leaves a file object it was given open
-    with open_h5(raw) as h5:
-        base = h5["images"].id.get_offset()
-        if base is None:
-            raw.close()
-            raise DataError(f"{path}: the images dataset is not stored contiguously; repack it with hpcdl pack")
-        return _OpenShard(raw.fileno(), raw, int(base), h5["offsets"][:], h5["labels"][:], h5["crc32"][:])
+    fix = f"run 'hpcdl verify --full {root}', then repack or restore the shard"
+    try:
+        raw = open(path, "rb")  # kept open for the reads; h5py leaves a file object it was given open
+    except OSError as exc:
+        raise DataError(f"{path}: cannot open the shard ({exc.strerror or exc}); {fix}") from None
+    try:
+        with open_h5(raw) as h5:
+            version = shard_version(h5, path)
+            base = h5["images"].id.get_offset()
+            if base is None:
+                raise DataError(f"{path}: the images dataset is not stored contiguously; repack it with hpcdl pack")
+            s = _OpenShard(raw.fileno(), raw, int(base), h5["offsets"][:], h5["labels"][:], h5["crc32"][:], version)
+            size = int(h5["images"].shape[0])
+    except DataError:
+        raw.close()
+        raise
+    except Exception as exc:  # h5py's errors on damaged metadata: OSError, KeyError, ValueError, RuntimeError
+        raw.close()
+        raise DataError(f"{path}: not a readable hpcdl shard ({type(exc).__name__}: {exc}); {fix}") from None
+    if not (len(s.offsets) == count + 1 == len(s.labels) + 1 == len(s.crcs) + 1 and s.offsets[0] == 0
+            and s.offsets[-1] == size and np.all(np.diff(s.offsets) > 0)):
+        raw.close()
+        raise DataError(f"{path}: its index does not match the manifest's {count} images (the shard or "
+                        f"manifest.json was changed after packing); {fix}")
+    return s
+
+
+def _key(path: str, i: int) -> str:
+    """Image ``i``'s key (its path in the source), for the message about a damaged record."""
+    try:
+        with open_h5(path) as h5:
+            return h5["keys"].asstr()[i]
+    except Exception as exc:  # the damage may be here too; the index still names the record
+        return f"key unreadable: {type(exc).__name__}"
 
 
 def _raise_open_file_limit() -> None:

@@ -1,4 +1,7 @@
-"""The on-disk format, version 1 (docs/data-format.md): HDF5 shards of encoded images and a JSON manifest.
+"""The on-disk format, version 2 (docs/data-format.md): HDF5 shards of encoded images and a JSON manifest.
+
+Version 2 differs from 1 only in what each record's checksum covers: the image's bytes and its label
+(version 1: the bytes alone, so a flipped label read as a valid record). Both are read.
 
 A shard holds the encoded images back to back in one contiguous uint8 dataset, so reading an image is
 one contiguous read at a known offset, and reading a shard front to back is one sequential stream.
@@ -10,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import struct
 import zlib
 from dataclasses import dataclass, field
 
@@ -18,7 +22,8 @@ import numpy as np
 from hpcdl.errors import DataError
 from hpcdl.utils import atomic_write_text
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 SHARD_FORMAT = "hpcdl-shard"
 MANIFEST_FORMAT = "hpcdl-dataset"
 MANIFEST = "manifest.json"
@@ -62,6 +67,27 @@ def crc32(data: bytes | np.ndarray) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
+_LABEL = struct.Struct("<q")
+
+
+def record_crc(data: bytes | np.ndarray, label: int, version: int = FORMAT_VERSION) -> int:
+    """The ``crc32`` dataset's value for one record: CRC32 of the image bytes, continued over the label
+    as a little-endian int64 (version 2); of the bytes alone in version 1."""
+    crc = zlib.crc32(data)
+    if version >= 2:
+        crc = zlib.crc32(_LABEL.pack(label), crc)
+    return crc & 0xFFFFFFFF
+
+
+def shard_version(h5, path: str) -> int:
+    """A shard's format version, refused with the fix when this hpcdl cannot read it."""
+    version = int(h5.attrs.get("format_version", 1))
+    if version not in READABLE_VERSIONS:
+        raise DataError(f"{path}: shard format version {version}; this hpcdl reads versions "
+                        f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade hpcdl, or repack with this one")
+    return version
+
+
 @dataclass(slots=True)
 class ShardEntry:
     """One shard as the manifest lists it."""
@@ -92,7 +118,8 @@ def write_shard(path: str, images: list[bytes], labels: list[int], keys: list[st
             f.create_dataset("images", data=np.frombuffer(b"".join(images), dtype=np.uint8))
             f.create_dataset("offsets", data=offsets)
             f.create_dataset("labels", data=np.asarray(labels, dtype=np.int64))
-            f.create_dataset("crc32", data=np.asarray([crc32(b) for b in images], dtype=np.uint32))
+            f.create_dataset("crc32", data=np.asarray([record_crc(b, y) for b, y in zip(images, labels)],
+                                                      dtype=np.uint32))
             f.create_dataset("sizes", data=np.asarray(sizes, dtype=np.int32).reshape(-1, 2))
             f.create_dataset("orig_sizes", data=np.asarray(orig_sizes, dtype=np.int32).reshape(-1, 2))
             f.create_dataset("keys", data=keys, dtype=h5py.string_dtype())
@@ -154,9 +181,10 @@ class Manifest:
             raise DataError(f"{path}: no manifest here; pack the dataset with 'hpcdl pack' first") from None
         except (OSError, ValueError) as exc:
             raise DataError(f"{path}: unreadable manifest ({exc}); repack, or restore it from the pack's output")
-        if body.get("format") != MANIFEST_FORMAT or body.get("format_version") != FORMAT_VERSION:
+        if body.get("format") != MANIFEST_FORMAT or body.get("format_version") not in READABLE_VERSIONS:
             raise DataError(f"{path}: format {body.get('format')!r} version {body.get('format_version')!r}; "
-                            f"this hpcdl reads {MANIFEST_FORMAT!r} version {FORMAT_VERSION}: repack with it")
+                            f"this hpcdl reads {MANIFEST_FORMAT!r} versions "
+                            f"{', '.join(map(str, READABLE_VERSIONS))}: repack with it")
         try:
             shards = [ShardEntry(**s) for s in body["shards"]]
             return cls(**{k: body[k] for k in cls.__slots__ if k != "shards"}, shards=shards)
@@ -216,5 +244,7 @@ def _check_structure(path: str, entry: ShardEntry, num_classes: int) -> list[str
 
 def damaged_images(path: str) -> list[int]:
     with open_h5(path) as f:
-        offsets, crcs, images = f["offsets"][:], f["crc32"][:], f["images"]
-        return [i for i in range(len(crcs)) if crc32(images[offsets[i]:offsets[i + 1]]) != crcs[i]]
+        version = shard_version(f, path)
+        offsets, crcs, labels, images = f["offsets"][:], f["crc32"][:], f["labels"][:], f["images"]
+        return [i for i in range(len(crcs))
+                if record_crc(images[offsets[i]:offsets[i + 1]], int(labels[i]), version) != crcs[i]]

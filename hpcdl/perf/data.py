@@ -6,7 +6,8 @@ with ``--short-side``, as a user would pack ImageNet). Each reader is timed the 
 forked processes each fetch their share of one epoch's shuffled indices, one ``dataset[i]`` at a time,
 which is what a DataLoader worker does before batching. Rounds alternate between the readers and each
 figure is the median round. A last row runs the shard reader through a real DataLoader (batching and
-shared-memory transfer included) for the end-to-end figure.
+shared-memory transfer included) for the end-to-end figure. A row with the reader's record checksum
+turned off shows what the check on every read costs.
 
 Files opened per epoch are counted with a Python audit hook in every worker, so the count covers Pillow,
 h5py (the reader opens shards through Python) and anything else, from fresh processes.
@@ -105,14 +106,17 @@ def bench(cfg: DataBenchConfig) -> dict:
         src, packed = _prepare(cfg, tmp)
         _roots = (src, os.path.abspath(packed))
         reader = ShardDataset(packed, TrainTransform())
+        unchecked = ShardDataset(packed, TrainTransform(), verify="none")
+        unchecked.checksums = False
         folder = ImageFolder(src, transform=T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(),
                                                        T.PILToTensor()]))
         blobs = [reader.read(s, i)[0] for s in range(len(reader.shard_sizes)) for i in range(reader.shard_sizes[s])]
         transform = TrainTransform()
         _cases.update({"shard reader": reader.__getitem__, "ImageFolder": folder.__getitem__,
-                       "bare decode": lambda i: transform(blobs[i])})
+                       "bare decode": lambda i: transform(blobs[i]), "reader, no checksum": unchecked.__getitem__})
         sampler = DistributedShardSampler(reader.shard_sizes)
         orders = {"shard reader": lambda: [i for i, _ in sampler.indices()],
+                  "reader, no checksum": lambda: [i for i, _ in sampler.indices()],
                   "ImageFolder": lambda: torch.randperm(len(folder)).tolist(),
                   "bare decode": lambda: torch.randperm(len(blobs)).tolist()}
         loader = torch.utils.data.DataLoader(reader, batch_size=cfg.batch_size, num_workers=cfg.workers,
@@ -145,7 +149,8 @@ def _report(cfg: DataBenchConfig, rounds: dict, packed: int, source: int, shards
                  for k, v in rounds.items()],
         "ratios": {"shard reader / ImageFolder": median["shard reader"] / median["ImageFolder"],
                    "shard reader / bare decode": median["shard reader"] / median["bare decode"],
-                   "with DataLoader / bare decode": median["shard reader + DataLoader"] / median["bare decode"]},
+                   "with DataLoader / bare decode": median["shard reader + DataLoader"] / median["bare decode"],
+                   "reader / reader without checksum": median["shard reader"] / median["reader, no checksum"]},
     }
 
 
