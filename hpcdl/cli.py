@@ -94,7 +94,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _checked_train_config(args: argparse.Namespace, ranks: int):
     """The train command's config as it will run on ``ranks`` ranks: errors before anything is submitted."""
     from hpcdl.config import resolve
-    from hpcdl.train.trainer import preflight
+    from hpcdl.train.preflight import preflight
 
     return preflight(resolve(args.config, args.set), ranks)
 

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from hpcdl import names
 from hpcdl.errors import ConfigError
-from hpcdl.optim.factory import OptimConfig
+from hpcdl.names import check
+from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.schedule import ScheduleConfig, steps_per_epoch
 
 IMAGENET_TRAIN = 1_281_167
-SAMPLER_MODES = ("global", "shard")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,8 +34,8 @@ class DataConfig:
     eval_resize: int = 256  # evaluation: short side, then a center crop of the run's crop
 
     def __post_init__(self):
-        if self.sampler not in SAMPLER_MODES:
-            raise ConfigError(f"data.sampler={self.sampler!r}; choose one of {', '.join(SAMPLER_MODES)}")
+        check("data.sampler", self.sampler, names.SAMPLERS)
+        check("data.verify", self.verify, names.VERIFY)
         if self.workers < 0:
             raise ConfigError(f"data.workers={self.workers} must be >= 0 (0: load in the training process)")
 
@@ -56,12 +58,11 @@ class LoopConfig:
     timeline: bool = False  # per-rank trace spans in RUN_DIR/timeline (hpcdl timeline merge RUN_DIR)
 
     def __post_init__(self):
-        from hpcdl.train.precision import PRECISIONS
-
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"loop.precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if self.ipex not in ("auto", "off"):
-            raise ConfigError(f"loop.ipex={self.ipex!r}; choose auto or off")
+        check("loop.precision", self.precision, names.PRECISIONS)
+        check("loop.ipex", self.ipex, names.IPEX)
+        check("loop.backend", self.backend, ("auto", *names.BACKENDS))
+        if not self.timeout_s > 0:
+            raise ConfigError(f"loop.timeout_s={self.timeout_s} must be more than 0 seconds (e.g. 300)")
         if self.accum_steps < 1 or self.log_every < 1:
             raise ConfigError(f"loop.accum_steps={self.accum_steps} and loop.log_every={self.log_every} must be >= 1")
 
@@ -82,10 +83,7 @@ class SyncConfig:
     fp16: bool = False  # chunk_sparse: send the selected chunks in fp16
 
     def __post_init__(self):
-        from hpcdl.dist.hooks import HOOKS
-
-        if self.hook not in HOOKS:
-            raise ConfigError(f"sync.hook={self.hook!r}; choose one of {', '.join(HOOKS)}")
+        check("sync.hook", self.hook, names.HOOKS)
         if not 0 < self.keep <= 1 or self.chunk < 1 or self.bucket_cap_mb <= 0 or (self.first_bucket_mb or 1) <= 0:
             raise ConfigError(f"sync: keep={self.keep} must lie in (0, 1], chunk={self.chunk} >= 1, "
                               f"bucket_cap_mb={self.bucket_cap_mb} > 0 and first_bucket_mb={self.first_bucket_mb} > 0")
@@ -100,6 +98,7 @@ class CheckpointConfig:
     max_requeues: int = 20
 
     def __post_init__(self):
+        names.signal_number("checkpoint.signal", self.signal)
         if self.keep < 1 or self.every_steps < 0 or self.every_minutes < 0 or self.max_requeues < 0:
             raise ConfigError(f"checkpoint: keep={self.keep} must be >= 1, every_steps, every_minutes and "
                               "max_requeues >= 0")
@@ -126,6 +125,12 @@ class RunConfig:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
+        check("model", self.model, names.MODELS, "hpcdl presets lists the presets' models")
+        for key in ("global_batch", "train_images", "num_classes", "crop"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)} must be at least 1")
+        if not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise ConfigError(f"epochs={self.epochs} must be a finite number above 0 (e.g. 90)")
         # The schedule's batch, epochs and steps per epoch follow the run's: set them here, not there.
         self.schedule = dataclasses.replace(self.schedule, global_batch=self.global_batch, epochs=self.epochs,
                                             steps_per_epoch=steps_per_epoch(self.train_images, self.global_batch))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from typing import Any, get_args, get_origin
@@ -34,12 +35,13 @@ def flatten(data: dict, prefix: str = "") -> dict:
 def from_dict(cls, data: dict, where: str = "config"):
     """Build ``cls`` from ``data``, coercing each value to its field's type; nested dataclasses recurse."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
+        raise ConfigError(f"{_key(where)}: expected a mapping of {cls.__name__} fields ({', '.join(_fields(cls))}), "
+                          f"got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    fields = set(_fields(cls))
     unknown = sorted(set(data) - fields)
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {unknown}; valid keys: {', '.join(sorted(fields))}")
+        raise ConfigError(f"{_key(where)}: unknown keys {unknown}; valid keys: {', '.join(sorted(fields))}")
     required = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in data
                 and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if required:
@@ -48,6 +50,10 @@ def from_dict(cls, data: dict, where: str = "config"):
         raise ConfigError(f"{key} is not set and has no default: add '{required[0]}: VALUE' {place}, or start from a "
                           "preset ('preset: NAME' in a YAML file; hpcdl presets lists them)")
     return cls(**{k: coerce(hints[k], v, f"{where}.{k}") for k, v in data.items()})
+
+
+def _fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
 def coerce(tp, value, where: str) -> Any:
@@ -62,14 +68,15 @@ def coerce(tp, value, where: str) -> Any:
                 return coerce(arg, value, where)
             except ConfigError:
                 continue
-        raise ConfigError(f"{where}: {value!r} is not a {_name(tp)}")
+        raise ConfigError(f"{_key(where)}: {value!r} is not {_name(tp)}; write {_example(tp)}")
     if origin is tuple:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
-            raise ConfigError(f"{where}: {value!r} is not a list")
+            raise ConfigError(f"{_key(where)}: {value!r} is not a list; write a list such as [a, b] (or a,b in --set)")
         kinds = [args[0]] * len(items) if len(args) == 2 and args[1] is Ellipsis else list(args)
         if len(kinds) != len(items):
-            raise ConfigError(f"{where}: {value!r} needs {len(kinds)} items")
+            raise ConfigError(f"{_key(where)}: {value!r} needs {len(kinds)} items, such as "
+                              f"[{', '.join(_example(k).split(' such as ')[-1] for k in kinds)}]")
         return tuple(coerce(k, v, f"{where}[{i}]") for i, (k, v) in enumerate(zip(kinds, items)))
     return _scalar(tp, value, where)
 
@@ -85,18 +92,36 @@ def _scalar(tp, value, where: str):
             return int(value)
     elif tp is float and not isinstance(value, bool):
         try:
-            return float(value)
-        except (TypeError, ValueError):
-            pass
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            number = None
+        if number is not None and math.isfinite(number):
+            return number
     elif tp is str and isinstance(value, str):
         return value
     elif tp in (Any, dict, list):
         return value
-    raise ConfigError(f"{where}: {value!r} is not a {_name(tp)}")
+    raise ConfigError(f"{_key(where)}: {value!r} is not {_name(tp)}; write {_example(tp)}")
+
+
+def _key(where: str) -> str:
+    return where.removeprefix("config.")
 
 
 def _name(tp) -> str:
-    return getattr(tp, "__name__", str(tp))
+    """``int`` -> 'an int'; ``float | None`` -> 'a float or null'."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_name(a) if a is not type(None) else "null" for a in get_args(tp))
+    name = getattr(tp, "__name__", str(tp))
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _example(tp) -> str:
+    """What to write for a value of type ``tp``."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_example(a) if a is not type(None) else "null" for a in get_args(tp))
+    return {bool: "true or false", int: "a whole number such as 8", float: "a number such as 0.1",
+            str: "a string such as 'name'"}.get(tp, f"a {getattr(tp, '__name__', tp)}")
 
 
 def apply_overrides(cfg, overrides: list[str], frozen: dict[str, str] | None = None):

@@ -109,3 +109,54 @@ def mutants(files: dict[str, bytes], n: int = 8, seed: int = 0):
         yield f"garbage{i}", rng.integers(0, 256, int(rng.integers(1, 5000)), dtype=np.uint8).tobytes()
     yield "empty", b""
     yield from bombs().items()
+
+
+# Configs: each preset's YAML with one key deleted, retyped, renamed or moved.
+CONFIG_VALUES = ["x", "", -1, 0, 1.5, True, None, [], [1, "a"], {}, {"a": 1}, 10 ** 30, "1e400", float("nan")]
+CONFIG_DOCS = ["", "[]", "3", "a: [", "preset: nope", "preset: [1]", "preset: demo_tiny_lars\nloop: 3",
+               "{preset: demo_tiny_lars, schedule: {decay: cosine}}", "preset: demo_tiny_lars\nnope: 1",
+               "preset: demo_tiny_lars\nschedule: {epochs: 3}", "\t- x", "model: resnet50"]
+
+
+def _paths(data: dict, prefix=()):
+    for key, value in data.items():
+        yield prefix + (key,)
+        if isinstance(value, dict):
+            yield from _paths(value, prefix + (key,))
+
+
+def _parent(data: dict, path):
+    for key in path[:-1]:
+        data = data[key]
+    return data
+
+
+def config_mutants(base: dict):
+    """Yield (what, mapping) for ``base`` (a config as plain data) with one change each."""
+    import copy
+
+    for path in list(_paths(base)):
+        name = ".".join(path)
+        m = copy.deepcopy(base)
+        del _parent(m, path)[path[-1]]
+        yield f"delete {name}", m
+        for value in CONFIG_VALUES:
+            m = copy.deepcopy(base)
+            _parent(m, path)[path[-1]] = value
+            yield f"set {name}={value!r}", m
+        m = copy.deepcopy(base)
+        parent = _parent(m, path)
+        parent[path[-1] + "_x"] = parent.pop(path[-1])
+        yield f"rename {name}", m
+        m = copy.deepcopy(base)
+        value = _parent(m, path).pop(path[-1])
+        target = "loop" if path[0] != "loop" else "data"
+        m[target][path[-1]] = value
+        yield f"move {name} under {target}", m
+        if len(path) > 1:
+            m = copy.deepcopy(base)
+            m[path[-1]] = _parent(m, path).pop(path[-1])
+            yield f"hoist {name} to the top", m
+            m = copy.deepcopy(base)
+            m[path[-1]] = {"nested": _parent(m, path)[path[-1]]}
+            yield f"nest {name}", m

@@ -22,9 +22,9 @@ from hpcdl.data.format import Manifest, open_h5, record_crc, shard_version
 from hpcdl.data.sampler import Sample
 from hpcdl.data.verify import check_dataset, load_manifest
 from hpcdl.errors import ConfigError, DataError
+from hpcdl.names import VERIFY
 
 PADDING_LABEL = -1  # the label of an evaluation sample repeated only to even out the ranks
-VERIFY = ("none", "quick", "full")
 
 
 @dataclass(slots=True)

@@ -25,8 +25,9 @@ import torch
 from torch.utils.data import Sampler
 
 from hpcdl.errors import ConfigError
+from hpcdl.names import SAMPLERS
 
-MODES = ("global", "shard")
+MODES = SAMPLERS
 
 
 class Sample(int):

@@ -16,7 +16,9 @@ import tarfile
 from dataclasses import dataclass
 from typing import Callable
 
+from hpcdl import names
 from hpcdl.errors import ConfigError
+from hpcdl.names import registry
 
 WNID = re.compile(r"n\d{8}")
 MAX_INPUT_BYTES = 256 << 20  # the largest ImageNet-22K images are tens of MB
@@ -209,12 +211,12 @@ def _tar_items(path: str, tar: str, label: int) -> list[Item]:
                      size=m.size, bad_name=not printable(m.name)[1]) for m in t if m.isfile()]
 
 
-LAYOUTS: dict[str, Callable[[str, SourceOptions], Catalog]] = {
+LAYOUTS: dict[str, Callable[[str, SourceOptions], Catalog]] = registry("pack layouts", {
     "imagenet-train": imagenet_train,
     "imagenet-val": imagenet_val,
     "imagenet22k-tars": imagenet22k_tars,
     "folder": folder,
-}
+}, names.LAYOUTS)
 
 
 def catalog(layout: str, src: str, opts: SourceOptions) -> Catalog:

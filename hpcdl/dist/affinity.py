@@ -17,7 +17,9 @@ import glob
 import os
 import shlex
 
+from hpcdl import names
 from hpcdl.errors import ConfigError
+from hpcdl.names import registry
 
 __all__ = ["ALLOCATORS", "CpuPlan", "allocator_exports", "allocator_in_use", "apply_cpu_plan", "plan_cpus"]
 
@@ -39,7 +41,7 @@ ALLOCATORS: tuple[Allocator, ...] = (
     Allocator(name="tcmalloc", libraries=("libtcmalloc.so.4", "libtcmalloc_minimal.so.4", "libtcmalloc.so")),
     Allocator(name="glibc", libraries=()),
 )
-ALLOCATOR_CHOICES = ("auto", "none") + tuple(a.name for a in ALLOCATORS)
+ALLOCATOR_CHOICES = ("auto", "none") + tuple(registry("allocators", {a.name: a for a in ALLOCATORS}, names.ALLOCATORS))
 
 
 def find_library(allocator: Allocator, lib_dirs: tuple[str, ...] = LIB_DIRS) -> str | None:

@@ -14,9 +14,11 @@ import socket
 import struct
 from collections.abc import Callable, Mapping
 
+from hpcdl import names
 from hpcdl.dist.affinity import CpuPlan
 from hpcdl.dist.env import RankEnv
 from hpcdl.errors import ConfigError
+from hpcdl.names import registry
 
 __all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "BackendChoice", "ccl_environment", "choose_backend"]
 
@@ -128,12 +130,12 @@ def interface_to(address: str) -> str | None:
     return None
 
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (
+BACKENDS: dict[str, Backend] = registry("backends", {b.name: b for b in (
     Backend("gloo", "gloo", _gloo_check),
     Backend("mpi", "mpi4py", _mpi_check, _mpi_register),
     Backend("ccl", "oneccl", _ccl_check, _ccl_register, ccl_environment,
             lambda environ: 1 if environ.get("CCL_WORKER_OFFLOAD", "0") != "0" else 0),
-)}
+)}, names.BACKENDS)
 AUTO_ORDER = ("ccl", "gloo")
 
 

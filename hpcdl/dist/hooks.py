@@ -26,10 +26,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from hpcdl.dist.env import RankEnv
 from hpcdl.errors import ConfigError
+from hpcdl.names import HOOKS
 
 __all__ = ["HOOKS", "ChunkSparse", "Hierarchy", "make_hook", "node_groups", "sparse_allreduce"]
 
-HOOKS = ("none", "fp16", "bf16", "hierarchical", "chunk_sparse")
 
 
 @dataclasses.dataclass(slots=True)

@@ -7,7 +7,9 @@ from typing import Callable
 
 import torch.nn as nn
 
+from hpcdl import names
 from hpcdl.errors import ConfigError
+from hpcdl.names import registry
 from hpcdl.models.alexnet_bn import AlexNetBN
 from hpcdl.models.tiny import TinyCNN
 
@@ -29,13 +31,13 @@ def _torchvision(name: str) -> Callable[[int], nn.Module]:
     return build
 
 
-MODELS: dict[str, ModelInfo] = {m.name: m for m in (
+MODELS: dict[str, ModelInfo] = registry("models", {m.name: m for m in (
     ModelInfo("alexnet_bn", AlexNetBN, 227, "AlexNet with BN after each pool/conv, as in the Stampede2 LARS runs"),
     ModelInfo("resnet18", _torchvision("resnet18"), 224, "torchvision ResNet-18"),
     ModelInfo("resnet50", _torchvision("resnet50"), 224, "torchvision ResNet-50 (v1.5)"),
     ModelInfo("resnet101", _torchvision("resnet101"), 224, "torchvision ResNet-101 (v1.5)"),
     ModelInfo("tiny_cnn", TinyCNN, 32, "a small CNN for tests and the demo; any input size"),
-)}
+)}, names.MODELS)
 
 
 def build_model(name: str, num_classes: int = 1000) -> nn.Module:

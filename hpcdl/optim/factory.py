@@ -20,12 +20,15 @@ from typing import Callable
 
 import torch
 
+from hpcdl import names
 from hpcdl.errors import ConfigError
+from hpcdl.names import registry
+from hpcdl.optim.config import SEMANTICS, GroupRule, OptimConfig
 from hpcdl.optim.lamb import LAMB
 from hpcdl.optim.lars import LARS
 
-SEMANTICS = ("mlperf", "caffe")
-
+__all__ = ["OPTIMIZERS", "SEMANTICS", "GroupRule", "OptimConfig", "OptimInfo", "build_optimizer", "options",
+           "param_groups"]
 
 @dataclass(frozen=True, slots=True)
 class OptimInfo:
@@ -51,50 +54,24 @@ OPTIMIZERS: dict[str, OptimInfo] = {i.name: i for i in (
 )}
 
 
-@dataclass(frozen=True, slots=True)
-class GroupRule:
-    pattern: str  # a regular expression, searched in each parameter name
-    weight_decay: float | None = None
-    adapt: bool | None = None
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimConfig:
-    name: str = "lars"
-    lr: float = 0.1  # the peak lr; the schedule sets each step's
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    eta: float = 0.001
-    eps: float | None = None  # default: 0 for LARS, 1e-6 for LAMB, 1e-8 for AdamW
-    betas: tuple[float, float] = (0.9, 0.999)
-    trust_clip: bool = False
-    semantics: str = "mlperf"
-    groups: tuple[GroupRule, ...] = ()
-
-    def __post_init__(self):
-        if self.name not in OPTIMIZERS:
-            raise ConfigError(f"optimizer {self.name!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
-        if self.semantics not in SEMANTICS:
-            raise ConfigError(f"optimizer semantics {self.semantics!r} is unknown; choose one of {', '.join(SEMANTICS)}")
-        info = OPTIMIZERS[self.name]
-        if not info.adaptive and (self.trust_clip or any(r.adapt is not None for r in self.groups)):
-            raise ConfigError(f"optimizer {self.name!r} has no trust ratio: trust_clip and group 'adapt' need "
-                              "lars, larc or lamb")
-
-    def options(self) -> dict:
-        info = OPTIMIZERS[self.name]
-        eps = self.eps if self.eps is not None else {"lars": 0.0, "larc": 0.0, "lamb": 1e-6}.get(self.name, 1e-8)
-        values = {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay, "eta": self.eta,
-                  "eps": eps, "betas": self.betas}
-        out = {k: values[k] for k in info.options} | info.defaults
-        if info.adaptive and self.trust_clip:
-            out["trust_clip"] = True
-        return out
+OPTIMIZERS = registry("optimizers", OPTIMIZERS, names.OPTIMIZERS)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     info = OPTIMIZERS[cfg.name]
-    return info.build(param_groups(model, cfg), **cfg.options())
+    return info.build(param_groups(model, cfg), **options(cfg))
+
+
+def options(cfg: OptimConfig) -> dict:
+    """The keyword arguments of ``cfg``'s optimizer class."""
+    info = OPTIMIZERS[cfg.name]
+    eps = cfg.eps if cfg.eps is not None else {"lars": 0.0, "larc": 0.0, "lamb": 1e-6}.get(cfg.name, 1e-8)
+    values = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay, "eta": cfg.eta,
+              "eps": eps, "betas": cfg.betas}
+    out = {k: values[k] for k in info.options} | info.defaults
+    if info.adaptive and cfg.trust_clip:
+        out["trust_clip"] = True
+    return out
 
 
 def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:

@@ -19,8 +19,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from hpcdl.errors import ConfigError
+from hpcdl.names import DECAYS, check
 
-DECAYS = ("poly", "poly_caffe", "cosine", "multistep", "constant")
 
 
 def steps_per_epoch(images: int, global_batch: int) -> int:
@@ -43,8 +43,7 @@ class ScheduleConfig:
     gamma: float = 0.1
 
     def __post_init__(self):
-        if self.decay not in DECAYS:
-            raise ConfigError(f"schedule decay {self.decay!r} is unknown; choose one of {', '.join(DECAYS)}")
+        check("schedule.decay", self.decay, DECAYS)
         if self.steps_per_epoch < 1 or self.epochs <= 0:
             raise ConfigError(f"schedule needs steps_per_epoch >= 1 and epochs > 0 (got {self.steps_per_epoch}, "
                               f"{self.epochs})")

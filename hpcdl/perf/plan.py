@@ -37,8 +37,25 @@ class ModelFacts:
     buckets: int  # DDP's all-reduces per step at hpcdl's bucket sizes
 
 
-def model_facts(name: str) -> ModelFacts:
-    """Counted on the meta device: no memory, no arithmetic."""
+# model_facts(name, count=True) for every model, so that planning needs no torch (a login node);
+# tests/test_plan.py recounts them.
+MODEL_FACTS = {f.name: f for f in (
+    ModelFacts("alexnet_bn", 249_522_336, 6_600_706_176.0, 11),
+    ModelFacts("resnet18", 46_758_048, 10_648_412_160.0, 3),
+    ModelFacts("resnet50", 102_228_128, 24_299_077_632.0, 5),
+    ModelFacts("resnet101", 178_196_640, 46_572_404_736.0, 8),
+    ModelFacts("tiny_cnn", 152_544, 9_039_360.0, 1),
+)}
+
+
+def model_facts(name: str, count: bool = False) -> ModelFacts:
+    """The model's gradient bytes, training flops and buckets: from :data:`MODEL_FACTS`, or with ``count``
+    counted on the meta device (no memory, no arithmetic; needs torch)."""
+    from hpcdl.names import MODELS, check
+
+    check("model", name, MODELS)
+    if not count:
+        return MODEL_FACTS[name]
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 

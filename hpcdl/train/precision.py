@@ -6,8 +6,8 @@ Without AVX512-BF16 or AMX, bf16 math is emulated: on an AVX2 Zen 3 it runs 13-2
 from __future__ import annotations
 
 from hpcdl.errors import ConfigError
+from hpcdl.names import PRECISIONS
 
-PRECISIONS = ("auto", "fp32", "bf16")
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags
 
 

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from hpcdl.errors import ConfigError, LaunchError
+from hpcdl.errors import LaunchError
+from hpcdl.names import signal_number
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +27,7 @@ class StopSignal:
     """Notes ``signame`` (e.g. ``USR2``) in this process; :meth:`agreed` is the collective answer."""
 
     def __init__(self, signame: str = "USR2"):
-        try:
-            self.signum = signal.Signals[f"SIG{signame.upper().removeprefix('SIG')}"]
-        except KeyError:
-            raise ConfigError(f"requeue signal {signame!r} is not a signal name; use e.g. USR2 or TERM") from None
+        self.signum = signal_number("checkpoint.signal", signame)
         self.seen = False
         self._previous = signal.signal(self.signum, self._note)
 

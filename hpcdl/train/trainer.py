@@ -7,7 +7,6 @@ readable checkpoint in the run folder, so a requeued job simply runs again.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -23,7 +22,6 @@ from hpcdl.config import RunConfig, dump_yaml
 from hpcdl.data.dataset import ShardDataset
 from hpcdl.data.sampler import DistributedShardSampler
 from hpcdl.data.transforms import EvalTransform, TrainTransform, normalize_batch
-from hpcdl.data.verify import load_manifest
 from hpcdl.dist.affinity import allocator_in_use
 from hpcdl.dist.process_group import DistContext, fail_fast, init_distributed, set_timeout, shutdown
 from hpcdl.dist.hooks import ChunkSparse
@@ -39,6 +37,7 @@ from hpcdl.train.evaluate import evaluate
 from hpcdl.train.metrics import RunLog, phase_shares, summary_text
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal, hand_to_submitit, requeue, requeue_target
+from hpcdl.train.preflight import preflight
 from hpcdl.train.step import Stepper
 from hpcdl.train.timeline import Timeline
 from hpcdl.utils import atomic_write_text
@@ -59,29 +58,6 @@ def train(cfg: RunConfig) -> dict:
     stop.close()
     shutdown(ctx)
     return summary
-
-
-def preflight(cfg: RunConfig, world_size: int) -> RunConfig:
-    """``cfg`` as it will run on ``world_size`` ranks; raises before anything is submitted when it cannot."""
-    if not cfg.data.train:
-        raise ConfigError(f"{cfg.name}: data.train is not set; --set data.train=/path/to/packed/train "
-                          "(a folder hpcdl pack wrote)")
-    train_root = os.path.expandvars(cfg.data.train)
-    manifest = load_manifest(train_root)  # DataError naming the path when it is not a packed dataset
-    if cfg.data.val:
-        load_manifest(os.path.expandvars(cfg.data.val))
-    if len(manifest.classes) > cfg.num_classes:
-        raise ConfigError(f"{train_root} holds {len(manifest.classes)} classes but num_classes={cfg.num_classes}; "
-                          f"--set num_classes={len(manifest.classes)}")
-    if cfg.global_batch % world_size:
-        divisors = [n for n in range(1, min(cfg.global_batch, 4096) + 1) if cfg.global_batch % n == 0]
-        raise ConfigError(f"global_batch={cfg.global_batch} does not split over {world_size} ranks; run on one of "
-                          f"{divisors[-12:]} ranks, or --set global_batch to a multiple of {world_size}")
-    images = sum(s.count for s in manifest.shards)
-    if (cfg.ranks, cfg.train_images) != (world_size, images):
-        log.info("config %s: ranks %d -> %d (this job), train_images %d -> %d (%s)", cfg.name, cfg.ranks,
-                 world_size, cfg.train_images, images, train_root)
-    return dataclasses.replace(cfg, ranks=world_size, train_images=images)
 
 
 def run_dir(cfg: RunConfig) -> str:

@@ -1,0 +1,51 @@
+"""Every name a config field or flag takes, in one torch-free place.
+
+A config is checked against these tables when it is built, so a login node (``hpcdl sbatch``,
+``hpcdl submit``) refuses a misspelt model or backend before the job waits in the queue; the
+implementations take their lists from here, and each registry of implementations (models, optimizers,
+backends, allocators, pack layouts) is checked against its table with :func:`registry`.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from hpcdl.errors import ConfigError
+
+MODELS = ("alexnet_bn", "resnet18", "resnet50", "resnet101", "tiny_cnn")
+OPTIMIZERS = ("sgd", "lars", "larc", "lamb", "adamw")
+ADAPTIVE_OPTIMIZERS = ("lars", "larc", "lamb")  # a per-tensor trust ratio
+SEMANTICS = ("mlperf", "caffe")
+DECAYS = ("poly", "poly_caffe", "cosine", "multistep", "constant")
+BACKENDS = ("gloo", "mpi", "ccl")  # and "auto"
+HOOKS = ("none", "fp16", "bf16", "hierarchical", "chunk_sparse")
+PRECISIONS = ("auto", "fp32", "bf16")
+SAMPLERS = ("global", "shard")
+VERIFY = ("none", "quick", "full")
+IPEX = ("auto", "off")
+ALLOCATORS = ("jemalloc", "tcmalloc", "glibc")  # and "auto", "none"
+LAYOUTS = ("imagenet-train", "imagenet-val", "imagenet22k-tars", "folder")
+
+
+def check(field: str, value, choices, fix: str = "") -> None:
+    """A ConfigError naming ``field``, ``value`` and the valid names when ``value`` is not one of them."""
+    if value not in choices:
+        raise ConfigError(f"{field}={value!r} is unknown; choose one of {', '.join(map(str, choices))}"
+                          + (f" ({fix})" if fix else ""))
+
+
+def signal_number(field: str, name: str) -> signal.Signals:
+    """``USR2``, ``SIGUSR2`` or ``usr2`` -> the signal; a ConfigError naming ``field`` otherwise."""
+    try:
+        return signal.Signals[f"SIG{str(name).upper().removeprefix('SIG')}"]
+    except KeyError:
+        raise ConfigError(f"{field}={name!r} is not a signal name; use e.g. USR2 (Slurm's --signal=USR2@120) "
+                          "or TERM") from None
+
+
+def registry(kind: str, table: dict, names: tuple[str, ...]) -> dict:
+    """``table`` (name -> implementation), refused at import when its names differ from ``names``: the
+    login node's checks and the implementations cannot drift apart."""
+    if tuple(table) != tuple(names):
+        raise RuntimeError(f"hpcdl.names lists {kind} {names}, the implementations {tuple(table)}")
+    return table

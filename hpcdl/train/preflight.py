@@ -1,0 +1,37 @@
+"""What a train config needs from the job and the data, checked without torch: on the login node by
+``hpcdl sbatch`` and ``hpcdl submit`` before anything is queued, and again by every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from hpcdl.config import RunConfig
+from hpcdl.data.verify import load_manifest
+from hpcdl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def preflight(cfg: RunConfig, world_size: int) -> RunConfig:
+    """``cfg`` as it will run on ``world_size`` ranks; raises before anything is submitted when it cannot."""
+    if not cfg.data.train:
+        raise ConfigError(f"{cfg.name}: data.train is not set; --set data.train=/path/to/packed/train "
+                          "(a folder hpcdl pack wrote)")
+    train_root = os.path.expandvars(cfg.data.train)
+    manifest = load_manifest(train_root)  # DataError naming the path when it is not a packed dataset
+    if cfg.data.val:
+        load_manifest(os.path.expandvars(cfg.data.val))
+    if len(manifest.classes) > cfg.num_classes:
+        raise ConfigError(f"{train_root} holds {len(manifest.classes)} classes but num_classes={cfg.num_classes}; "
+                          f"--set num_classes={len(manifest.classes)}")
+    if cfg.global_batch % world_size:
+        divisors = [n for n in range(1, min(cfg.global_batch, 4096) + 1) if cfg.global_batch % n == 0]
+        raise ConfigError(f"global_batch={cfg.global_batch} does not split over {world_size} ranks; run on one of "
+                          f"{divisors[-12:]} ranks, or --set global_batch to a multiple of {world_size}")
+    images = sum(s.count for s in manifest.shards)
+    if (cfg.ranks, cfg.train_images) != (world_size, images):
+        log.info("config %s: ranks %d -> %d (this job), train_images %d -> %d (%s)", cfg.name, cfg.ranks,
+                 world_size, cfg.train_images, images, train_root)
+    return dataclasses.replace(cfg, ranks=world_size, train_images=images)
