@@ -49,7 +49,9 @@ class LoopConfig:
     accum_steps: int = 1  # micro-batches per optimizer step; each is per_rank_batch / accum_steps images
     backend: str = "auto"  # auto | gloo | ccl | mpi; auto: ccl when a oneCCL runtime loads, else gloo
     ccl_lib: str = ""  # the libccl.so.2 (or its folder) for backend ccl; "": HPCDL_CCL_LIB, CCL_ROOT, hpcdl's runtime
-    timeout_s: float = 300.0  # collective timeout once the first step is done (start-up allows 10 minutes)
+    timeout_s: float = 300.0  # collective timeout from the first completed step on
+    # start-up: rendezvous, checkpoint load and broadcast, DDP construction, the first step (torch.compile's)
+    startup_timeout_s: float = 600.0
     max_steps: int = 0  # stop after this many steps (0: the schedule's total)
     eval_every: int = 1  # epochs between evaluations (0: at the end only)
     log_every: int = 10  # steps between progress lines and TensorBoard points (the JSONL log has every step)
@@ -61,8 +63,9 @@ class LoopConfig:
         check("loop.precision", self.precision, names.PRECISIONS)
         check("loop.ipex", self.ipex, names.IPEX)
         check("loop.backend", self.backend, ("auto", *names.BACKENDS))
-        if not self.timeout_s > 0:
-            raise ConfigError(f"loop.timeout_s={self.timeout_s} must be more than 0 seconds (e.g. 300)")
+        if not self.timeout_s > 0 or not self.startup_timeout_s > 0:
+            raise ConfigError(f"loop.timeout_s={self.timeout_s} and loop.startup_timeout_s={self.startup_timeout_s} "
+                              "must be more than 0 seconds (e.g. 300 and 600)")
         if self.accum_steps < 1 or self.log_every < 1:
             raise ConfigError(f"loop.accum_steps={self.accum_steps} and loop.log_every={self.log_every} must be >= 1")
 

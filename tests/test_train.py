@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, free_port, sbatch_wait, start_ranks
+from conftest import PYTHON, REPO, free_port, rank_env, sbatch_wait, start_ranks
 
 BASE = ["demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
         "--set", "data.min_scale=0.5", "--set", "epochs=4", "--set", "loop.log_every=1"]
@@ -277,3 +277,66 @@ def test_timeline_of_two_ranks_shows_communication_inside_backward(data, tmp_pat
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp.png"))
     too_far = hpcdl("timeline", "render", run / "timeline.json", "--out", picture, "--skip", "9")
     assert too_far.returncode != 0 and "rank 0 has 4 steps; render needs 10" in too_far.stderr
+
+
+def start_stalled(tmp_path, stall: str, *extra: str) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = {**rank_env(r, 2, port), "HPCDL_TEST_STALL": stall, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+        log = open(tmp_path / f"rank{r}.log", "w")
+        procs.append(subprocess.Popen([PYTHON, str(REPO / "tests" / "stall_ranks.py"), *extra], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=tmp_path))
+    return procs
+
+
+def wait_for_stall(tmp_path, procs) -> float:
+    """When rank 1 began its (last) stall."""
+    deadline, log = time.time() + 120, tmp_path / "rank1.log"
+    while "stall: rank 1 sleeps" not in log.read_text():
+        assert time.time() < deadline and procs[1].poll() is None, log.read_text()[-3000:]
+        time.sleep(0.05)
+    return time.time()
+
+
+def test_start_up_runs_under_its_own_timeout_and_steps_under_theirs(data, tmp_path):
+    """Rank 1 stalls 5 s in each start-up phase (rendezvous, checkpoint resume, DDP construction, the first
+    step) under a 2 s step timeout: start-up allows 60 s, so the run trains; the step timeout applied there
+    failed it. Then a stall at step 3 is past the step timeout: the other rank stops within it."""
+    run = tmp_path / "run"
+    args = args_for(data, run, "--set", "loop.max_steps=4", "--set", "data.workers=0", "--set", "loop.eval_every=0",
+                    "--set", "loop.timeout_s=2", "--set", "loop.startup_timeout_s=60")
+    procs = start_stalled(tmp_path, "rendezvous,checkpoint,ddp,first_step:5:1", *args)
+    assert [p.wait(timeout=180) for p in procs] == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    assert (tmp_path / "rank1.log").read_text().count("stall: rank 1 sleeps") == 4
+    assert "collective timeout now 0:00:02" in (tmp_path / "rank0.log").read_text()
+
+    procs = start_stalled(tmp_path, "step3:60:1", *args_for(data, tmp_path / "run2", *args[len(args_for(data, run)):]))
+    start = wait_for_stall(tmp_path, procs)
+    try:
+        code = procs[0].wait(timeout=120)
+    finally:
+        procs[1].kill()
+    elapsed = time.time() - start
+    log = (tmp_path / "rank0.log").read_text()
+    assert code != 0 and "a collective failed on rank 0 while every rank's heartbeat is alive" in log, log[-3000:]
+    assert elapsed < 2 + 10, elapsed  # the step timeout, and the way out
+
+
+@pytest.mark.parametrize("stall, extra, within", [
+    ("ddp:120:1", ["--set", "loop.startup_timeout_s=4"], 4),  # start-up past its own timeout
+    ("step3:120:1", ["--set", "sync.hook=hierarchical"], 2),  # the hook's groups take the step timeout too
+])
+def test_a_stall_past_its_phase_timeout_stops_the_other_rank_within_it(data, tmp_path, stall, extra, within):
+    args = args_for(data, tmp_path / "run", "--set", "loop.max_steps=6", "--set", "data.workers=0",
+                    "--set", "loop.eval_every=0", "--set", "loop.timeout_s=2", *extra)
+    procs = start_stalled(tmp_path, stall, *args)
+    start = wait_for_stall(tmp_path, procs)
+    try:
+        code = procs[0].wait(timeout=within + 60)
+    finally:
+        procs[1].kill()
+    elapsed = time.time() - start
+    text = (tmp_path / "rank0.log").read_text()
+    assert code != 0 and ("a collective failed on rank 0" in text or "lost" in text), text[-3000:]
+    assert elapsed < within + 10, (elapsed, text[-2000:])  # the phase's timeout, not 30 minutes

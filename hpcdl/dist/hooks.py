@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from hpcdl.dist.env import RankEnv
-from hpcdl.errors import ConfigError
-from hpcdl.names import HOOKS
+from hpcdl.names import HOOKS, check
 
 __all__ = ["HOOKS", "ChunkSparse", "Hierarchy", "make_hook", "node_groups", "sparse_allreduce"]
 
@@ -44,8 +44,9 @@ class Hierarchy:
     pool: concurrent.futures.ThreadPoolExecutor
 
 
-def node_groups(env: RankEnv, backend: str | None = None) -> Hierarchy:
-    """One group per node and one of the nodes' first ranks (collective).
+def node_groups(env: RankEnv, backend: str | None = None, new_group=None) -> Hierarchy:
+    """One group per node and one of the nodes' first ranks (collective), each made by ``new_group(ranks)``
+    (default: ``dist.new_group`` on ``backend``; the trainer's keeps them under the job's timeouts).
 
     Nodes are the launcher's (``SLURM_NODEID`` under srun; block placement under mpiexec, see
     :mod:`hpcdl.dist.env`), so several slurmd on one host count as the nodes Slurm says they are.
@@ -54,16 +55,24 @@ def node_groups(env: RankEnv, backend: str | None = None) -> Hierarchy:
     dist.all_gather_object(placed, env.node_rank)
     nodes = list(dict.fromkeys(placed))  # first-seen order
     members = {n: [r for r, x in enumerate(placed) if x == n] for n in nodes}
+    new_group = new_group or functools.partial(dist.new_group, backend=backend)
     node_group = None
     for node in nodes:  # every rank creates every group, in the same order
-        group = dist.new_group(members[node], backend=backend)
+        group = new_group(members[node])
         if node == env.node_rank:
             node_group = group
     leader_ranks = [members[n][0] for n in nodes]
-    leaders = dist.new_group(leader_ranks, backend=backend)
+    leaders = new_group(leader_ranks)
     return Hierarchy(node_group=node_group, leader=members[env.node_rank][0], nodes=len(nodes),
                      leaders=leaders if env.rank in leader_ranks else None, world_size=env.world_size,
                      pool=concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcdl-hier"))
+
+
+def _unwrapped(future: torch.futures.Future) -> torch.Tensor:
+    """A future set from Python carries an error as a Python object that DDP's C++ reducer cannot read
+    ("Unable to cast ... to Tensor"); raising it in a ``then`` callback makes it the chained future's error,
+    which DDP raises from backward like a C++ collective's."""
+    return future.value()
 
 
 def _hierarchical(state: Hierarchy, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -81,7 +90,7 @@ def _hierarchical(state: Hierarchy, bucket: dist.GradBucket) -> torch.futures.Fu
             future.set_exception(exc)
 
     state.pool.submit(run)
-    return future
+    return future.then(_unwrapped)
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -187,15 +196,16 @@ def _chunk_sparse(state: ChunkSparse, bucket: dist.GradBucket) -> torch.futures.
             future.set_exception(exc)
 
     state.pool.submit(run)
-    return future
+    return future.then(_unwrapped)
 
 
-def make_hook(name: str, env: RankEnv, group=None, backend: str | None = None, sparse: ChunkSparse | None = None):
-    """(state, hook function) for DDP's ``register_comm_hook``; ``none`` is DDP's plain all-reduce."""
-    if name not in HOOKS:
-        raise ConfigError(f"sync.hook={name!r}; choose one of {', '.join(HOOKS)}")
+def make_hook(name: str, env: RankEnv, group=None, backend: str | None = None, sparse: ChunkSparse | None = None,
+              new_group=None):
+    """(state, hook function) for DDP's ``register_comm_hook``; ``none`` is DDP's plain all-reduce.
+    ``new_group``: what makes the hierarchical hook's groups (see :func:`node_groups`)."""
+    check("sync.hook", name, HOOKS)
     if name == "hierarchical":
-        return node_groups(env, backend), _hierarchical
+        return node_groups(env, backend, new_group), _hierarchical
     if name == "chunk_sparse":
         state = sparse or ChunkSparse()
         state.group = group

@@ -25,7 +25,8 @@ from hpcdl.dist.backend import BACKENDS, Backend, BackendChoice, choose_backend
 from hpcdl.dist.env import RankEnv, discover
 from hpcdl.errors import ConfigError, LaunchError, RankLostError
 
-__all__ = ["STARTUP_TIMEOUT", "DistContext", "backend_groups", "fail_fast", "init_distributed", "set_timeout",
+__all__ = ["STARTUP_TIMEOUT", "DistContext", "backend_groups", "fail_fast", "init_distributed", "new_subgroup",
+           "set_group_timeout", "set_timeout",
            "shutdown"]
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class DistContext:
     timeout: timedelta
     group: dist.ProcessGroup | None
     heartbeat: Heartbeat
+    subgroups: list = dataclasses.field(default_factory=list)  # made with new_group: set_timeout moves them too
 
     @property
     def rank(self) -> int:
@@ -185,10 +187,35 @@ def backend_groups(ctx: DistContext, names: str, timeout: timedelta | None = Non
 
 
 def set_timeout(ctx: DistContext, timeout: timedelta) -> None:
-    """Bound every later collective by ``timeout`` (a new group over all ranks; collective call)."""
-    ctx.group = dist.new_group(ranks=list(range(ctx.world_size)), timeout=timeout, backend=ctx.backend.name)
+    """Bound every later collective by ``timeout``: on ``ctx.group`` (the first call creates it over all ranks,
+    a collective call) and on every group made with :func:`new_subgroup`, in place, so that a DDP or a hook
+    built on them keeps them."""
+    if ctx.group is None:
+        ctx.group = dist.new_group(ranks=list(range(ctx.world_size)), timeout=timeout, backend=ctx.backend.name)
+    else:
+        for group in (ctx.group, *ctx.subgroups):
+            set_group_timeout(group, timeout)
     ctx.timeout = timeout
     log.info("collective timeout now %s", timeout)
+
+
+def new_subgroup(ctx: DistContext, ranks: list[int]) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` (collective, every rank) on the job's backend, under ``ctx``'s timeout now and
+    after every :func:`set_timeout`."""
+    group = dist.new_group(ranks, timeout=ctx.timeout, backend=ctx.backend.name)
+    ctx.subgroups.append(group)
+    return group
+
+
+def set_group_timeout(group, timeout: timedelta) -> None:
+    """Change a group's collective timeout in place: hpcdl's own groups (MPI, oneCCL) keep it as an attribute
+    their watchdog reads; torch's (gloo) through ``dist.set_timeout`` (torch 2.9+)."""
+    from hpcdl.dist.threaded import ThreadedProcessGroup
+
+    if isinstance(group, ThreadedProcessGroup):
+        group.timeout = timeout
+    elif dist.get_rank(group) >= 0:  # a member (new_group returns a placeholder to the others)
+        dist.set_timeout(timeout, group)
 
 
 @contextlib.contextmanager
@@ -202,15 +229,25 @@ def fail_fast(ctx: DistContext) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:
-        message = explain_failure(ctx, exc, collective=isinstance(exc, dist.DistError))
+        message = explain_failure(ctx, exc, collective=is_collective_error(exc))
         if message is None:
             raise
         raise RankLostError(message) from exc
 
 
+# How a collective's failure reads once DDP's hook machinery has wrapped it in a plain RuntimeError
+# ("Got the following error when running the callback: DistBackendError: ..."), and gloo's own timeouts.
+_COLLECTIVE_MARKS = ("DistBackendError", "DistError", "DistNetworkError", "gloo/transport", "Timed out waiting")
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    return isinstance(exc, dist.DistError) or any(mark in str(exc) for mark in _COLLECTIVE_MARKS)
+
+
 def explain_failure(ctx: DistContext, exc: BaseException, collective: bool = True) -> str | None:
     """What went wrong, from the heartbeats; None when ``exc`` need not be a collective's and no rank is lost."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc).strip().removeprefix("Got the following error when running the callback: ")
+    first = text.splitlines()[0] if text else type(exc).__name__
     lost = ctx.heartbeat.lost_ranks()
     if lost is None:
         return (f"rank 0 was lost (it served the rendezvous store at {ctx.env.master_addr}:{ctx.env.master_port}, "

@@ -53,7 +53,8 @@ def _timed(timer: CommTimer, bucket):
 
 def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str = "none", backend: str | None = None,
                   bucket_cap_mb: float = 25.0, first_bucket_mb: float | None = None,
-                  gradient_as_bucket_view: bool = True, sparse=None) -> tuple[torch.nn.Module, CommTimer | None]:
+                  gradient_as_bucket_view: bool = True, sparse=None,
+                  new_group=None) -> tuple[torch.nn.Module, CommTimer | None]:
     """``model`` wrapped in DDP over ``group``, its buckets reduced by ``hook`` (:mod:`hpcdl.dist.hooks`)
     and timed; on one rank, ``model`` itself.
 
@@ -65,7 +66,7 @@ def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str
     with _first_bucket(bucket_cap_mb, first_bucket_mb) as caps:
         ddp = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=gradient_as_bucket_view,
                                       **caps)
-    timer = CommTimer(*make_hook(hook, env, group, backend, sparse))
+    timer = CommTimer(*make_hook(hook, env, group, backend, sparse, new_group))
     ddp.register_comm_hook(timer, _timed)
     return ddp, timer
 

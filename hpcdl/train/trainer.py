@@ -23,7 +23,7 @@ from hpcdl.data.dataset import ShardDataset
 from hpcdl.data.sampler import DistributedShardSampler
 from hpcdl.data.transforms import EvalTransform, TrainTransform, normalize_batch
 from hpcdl.dist.affinity import allocator_in_use
-from hpcdl.dist.process_group import DistContext, fail_fast, init_distributed, set_timeout, shutdown
+from hpcdl.dist.process_group import DistContext, fail_fast, init_distributed, new_subgroup, set_timeout, shutdown
 from hpcdl.dist.hooks import ChunkSparse
 from hpcdl.dist.sync import data_parallel
 from hpcdl.errors import ConfigError, TrainingDiverged
@@ -51,9 +51,11 @@ CHECKPOINT_FORMAT = 1
 def train(cfg: RunConfig) -> dict:
     """Train ``cfg`` on this job's ranks; returns the run's summary (the same on every rank)."""
     stop = StopSignal(cfg.checkpoint.signal)  # before any worker forks: they inherit the handler
-    ctx = init_distributed(cfg.loop.backend, data_workers=cfg.data.workers, ccl_lib=cfg.loop.ccl_lib or None)
+    startup = timedelta(seconds=cfg.loop.startup_timeout_s)
+    ctx = init_distributed(cfg.loop.backend, data_workers=cfg.data.workers, ccl_lib=cfg.loop.ccl_lib or None,
+                           timeout=startup)
     with fail_fast(ctx):
-        set_timeout(ctx, timedelta(seconds=cfg.loop.timeout_s))
+        set_timeout(ctx, startup)  # the job's group; the step timeout follows the first completed step
         summary = Trainer(cfg, ctx, stop).fit()
     stop.close()
     shutdown(ctx)
@@ -74,6 +76,7 @@ class Trainer:
             atomic_write_text(os.path.join(self.dir, "config.yaml"), dump_yaml(cfg))
         self.precision, self.precision_why = choose_precision(cfg.loop.precision)
         self.step = self.epoch = self.consumed = 0
+        self.started = False  # whether this process completed a step (start-up timeout until then)
         self.elapsed, self.best, self.time_to_target = 0.0, None, None
         self.last_save_step, self.last_save_time = -1, time.monotonic()
         self.ckpt = CheckpointManager(os.path.join(self.dir, "checkpoints"), cfg.checkpoint.keep) \
@@ -121,7 +124,8 @@ class Trainer:
             sparse.hold_back(self.optimizer)
         net, comm = data_parallel(self.model, self.ctx.env, self.ctx.group, hook=sync.hook, backend=self.ctx.backend.name,
                                   bucket_cap_mb=sync.bucket_cap_mb, first_bucket_mb=sync.first_bucket_mb,
-                                  gradient_as_bucket_view=sync.gradient_as_bucket_view, sparse=sparse)
+                                  gradient_as_bucket_view=sync.gradient_as_bucket_view, sparse=sparse,
+                                  new_group=functools.partial(new_subgroup, self.ctx))
         self.compile_note = "compile: off"
         if self.cfg.loop.compile:
             net, self.compile_note = torch.compile(net), "compile: torch.compile (the first steps compile)"
@@ -221,6 +225,9 @@ class Trainer:
             if not result.finite:
                 self._diverged()
             self.step += 1
+            if not self.started:  # start-up is over: from here on a collective gets the step timeout
+                self.started = True
+                set_timeout(self.ctx, timedelta(seconds=self.cfg.loop.timeout_s))
             self.runlog.step(self.step, self._epochs(), self.schedule.current_lr(), result)
             every = self.cfg.checkpoint.every_steps
             if result.save or result.stop or (every and self.step % every == 0):
