@@ -109,9 +109,21 @@ class ChunkSparse:
     last_step_sent: tuple[int, int] = (0, 0)  # (sent, total) of the last complete step
     sent: dict = dataclasses.field(default_factory=dict)  # parameter -> bool mask of what this step sent
     bucketed: bool = False  # DDP's first step is over: it rebuilds its buckets after it, so that one is dense
+    dry: bool = False  # a rehearsal (the trainer's, after a resume): buckets go back untouched, nothing changes
     pool: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcdl-sparse"))
 
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue as the uninterrupted one: this rank's residuals (keyed by
+        bucket, in DDP's rebuilt layout) and the counters."""
+        return {"residuals": dict(self.residuals), "step": self.step, "bucketed": self.bucketed,
+                "last_step_sent": list(self.last_step_sent)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residuals = dict(state["residuals"])
+        self.step, self.bucketed = int(state["step"]), bool(state["bucketed"])
+        self.last_step_sent = tuple(state["last_step_sent"])
 
     def hold_back(self, optimizer: torch.optim.Optimizer) -> None:
         """Make ``optimizer.step()`` keep the weights and per-element state (momentum, moments) of every
@@ -177,8 +189,12 @@ def _chunk_sparse(state: ChunkSparse, bucket: dist.GradBucket) -> torch.futures.
     future: torch.futures.Future = torch.futures.Future()
 
     def run():
+        if state.dry:
+            future.set_result(tensor)
+            return
         try:
-            # Residuals belong to a bucket layout, and DDP's first step (also after a resume) has another.
+            # Residuals belong to a bucket layout, and DDP's first step has another (after a resume, the
+            # trainer rehearses that step first: see Trainer._rehearse).
             grad, sent = sparse_allreduce(state, key, tensor, dense=not state.bucketed)
             if sent is None:
                 for p in params:

@@ -2,7 +2,10 @@
 loading falls back past an unreadable newest one and says so.
 
 A checkpoint is one ``torch.save`` of a dict of tensors, numbers, strings, lists and dicts, so it loads
-with ``torch.load(weights_only=True)``: no pickled code runs when a run resumes.
+with ``torch.load(weights_only=True)``: no pickled code runs when a run resumes. State that differs per
+rank and is too large to gather on rank 0 (the chunk_sparse hook's residuals: a whole gradient per rank)
+goes into one file per rank beside it, ``ckpt-STEP.rankRRRRR.pt``, written before rank 0 writes the
+checkpoint that lists them, and removed with it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class CheckpointManager:
         _fsync_dir(self.folder)
         for old in self.checkpoints()[self.keep:]:
             os.unlink(old)
+            for rank_file in glob.glob(glob.escape(old[:-len(".pt")]) + ".rank*.pt"):
+                os.unlink(rank_file)
         return path
 
     def checkpoints(self) -> list[str]:
@@ -74,6 +79,39 @@ class CheckpointManager:
             log.warning("checkpoint: no readable checkpoint in %s (skipped %s); starting fresh", self.folder,
                         "; ".join(skipped))
         return None
+
+
+def rank_path(checkpoint: str, rank: int) -> str:
+    """The file beside ``checkpoint`` that holds ``rank``'s own state."""
+    return f"{checkpoint[:-len('.pt')]}.rank{rank:05d}.pt"
+
+
+def save_rank_state(folder: str, step: int, rank: int, state: dict) -> str:
+    """Write ``rank``'s state for the checkpoint of ``step`` (temporary name, fsync, rename)."""
+    os.makedirs(folder, exist_ok=True)
+    path = rank_path(os.path.join(folder, f"ckpt-{step:09d}.pt"), rank)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_rank_state(checkpoint: str, rank: int) -> dict:
+    """``rank``'s state saved with ``checkpoint``; a ConfigError naming the file when it cannot be read."""
+    path = rank_path(checkpoint, rank)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConfigError(f"{path}: rank {rank}'s part of {checkpoint} cannot be read ({type(exc).__name__}: "
+                          f"{exc}); an exact resume needs it. Move {checkpoint} and its .rank*.pt files aside to "
+                          "resume from the previous checkpoint") from None
 
 
 def _fsync_dir(folder: str) -> None:

@@ -32,7 +32,7 @@ from hpcdl.optim.factory import build_optimizer
 from hpcdl.optim.schedule import LRSchedule
 from hpcdl.overrides import flatten, to_dict
 from hpcdl.train.accel import apply_ipex
-from hpcdl.train.checkpoint import CheckpointManager, rng_state, set_rng_state
+from hpcdl.train.checkpoint import CheckpointManager, load_rank_state, rng_state, save_rank_state, set_rng_state
 from hpcdl.train.evaluate import evaluate
 from hpcdl.train.metrics import RunLog, phase_shares, summary_text
 from hpcdl.train.precision import choose_precision
@@ -83,6 +83,7 @@ class Trainer:
             if ctx.rank == 0 else None
         self._build_model()
         self._build_data()
+        self._hook_state = None  # this rank's comm hook state from the checkpoint resumed from
         self.resumed_from = self._resume()
         self._wrap()
         self.last_step = min(cfg.schedule.total_steps, cfg.loop.max_steps or cfg.schedule.total_steps)
@@ -122,6 +123,9 @@ class Trainer:
             if sync.hook == "chunk_sparse" else None
         if sparse is not None:
             sparse.hold_back(self.optimizer)
+            if self._hook_state is not None:
+                sparse.load_state_dict(self._hook_state)
+        self.sparse = sparse
         net, comm = data_parallel(self.model, self.ctx.env, self.ctx.group, hook=sync.hook, backend=self.ctx.backend.name,
                                   bucket_cap_mb=sync.bucket_cap_mb, first_bucket_mb=sync.first_bucket_mb,
                                   gradient_as_bucket_view=sync.gradient_as_bucket_view, sparse=sparse,
@@ -134,6 +138,31 @@ class Trainer:
         self.stepper = Stepper(net, self.criterion, self.optimizer, self.schedule, precision=self.precision,
                                comm=comm, group=self.ctx.group, distributed=self.ctx.world_size > 1,
                                timeline=self.timeline)
+        if sparse is not None and sparse.bucketed and self.ctx.world_size > 1:
+            self._rehearse(sparse)
+
+    def _rehearse(self, sparse: ChunkSparse) -> None:
+        """One forward and backward whose effects are all undone, so that the resumed run's next step uses
+        the bucket layout the uninterrupted run used there. DDP builds its buckets in parameter order,
+        records the order gradients become ready in its first backward and rebuilds them from it; the
+        chunk_sparse hook chunks and picks per bucket, and its residuals are kept per bucket."""
+        cfg = self.cfg
+        micro = cfg.per_rank_batch // cfg.loop.accum_steps
+        x = self._prepare(torch.zeros(micro, cfg.crop, cfg.crop, 3, dtype=torch.uint8))
+        y = torch.zeros(micro, dtype=torch.long)
+        buffers, rng = [b.clone() for b in self.model.buffers()], torch.get_rng_state()
+        sparse.dry = True
+        try:
+            with self.stepper.autocast():
+                loss = self.criterion(self.net(x), y)
+            loss.backward()
+        finally:
+            sparse.dry = False
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), buffers):
+                b.copy_(saved)
+        torch.set_rng_state(rng)
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
         return normalize_batch(images, channels_last=self.cfg.loop.channels_last)
@@ -152,7 +181,10 @@ class Trainer:
         """Collective: every rank gives its RNG state; rank 0 writes."""
         if self.last_save_step == self.step:
             return
+        if self.sparse is not None:  # every rank's own part first; the gather in _state() waits for all
+            save_rank_state(os.path.join(self.dir, "checkpoints"), self.step, self.ctx.rank, self.sparse.state_dict())
         state = self._state()
+        state["rank_states"] = self.sparse is not None
         if self.ckpt is not None:
             path = self.ckpt.save(self.step, state)
             log.info("checkpoint (%s): %s", why, path)
@@ -175,6 +207,11 @@ class Trainer:
         self.schedule.load_state_dict(state["schedule"])
         self.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"][self.ctx.rank])
+        if state.get("rank_states"):
+            self._hook_state = load_rank_state(found[0], self.ctx.rank)
+        elif self.cfg.sync.hook == "chunk_sparse" and state["step"] > 0:
+            log.warning("%s holds no chunk_sparse residuals (written by an older hpcdl or another hook): they "
+                        "start from zero, so this run is not the one that was interrupted", found[0])
         self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["sampler"]["position"]
         self.elapsed, self.best, self.time_to_target = state["elapsed_s"], state["best"], state["time_to_target_s"]
         self.last_save_step = self.step
