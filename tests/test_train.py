@@ -318,13 +318,14 @@ def test_timeline_of_two_ranks_shows_communication_inside_backward(data, tmp_pat
     assert too_far.returncode != 0 and "rank 0 has 4 steps; render needs 10" in too_far.stderr
 
 
-def start_stalled(tmp_path, stall: str, *extra: str) -> list[subprocess.Popen]:
+def start_faulty(tmp_path, fault: dict, *extra: str) -> list[subprocess.Popen]:
+    """2 ranks of tests/fault_ranks.py with ``fault`` (HPCDL_TEST_STALL or HPCDL_TEST_KILL) in their environment."""
     port = free_port()
     procs = []
     for r in range(2):
-        env = {**rank_env(r, 2, port), "HPCDL_TEST_STALL": stall, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+        env = {**rank_env(r, 2, port), **fault, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
         log = open(tmp_path / f"rank{r}.log", "w")
-        procs.append(subprocess.Popen([PYTHON, str(REPO / "tests" / "stall_ranks.py"), *extra], env=env, stdout=log,
+        procs.append(subprocess.Popen([PYTHON, str(REPO / "tests" / "fault_ranks.py"), *extra], env=env, stdout=log,
                                       stderr=subprocess.STDOUT, cwd=tmp_path))
     return procs
 
@@ -345,12 +346,12 @@ def test_start_up_runs_under_its_own_timeout_and_steps_under_theirs(data, tmp_pa
     run = tmp_path / "run"
     args = args_for(data, run, "--set", "loop.max_steps=4", "--set", "data.workers=0", "--set", "loop.eval_every=0",
                     "--set", "loop.timeout_s=2", "--set", "loop.startup_timeout_s=60")
-    procs = start_stalled(tmp_path, "rendezvous,checkpoint,ddp,first_step:5:1", *args)
+    procs = start_faulty(tmp_path, {"HPCDL_TEST_STALL": "rendezvous,checkpoint,ddp,first_step:5:1"}, *args)
     assert [p.wait(timeout=180) for p in procs] == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
     assert (tmp_path / "rank1.log").read_text().count("stall: rank 1 sleeps") == 4
     assert "collective timeout now 0:00:02" in (tmp_path / "rank0.log").read_text()
 
-    procs = start_stalled(tmp_path, "step3:60:1", *args_for(data, tmp_path / "run2", *args[len(args_for(data, run)):]))
+    procs = start_faulty(tmp_path, {"HPCDL_TEST_STALL": "step3:60:1"}, *args_for(data, tmp_path / "run2", *args[len(args_for(data, run)):]))
     start = wait_for_stall(tmp_path, procs)
     try:
         code = procs[0].wait(timeout=120)
@@ -369,7 +370,7 @@ def test_start_up_runs_under_its_own_timeout_and_steps_under_theirs(data, tmp_pa
 def test_a_stall_past_its_phase_timeout_stops_the_other_rank_within_it(data, tmp_path, stall, extra, within):
     args = args_for(data, tmp_path / "run", "--set", "loop.max_steps=6", "--set", "data.workers=0",
                     "--set", "loop.eval_every=0", "--set", "loop.timeout_s=2", *extra)
-    procs = start_stalled(tmp_path, stall, *args)
+    procs = start_faulty(tmp_path, {"HPCDL_TEST_STALL": stall}, *args)
     start = wait_for_stall(tmp_path, procs)
     try:
         code = procs[0].wait(timeout=within + 60)
@@ -379,3 +380,37 @@ def test_a_stall_past_its_phase_timeout_stops_the_other_rank_within_it(data, tmp
     text = (tmp_path / "rank0.log").read_text()
     assert code != 0 and ("a collective failed on rank 0" in text or "lost" in text), text[-3000:]
     assert elapsed < within + 10, (elapsed, text[-2000:])  # the phase's timeout, not 30 minutes
+
+
+@pytest.mark.parametrize("phase, victim", [
+    ("ddp", 1), ("data", 1), ("forward", 1), ("allreduce", 1), ("allreduce", 0), ("save", 0), ("eval", 1)])
+def test_fault_matrix_a_rank_killed_in_each_phase(data, tmp_path, phase, victim):
+    """SIGKILL of one rank at start-up (DDP), while fetching a batch, between forward and backward, with a
+    gradient bucket in flight, half-way through writing a checkpoint, and in evaluation: the other rank
+    exits non-zero within the timeout, naming the lost rank, and the newest complete checkpoint loads."""
+    from hpcdl.train.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    args = args_for(data, run, "--set", "loop.max_steps=20", "--set", "data.workers=0", "--set", "loop.timeout_s=10",
+                    "--set", "checkpoint.every_steps=2", "--set", "loop.eval_every=1")
+    procs = start_faulty(tmp_path, {"HPCDL_TEST_KILL": f"{phase}:{victim}"}, *args)
+    survivor = 1 - victim
+    try:
+        assert procs[victim].wait(timeout=120) == -signal.SIGKILL, (tmp_path / f"rank{victim}.log").read_text()[-2000:]
+        killed = time.time()
+        code = procs[survivor].wait(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    elapsed = time.time() - killed
+    log = (tmp_path / f"rank{survivor}.log").read_text()
+    assert f"SIGKILLed in {phase}" in (tmp_path / f"rank{victim}.log").read_text()
+    assert code == 1 and elapsed < 10 + 10, (code, elapsed, log[-3000:])
+    last = log.strip().splitlines()[-1]
+    assert f"rank {victim}" in last and "lost" in last and "Traceback" not in log, log[-3000:]
+    if phase != "ddp":  # a checkpoint was written before the fault: the newest complete one loads
+        half_written = list((run / "checkpoints").glob(".ckpt-*.tmp"))
+        newest = CheckpointManager(str(run / "checkpoints")).load_latest()
+        assert newest is not None and {"model", "optimizer", "step"} <= newest[1].keys()
+        if phase == "save":  # the half-written one is a temporary file, never listed (the next run removes it)
+            assert newest[0].endswith("ckpt-000000002.pt") and half_written

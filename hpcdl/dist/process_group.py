@@ -40,6 +40,7 @@ class Heartbeat:
 
     def __init__(self, env: RankEnv, interval_s: float):
         self.env, self.interval_s = env, interval_s
+        self._last_lost = None  # (when, lost ranks or None) of the last probe that found a problem
         self._store = _client(env, timedelta(seconds=max(10.0, 5 * interval_s)))
         self._store.add(_key("hb", env.rank), 1)
         self._store.set(_key("who", env.rank), f"host {env.hostname}, pid {os.getpid()}")
@@ -58,8 +59,18 @@ class Heartbeat:
             except Exception:  # the store (rank 0) is gone: diagnosis will say so
                 return
 
-    def lost_ranks(self) -> list[int] | None:
-        """Ranks whose heartbeat stopped; ``None`` when the store (served by rank 0) is unreachable."""
+    def lost_ranks(self, fresh_s: float = 0.0) -> list[int] | None:
+        """Ranks whose heartbeat stopped; ``None`` when the store (served by rank 0) is unreachable. With
+        ``fresh_s``, a finding of the last ``fresh_s`` seconds that named a lost rank is reused."""
+        last = self._last_lost
+        if fresh_s and last and time.monotonic() - last[0] < fresh_s:
+            return last[1]
+        found = self._measure()
+        if found is None or found:
+            self._last_lost = (time.monotonic(), found)
+        return found
+
+    def _measure(self) -> list[int] | None:
         try:  # a dead store refuses at once, but the client retries until its timeout: keep it short
             store = _client(self.env, timedelta(seconds=max(1.0, 2 * self.interval_s)))
             keys = [_key("hb", r) for r in range(self.env.world_size)]
@@ -124,8 +135,24 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
     dist.init_process_group(choice.name, store=dist.PrefixStore("pg/", store), rank=env.rank,
                             world_size=env.world_size, timeout=timeout)
     ctx = DistContext(env=env, backend=choice, cpu=cpu, timeout=timeout, group=None, heartbeat=heartbeat)
+    _watch_peers(ctx, heartbeat_s)
     _log_startup(ctx)
     return ctx
+
+
+def _watch_peers(ctx: DistContext, heartbeat_s: float) -> None:
+    """Let hpcdl's own groups (MPI, oneCCL) fail a collective whose peer died as soon as its heartbeat has
+    stopped, instead of at the timeout (gloo notices a closed connection itself)."""
+    from hpcdl.dist.threaded import CommThread
+
+    def liveness() -> str | None:
+        lost = ctx.heartbeat.lost_ranks()
+        if lost is None:
+            return "rank 0's rendezvous store no longer answers"
+        return ("heartbeat stopped on " + ", ".join(f"rank {r}" for r in lost)) if lost else None
+
+    CommThread.liveness = liveness
+    CommThread.probe_after_s = max(6.0, 3 * heartbeat_s)
 
 
 def _prepare_backend(row: Backend, env: RankEnv, cpu: CpuPlan) -> None:
@@ -248,7 +275,7 @@ def explain_failure(ctx: DistContext, exc: BaseException, collective: bool = Tru
     """What went wrong, from the heartbeats; None when ``exc`` need not be a collective's and no rank is lost."""
     text = str(exc).strip().removeprefix("Got the following error when running the callback: ")
     first = text.splitlines()[0] if text else type(exc).__name__
-    lost = ctx.heartbeat.lost_ranks()
+    lost = ctx.heartbeat.lost_ranks(fresh_s=30.0)
     if lost is None:
         return (f"rank 0 was lost (it served the rendezvous store at {ctx.env.master_addr}:{ctx.env.master_port}, "
                 f"which no longer answers); rank {ctx.rank} stops. Collective error: {first}")

@@ -89,6 +89,11 @@ class CommThread:
     ``os._exit(1)`` after flushing its logs (oneCCL crashes in its destructors otherwise).
     """
 
+    # Set by init_distributed: () -> a message naming the ranks whose heartbeat stopped, or None; the watchdog
+    # asks it about a collective that has run longer than probe_after_s.
+    liveness = None
+    probe_after_s = 6.0
+
     def __init__(self, name: str, *, exit_if_stuck: bool = False):
         self.name, self.exit_if_stuck = name, exit_if_stuck
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C-implemented: the cheapest hand-off
@@ -144,15 +149,29 @@ class CommThread:
                 future.set_result(result)
 
     def _watch(self) -> None:
+        probed = None  # the collective last probed, and when
         while not self._closed.wait(0.2):
             started = self._started
             if not started or started[1] is None or started[3].done():
                 continue
-            limit = started[1].timeout.total_seconds()
-            if limit and time.monotonic() - started[0] > limit:
-                group = started[1]
+            group, running = started[1], time.monotonic() - started[0]
+            limit = group.timeout.total_seconds()
+            if limit and running > limit:
                 started[3].set_exception(dist.DistBackendError(
                     f"rank {group.rank()}: {group.LIBRARY} {describe(started[2])} {group.timed_out()}"))
+            elif CommThread.liveness and running > CommThread.probe_after_s and (
+                    probed is None or probed[0] is not started or time.monotonic() - probed[1] > self.probe_after_s):
+                probed = (started, time.monotonic())
+                threading.Thread(target=self._probe, args=(started,), name=f"{self.name}-probe", daemon=True).start()
+
+    def _probe(self, started) -> None:
+        """Fail a long collective at once when a peer's heartbeat has stopped: no library here notices a dead
+        peer (oneCCL and MPI wait for it), and the timeout may be the start-up's 10 minutes."""
+        lost = CommThread.liveness()
+        if lost and not started[3].done():
+            group = started[1]
+            started[3].set_exception(dist.DistBackendError(
+                f"rank {group.rank()}: {group.LIBRARY} {describe(started[2])} cannot complete: {lost}"))
 
     def _close_all(self, timeout_s: float) -> None:
         """Run the registered closers on the thread, waiting at most ``timeout_s`` (a process that exits with a
