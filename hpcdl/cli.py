@@ -634,7 +634,14 @@ def main(argv: list[str] | None = None) -> int:
         leave_now(1)  # a broken process group can hang interpreter shutdown
     except HpcdlError as exc:
         log.error("%s", exc)
+        if _one_rank_of_many():  # the others notice its heartbeat stop; finalizing could wait on them
+            leave_now(2)
         return 2
+
+
+def _one_rank_of_many() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _rank_for_logging() -> int:

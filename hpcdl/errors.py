@@ -21,5 +21,9 @@ class DataError(HpcdlError):
     """A dataset, shard or manifest is missing, damaged or inconsistent; the message names the file."""
 
 
+class CheckpointError(HpcdlError):
+    """A checkpoint could not be written; the message names the path and says which one is kept."""
+
+
 class TrainingDiverged(HpcdlError):
     """The loss became NaN or infinite; the run stopped without writing a checkpoint."""

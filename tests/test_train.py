@@ -414,3 +414,55 @@ def test_fault_matrix_a_rank_killed_in_each_phase(data, tmp_path, phase, victim)
         assert newest is not None and {"model", "optimizer", "step"} <= newest[1].keys()
         if phase == "save":  # the half-written one is a temporary file, never listed (the next run removes it)
             assert newest[0].endswith("ckpt-000000002.pt") and half_written
+
+
+def test_fault_matrix_a_full_disk_during_a_checkpoint_keeps_the_previous_one(data, tmp_path):
+    """The run folder's filesystem fills up (another job's file) after the first checkpoint: the next write
+    fails, rank 0 names the path, the bytes and the checkpoint kept, both ranks exit non-zero, and the
+    kept checkpoint loads."""
+    from hpcdl.train.checkpoint import CheckpointManager
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    assert mounted.returncode == 0, f"this test needs root's mount (a 64 MB tmpfs): {mounted.stderr}"
+    try:
+        run = disk / "run"
+        args = args_for(data, run, "--set", "loop.max_steps=60", "--set", "data.workers=0", "--set",
+                        "loop.timeout_s=10", "--set", "checkpoint.every_steps=4", "--set", "loop.eval_every=0")
+        procs = start_ranks(2, args, tmp_path)
+        first = run / "checkpoints" / "ckpt-000000004.pt"
+        deadline = time.time() + 120
+        while not first.exists():
+            assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "rank0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        with open(disk / "filler", "wb") as f:  # leave about 64 KB: log lines still fit, a checkpoint does not
+            while (free := os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize) > 128 << 10:
+                f.write(b"\0" * min(1 << 20, free - (64 << 10)))
+                f.flush()
+        codes = [p.wait(timeout=60) for p in procs]
+        log = (tmp_path / "rank0.log").read_text()
+        assert codes[0] == 2 and codes[1] == 1, (codes, log[-3000:])
+        assert "the checkpoint could not be written (No space left on device;" in log and "Traceback" not in log
+        assert f"the previous checkpoint {run / 'checkpoints'}" in log and "is kept" in log
+        (disk / "filler").unlink()
+        newest = CheckpointManager(str(run / "checkpoints")).load_latest()
+        assert newest is not None and newest[1]["step"] >= 4
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_fault_matrix_a_run_folder_that_is_not_writable_is_refused_before_the_queue(data, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    no_root_write = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]  # root that obeys chmod
+    for command in (["sbatch", "--profile", "local", "--nodes", "1", "--tasks-per-node", "1", "--", "train"],
+                    ["train"]):
+        run = subprocess.run([*no_root_write, PYTHON, "-m", "hpcdl", *command,
+                              *args_for(data, locked / "run", "--set", "data.workers=0")[1:]],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert f"run_dir='{locked / 'run'}': {locked} is not writable by this user" in run.stderr
+        assert "Traceback" not in run.stderr

@@ -19,7 +19,7 @@ import re
 import numpy as np
 import torch
 
-from hpcdl.errors import ConfigError
+from hpcdl.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"ckpt-(\d{9})\.pt")
@@ -38,7 +38,9 @@ class CheckpointManager:
         return os.path.join(self.folder, f"ckpt-{step:09d}.pt")
 
     def save(self, step: int, state: dict) -> str:
-        """Write ``state`` as the checkpoint of ``step``; older ones beyond ``keep`` are removed after."""
+        """Write ``state`` as the checkpoint of ``step``; older ones beyond ``keep`` are removed after. A
+        write that fails (a full disk, a quota) leaves the older ones as they were and raises a
+        CheckpointError naming the path and the bytes."""
         path = self.path(step)
         tmp = os.path.join(self.folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
         try:
@@ -47,6 +49,8 @@ class CheckpointManager:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+        except OSError as exc:
+            raise CheckpointError(_write_failed(path, tmp, state, exc, self.checkpoints())) from None
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -81,6 +85,26 @@ class CheckpointManager:
         return None
 
 
+def _write_failed(path: str, tmp: str, state: dict, exc: OSError, kept: list[str]) -> str:
+    written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+    needed = sum(t.numel() * t.element_size() for t in _tensors(state))
+    previous = f"the previous checkpoint {kept[0]} is kept" if kept else "no earlier checkpoint exists"
+    return (f"{path}: the checkpoint could not be written ({exc.strerror or exc}; {written:,} bytes written of "
+            f"about {needed:,}); {previous}. Free space there (or raise the quota), or set run_dir on a "
+            "filesystem with room, and run again: it resumes from the last checkpoint")
+
+
+def _tensors(tree):
+    if torch.is_tensor(tree):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
 def rank_path(checkpoint: str, rank: int) -> str:
     """The file beside ``checkpoint`` that holds ``rank``'s own state."""
     return f"{checkpoint[:-len('.pt')]}.rank{rank:05d}.pt"
@@ -97,6 +121,8 @@ def save_rank_state(folder: str, step: int, rank: int, state: dict) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        raise CheckpointError(_write_failed(path, tmp, state, exc, [])) from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -71,7 +71,11 @@ class Trainer:
         self.cfg, self.ctx, self.stop = preflight(cfg, ctx.world_size), ctx, stop
         cfg = self.cfg
         self.dir = run_dir(cfg)
-        os.makedirs(self.dir, exist_ok=True)
+        try:
+            os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"run_dir {self.dir}: cannot create it ({exc.strerror or exc}); --set run_dir to a "
+                              "folder this job can write") from None
         if ctx.rank == 0:
             atomic_write_text(os.path.join(self.dir, "config.yaml"), dump_yaml(cfg))
         self.precision, self.precision_why = choose_precision(cfg.loop.precision)
