@@ -466,3 +466,26 @@ def test_fault_matrix_a_run_folder_that_is_not_writable_is_refused_before_the_qu
         assert run.returncode == 2, run.stderr[-2000:]
         assert f"run_dir='{locked / 'run'}': {locked} is not writable by this user" in run.stderr
         assert "Traceback" not in run.stderr
+
+
+def test_fault_matrix_a_killed_data_loader_worker_is_named(data, tmp_path):
+    run = tmp_path / "run"
+    procs = start_ranks(2, args_for(data, run, "--set", "loop.max_steps=200", "--set", "data.workers=1",
+                                    "--set", "loop.timeout_s=10", "--set", "loop.eval_every=0"), tmp_path)
+    deadline = time.monotonic() + 120
+    while steps_logged(run) < 3:
+        assert time.monotonic() < deadline and procs[1].poll() is None, (tmp_path / "rank1.log").read_text()[-2000:]
+        time.sleep(0.05)
+    workers = Path(f"/proc/{procs[1].pid}/task/{procs[1].pid}/children").read_text().split()
+    assert workers, "rank 1 has no DataLoader worker"
+    for pid in workers:
+        os.kill(int(pid), signal.SIGKILL)
+    try:
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    victim, survivor = (tmp_path / "rank1.log").read_text(), (tmp_path / "rank0.log").read_text()
+    assert codes == [1, 2], (codes, victim[-2000:], survivor[-2000:])
+    assert "rank 1: DataLoader worker (pid" in victim and "the OOM killer is the usual cause" in victim
+    assert "Traceback" not in victim and "lost rank 1" in survivor.strip().splitlines()[-1]

@@ -7,6 +7,7 @@ readable checkpoint in the run folder, so a requeued job simply runs again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -26,7 +27,7 @@ from hpcdl.dist.affinity import allocator_in_use
 from hpcdl.dist.process_group import DistContext, fail_fast, init_distributed, new_subgroup, set_timeout, shutdown
 from hpcdl.dist.hooks import ChunkSparse
 from hpcdl.dist.sync import data_parallel
-from hpcdl.errors import ConfigError, TrainingDiverged
+from hpcdl.errors import ConfigError, DataError, TrainingDiverged
 from hpcdl.models import build_model
 from hpcdl.optim.factory import build_optimizer
 from hpcdl.optim.schedule import LRSchedule
@@ -54,12 +55,26 @@ def train(cfg: RunConfig) -> dict:
     startup = timedelta(seconds=cfg.loop.startup_timeout_s)
     ctx = init_distributed(cfg.loop.backend, data_workers=cfg.data.workers, ccl_lib=cfg.loop.ccl_lib or None,
                            timeout=startup)
-    with fail_fast(ctx):
+    with fail_fast(ctx), _data_workers_named(ctx.rank):
         set_timeout(ctx, startup)  # the job's group; the step timeout follows the first completed step
         summary = Trainer(cfg, ctx, stop).fit()
     stop.close()
     shutdown(ctx)
     return summary
+
+
+@contextlib.contextmanager
+def _data_workers_named(rank: int):
+    """A DataLoader worker that dies (the OOM killer, most often) surfaces as a RuntimeError from the loader
+    or from torch's SIGCHLD handler, wherever the main thread is: name it as the data's, with the fix."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "DataLoader worker" not in str(exc):
+            raise
+        first = str(exc).strip().splitlines()[0]
+        raise DataError(f"rank {rank}: {first}; the OOM killer is the usual cause (the node's dmesg says): lower "
+                        "data.workers or the per-rank batch, or ask Slurm for more memory per task") from None
 
 
 def run_dir(cfg: RunConfig) -> str:
