@@ -489,3 +489,29 @@ def test_fault_matrix_a_killed_data_loader_worker_is_named(data, tmp_path):
     assert codes == [1, 2], (codes, victim[-2000:], survivor[-2000:])
     assert "rank 1: DataLoader worker (pid" in victim and "the OOM killer is the usual cause" in victim
     assert "Traceback" not in victim and "lost rank 1" in survivor.strip().splitlines()[-1]
+
+
+def test_fault_matrix_scancel_stops_every_rank_with_a_checkpoint(slurm, data, tmp_path):
+    """scancel sends SIGTERM to every process of the job (KillWait=2 s on the local Slurm, then SIGKILL):
+    the ranks stop together at the next step, rank 0 writes a checkpoint, every rank says why and exits
+    non-zero, and the checkpoint loads."""
+    from hpcdl.train.checkpoint import CheckpointManager
+
+    script = _train_script(data, tmp_path, "term", tmp_path / "term", "--set", "loop.max_steps=2000",
+                           "--set", "loop.eval_every=0")
+    job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(script)], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True).stdout.strip()
+    deadline = time.monotonic() + 180
+    while steps_logged(tmp_path / "term") < 4:
+        assert time.monotonic() < deadline, "the job did not start training"
+        time.sleep(0.1)
+    subprocess.run(["scancel", job], check=True)
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline + 60, "the cancelled job is still in the queue"
+        time.sleep(0.2)
+    out = (tmp_path / f"term-{job}.out").read_text()
+    for rank in (0, 1):
+        assert f"rank {rank}: stopped at step" in out and "on SIGTERM (scancel" in out, out[-3000:]
+    assert "Traceback" not in out
+    newest = CheckpointManager(str(tmp_path / "term" / "checkpoints")).load_latest()
+    assert newest is not None and newest[1]["step"] >= 4

@@ -24,15 +24,35 @@ log = logging.getLogger(__name__)
 
 
 class StopSignal:
-    """Notes ``signame`` (e.g. ``USR2``) in this process; :meth:`agreed` is the collective answer."""
+    """Notes ``signame`` (e.g. ``USR2``: stop, checkpoint, requeue) and SIGTERM (``scancel``, preemption
+    without a warning signal: stop, checkpoint, exit) in this process; :meth:`agreed` is the collective
+    answer to the first."""
 
     def __init__(self, signame: str = "USR2"):
         self.signum = signal_number("checkpoint.signal", signame)
-        self.seen = False
+        self.seen = self.terminated = False
         self._previous = signal.signal(self.signum, self._note)
+        self._previous_term = signal.signal(signal.SIGTERM, self._note_term) \
+            if self.signum != signal.SIGTERM else None
+
+    def arm(self) -> None:
+        """Install the handlers again. Libraries loaded since may have replaced them: libfabric's psm
+        provider (libinfinipath, which oneCCL's libfabric loads) installs a SIGTERM handler that calls exit()
+        inside the handler, and the process then deadlocked in malloc until Slurm's SIGKILL."""
+        signal.signal(self.signum, self._note)
+        if self._previous_term is not None:
+            signal.signal(signal.SIGTERM, self._note_term)
 
     def _note(self, signum, frame) -> None:
         self.seen = True
+
+    def _note_term(self, signum, frame) -> None:
+        self.terminated = True
+
+    @property
+    def wish(self) -> int:
+        """What this rank asks at the next step: 2 stop on SIGTERM, 1 stop and requeue, 0 go on."""
+        return 2 if self.terminated else 1 if self.seen else 0
 
     def agreed(self, group=None) -> bool:
         """Rank 0's answer on every rank (one broadcast of one byte); this rank's alone without a group."""
@@ -44,6 +64,8 @@ class StopSignal:
 
     def close(self) -> None:
         signal.signal(self.signum, self._previous)
+        if self._previous_term is not None:
+            signal.signal(signal.SIGTERM, self._previous_term)
 
 
 def requeue_target(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -35,7 +35,7 @@ class StepResult:
     loss: float  # mean over the step's images on all ranks (nan when any rank's was not finite)
     images: int  # on all ranks
     finite: bool
-    stop: bool  # rank 0 asked every rank to stop after this step
+    stop: int  # rank 0 asked every rank to stop after this step: 0 no, 1 to requeue, 2 on SIGTERM
     save: bool  # rank 0 asked every rank to checkpoint after this step
     times: dict[str, float]
 
@@ -114,11 +114,11 @@ class Stepper:
     def _control(self, loss_sum: torch.Tensor, images: int, wishes: tuple[bool, bool], times: dict) -> StepResult:
         finite = math.isfinite(loss_sum.item())
         rank0 = not self.distributed or dist.get_rank(self.group) == 0
-        stop, save = wishes if rank0 else (False, False)
+        stop, save = wishes if rank0 else (0, False)
         control = torch.tensor([loss_sum.item() if finite else 0.0, images, 0 if finite else 1, stop, save],
                                dtype=torch.float64)
         if self.distributed:
             dist.all_reduce(control, group=self.group)
         total, n, bad, stop_n, save_n = control.tolist()
         return StepResult(loss=total / max(n, 1) if not bad else math.nan, images=int(n), finite=not bad,
-                          stop=stop_n > 0, save=save_n > 0, times=times)
+                          stop=int(stop_n), save=save_n > 0, times=times)

@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import time
 from datetime import timedelta
 
@@ -57,7 +58,9 @@ def train(cfg: RunConfig) -> dict:
                            timeout=startup)
     with fail_fast(ctx), _data_workers_named(ctx.rank):
         set_timeout(ctx, startup)  # the job's group; the step timeout follows the first completed step
-        summary = Trainer(cfg, ctx, stop).fit()
+        trainer = Trainer(cfg, ctx, stop)
+        stop.arm()  # after every communicator exists (see StopSignal.arm)
+        summary = trainer.fit()
     stop.close()
     shutdown(ctx)
     return summary
@@ -253,6 +256,11 @@ class Trainer:
             outcome = self._loop()
             if outcome == "stop":
                 return self._preempted()
+            if outcome == "terminate":
+                log.error("rank %d: stopped at step %d on SIGTERM (scancel, or a preemption or time limit without "
+                          "--signal); checkpoint written in %s: submit the job again to resume", self.ctx.rank,
+                          self.step, os.path.join(self.dir, "checkpoints"))
+                return self._summary("terminated")
             self._finish()
             return self._summary("finished")
         finally:
@@ -289,7 +297,7 @@ class Trainer:
             if result.save or result.stop or (every and self.step % every == 0):
                 self._save("signal" if result.stop else "periodic")
             if result.stop:
-                return "stop"
+                return "terminate" if result.stop == 2 else "stop"
         return "done"
 
     def _batches(self):
@@ -301,7 +309,7 @@ class Trainer:
         """Rank 0's (stop, checkpoint now); the step's control all-reduce hands them to every rank."""
         minutes = self.cfg.checkpoint.every_minutes
         due = bool(minutes) and time.monotonic() - self.last_save_time >= 60 * minutes
-        return self.stop.seen, due
+        return self.stop.wish, due
 
     def _diverged(self) -> None:
         last = self.ckpt.checkpoints()[0] if self.ckpt is not None and self.ckpt.checkpoints() else None
@@ -395,5 +403,8 @@ def _pin_worker(data_cpus: tuple[int, ...], worker_id: int) -> None:
     if data_cpus:
         os.sched_setaffinity(0, data_cpus)
     torch.set_num_threads(1)
+    # scancel's SIGTERM reaches every process of the step; the rank stops at the next step and checkpoints,
+    # which needs its workers until then (they exit with it)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
