@@ -515,3 +515,63 @@ def test_fault_matrix_scancel_stops_every_rank_with_a_checkpoint(slurm, data, tm
     assert "Traceback" not in out
     newest = CheckpointManager(str(tmp_path / "term" / "checkpoints")).load_latest()
     assert newest is not None and newest[1]["step"] >= 4
+
+
+def _processes_of(job: str, node: str) -> list[int]:
+    """The job's processes that Slurm node ``node`` started (their environment says so)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job}".encode() in env and f"SLURMD_NODENAME={node}".encode() in env:
+            found.append(int(proc.name))
+    return found
+
+
+def test_fault_matrix_the_second_node_fails_mid_job(two_nodes, data, tmp_path):
+    """Node n2 fails: its slurmd, the step's slurmstepd there and its rank are SIGKILLed (then slurmd starts
+    again, as a rebooted node would). Rank 0 on n1 exits 1 naming rank 1 and node n2, srun ends the step,
+    and the newest checkpoint loads."""
+    from hpcdl.train.checkpoint import CheckpointManager
+
+    run, script = tmp_path / "run", tmp_path / "two.sbatch"
+    made = hpcdl("sbatch", "--profile", "local", "--nodes", 2, "--tasks-per-node", 1, "--time", 5, "--job-name", "node",
+                 "--output", f"{tmp_path}/node-%j.out", "--python", PYTHON, "--write", script, "--",
+                 *args_for(data, run, "--set", "loop.max_steps=2000", "--set", "checkpoint.every_steps=2",
+                           "--set", "loop.timeout_s=10", "--set", "loop.eval_every=0", "--set", "data.workers=0"))
+    assert made.returncode == 0, made.stderr
+    job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(script)], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    try:
+        deadline = time.monotonic() + 180
+        while steps_logged(run) < 4:
+            assert time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.1)
+        tasks = _processes_of(job, "n2")
+        stepds = {int(Path(f"/proc/{pid}/stat").read_text().split()[3]) for pid in tasks}
+        slurmd = subprocess.run(["pgrep", "-f", "slurmd -N n2"], capture_output=True, text=True).stdout.split()
+        assert tasks and slurmd, (tasks, slurmd)
+        for pid in [*map(int, slurmd), *stepds, *tasks]:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        subprocess.run(["/usr/sbin/slurmd", "-N", "n2"], check=True)  # the node comes back
+        out = tmp_path / f"node-{job}.out"
+        while "[rank 0] ERROR" not in (out.read_text() if out.exists() else ""):
+            assert time.monotonic() - killed < 10 + 15, out.read_text()[-3000:]
+            time.sleep(0.2)
+        text = out.read_text()
+        assert "lost rank 1 (host" in text and "Slurm node n2" in text and "Traceback" not in text, text[-3000:]
+        newest = CheckpointManager(str(run / "checkpoints")).load_latest()
+        assert newest is not None and newest[1]["step"] >= 2
+    finally:
+        subprocess.run(["scancel", job], check=False)
+        if not subprocess.run(["pgrep", "-f", "slurmd -N n2"], capture_output=True).stdout:
+            subprocess.run(["/usr/sbin/slurmd", "-N", "n2"], check=False)
+        deadline = time.monotonic() + 90
+        while "n2 idle" not in subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True,
+                                              text=True).stdout:
+            subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], capture_output=True)
+            assert time.monotonic() < deadline, "node n2 did not come back"
+            time.sleep(1)

@@ -43,7 +43,8 @@ class Heartbeat:
         self._last_lost = None  # (when, lost ranks or None) of the last probe that found a problem
         self._store = _client(env, timedelta(seconds=max(10.0, 5 * interval_s)))
         self._store.add(_key("hb", env.rank), 1)
-        self._store.set(_key("who", env.rank), f"host {env.hostname}, pid {os.getpid()}")
+        node = f" (Slurm node {os.environ['SLURMD_NODENAME']})" if os.environ.get("SLURMD_NODENAME") else ""
+        self._store.set(_key("who", env.rank), f"host {env.hostname}{node}, pid {os.getpid()}")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="hpcdl-heartbeat", daemon=True)
         self._thread.start()
