@@ -202,12 +202,12 @@ def _chunk_sparse(state: ChunkSparse, bucket: dist.GradBucket) -> torch.futures.
             else:
                 for p, part in zip(params, sent.split([p.numel() for p in params])):
                     state.sent[p] = part.view(p.shape)
-            future.set_result(grad)
-            if last:
+            if last:  # before the result: once it is set, backward ends and a checkpoint may read the state
                 state.last_step_sent = (state.sent_elements, state.total_elements)
                 state.sent_elements = state.total_elements = 0
                 state.step += 1
                 state.bucketed = True
+            future.set_result(grad)
         except Exception as exc:
             future.set_exception(exc)
 

@@ -49,7 +49,7 @@ class CheckpointManager:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
             raise CheckpointError(_write_failed(path, tmp, state, exc, self.checkpoints())) from None
         finally:
             if os.path.exists(tmp):
@@ -85,11 +85,17 @@ class CheckpointManager:
         return None
 
 
-def _write_failed(path: str, tmp: str, state: dict, exc: OSError, kept: list[str]) -> str:
+def _write_failed(path: str, tmp: str, state: dict, exc: Exception, kept: list[str]) -> str:
     written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
     needed = sum(t.numel() * t.element_size() for t in _tensors(state))
+    fs = os.statvfs(os.path.dirname(path))
+    free = fs.f_bavail * fs.f_frsize
+    why = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[-1]
+    if free < needed:
+        why = f"No space left on device: {free:,} bytes free; torch said: {why}" \
+            if "space" not in why else why
     previous = f"the previous checkpoint {kept[0]} is kept" if kept else "no earlier checkpoint exists"
-    return (f"{path}: the checkpoint could not be written ({exc.strerror or exc}; {written:,} bytes written of "
+    return (f"{path}: the checkpoint could not be written ({why}; {written:,} bytes written of "
             f"about {needed:,}); {previous}. Free space there (or raise the quota), or set run_dir on a "
             "filesystem with room, and run again: it resumes from the last checkpoint")
 
@@ -121,7 +127,7 @@ def save_rank_state(folder: str, step: int, rank: int, state: dict) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         raise CheckpointError(_write_failed(path, tmp, state, exc, [])) from None
     finally:
         if os.path.exists(tmp):
