@@ -41,19 +41,7 @@ class CheckpointManager:
         """Write ``state`` as the checkpoint of ``step``; older ones beyond ``keep`` are removed after. A
         write that fails (a full disk, a quota) leaves the older ones as they were and raises a
         CheckpointError naming the path and the bytes."""
-        path = self.path(step)
-        tmp = os.path.join(self.folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
-            raise CheckpointError(_write_failed(path, tmp, state, exc, self.checkpoints())) from None
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        path = _save_atomically(self.path(step), state, kept=self.checkpoints())
         _fsync_dir(self.folder)
         for old in self.checkpoints()[self.keep:]:
             os.unlink(old)
@@ -119,16 +107,21 @@ def rank_path(checkpoint: str, rank: int) -> str:
 def save_rank_state(folder: str, step: int, rank: int, state: dict) -> str:
     """Write ``rank``'s state for the checkpoint of ``step`` (temporary name, fsync, rename)."""
     os.makedirs(folder, exist_ok=True)
-    path = rank_path(os.path.join(folder, f"ckpt-{step:09d}.pt"), rank)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    return _save_atomically(rank_path(os.path.join(folder, f"ckpt-{step:09d}.pt"), rank), state, kept=[])
+
+
+def _save_atomically(path: str, state: dict, kept: list[str]) -> str:
+    """``torch.save`` to a temporary name beside ``path``, fsync, rename; a CheckpointError naming the path,
+    the bytes and ``kept``'s newest when the write fails."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as exc:
-        raise CheckpointError(_write_failed(path, tmp, state, exc, [])) from None
+    except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
+        raise CheckpointError(_write_failed(path, tmp, state, exc, kept)) from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
