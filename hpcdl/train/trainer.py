@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -69,15 +70,36 @@ def train(cfg: RunConfig) -> dict:
 @contextlib.contextmanager
 def _data_workers_named(rank: int):
     """A DataLoader worker that dies (the OOM killer, most often) surfaces as a RuntimeError from the loader
-    or from torch's SIGCHLD handler, wherever the main thread is: name it as the data's, with the fix."""
+    or from torch's SIGCHLD handler, wherever the main thread is, or as a ConnectionError when it dies
+    handing a batch over: name it as the data's, with the fix."""
     try:
         yield
-    except RuntimeError as exc:
-        if "DataLoader worker" not in str(exc):
-            raise
-        first = str(exc).strip().splitlines()[0]
-        raise DataError(f"rank {rank}: {first}; the OOM killer is the usual cause (the node's dmesg says): lower "
-                        "data.workers or the per-rank batch, or ask Slurm for more memory per task") from None
+        return
+    except (RuntimeError, ConnectionError, EOFError) as exc:
+        error = exc
+    for _ in range(3):  # torch's SIGCHLD handler can raise again while this runs: take its error instead
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            named = _worker_death(error, rank)
+            break
+        except RuntimeError as again:
+            error = again
+    else:
+        named = None
+    if named is None:
+        raise error
+    raise named from None
+
+
+def _worker_death(exc: BaseException, rank: int) -> DataError | None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if "DataLoader worker" not in str(exc) and not any("torch/utils/data/" in f.filename for f in frames):
+        return None
+    first = (str(exc).strip().splitlines() or [""])[0]
+    what = first if "DataLoader worker" in first else \
+        f"a DataLoader worker died while handing over a batch ({type(exc).__name__}: {first})"
+    return DataError(f"rank {rank}: {what}; the OOM killer is the usual cause (the node's dmesg says): lower "
+                     "data.workers or the per-rank batch, or ask Slurm for more memory per task")
 
 
 def run_dir(cfg: RunConfig) -> str:
