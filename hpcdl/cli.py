@@ -113,8 +113,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from hpcdl.dist.affinity import allocator_exports, allocator_in_use, plan_cpus
-    from hpcdl.dist.env import discover
+    from hpcdl.distributed.affinity import allocator_exports, allocator_in_use, plan_cpus
+    from hpcdl.distributed.env import discover
 
     if args.exports:
         sys.stdout.write(allocator_exports(args.allocator))
@@ -131,7 +131,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from hpcdl.dist.env import discover
+    from hpcdl.distributed.env import discover
 
     # One write: under mpiexec the ranks share stdout, and print's separate newline can land after
     # another rank's line when Python runs unbuffered.
@@ -141,7 +141,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_ccl(args: argparse.Namespace) -> int:
-    from hpcdl.dist import ccl_runtime
+    from hpcdl.distributed import ccl_runtime
 
     if args.action == "install":
         root = ccl_runtime.install(Path(args.prefix) if args.prefix else None,
@@ -171,7 +171,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_allreduce(args: argparse.Namespace) -> int:
-    from hpcdl.perf.allreduce import bench
+    from hpcdl.bench.allreduce import bench
 
     report = bench(backend=args.backend, backends=args.backends, timeout_s=args.timeout,
                    startup_timeout_s=args.startup_timeout,
@@ -185,7 +185,7 @@ def cmd_bench_allreduce(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_data(args: argparse.Namespace) -> int:
-    from hpcdl.perf.data import DataBenchConfig, bench, format_report
+    from hpcdl.bench.data import DataBenchConfig, bench, format_report
 
     report = bench(DataBenchConfig(src=args.src, images=args.images, classes=args.classes,
                                    short_side=args.short_side, workers=args.workers, batch_size=args.batch_size,
@@ -195,7 +195,7 @@ def cmd_bench_data(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_optim(args: argparse.Namespace) -> int:
-    from hpcdl.perf.optim import OptimBenchConfig, bench, format_report
+    from hpcdl.bench.optim import OptimBenchConfig, bench, format_report
 
     sys.stdout.write(format_report(bench(OptimBenchConfig(model=args.model, steps=args.steps, rounds=args.rounds,
                                                           threads=args.threads))))
@@ -203,7 +203,7 @@ def cmd_bench_optim(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_step(args: argparse.Namespace) -> int:
-    from hpcdl.perf.step import StepBenchConfig, bench, format_report
+    from hpcdl.bench.step import StepBenchConfig, bench, format_report
 
     cfg = StepBenchConfig(model=args.model, batch=args.batch, crop=args.crop, steps=args.steps, rounds=args.rounds,
                           tuning_model=args.tuning_model, tuning_batch=args.tuning_batch, tuning_crop=args.tuning_crop,
@@ -219,8 +219,8 @@ def cmd_bench_step(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_sync(args: argparse.Namespace) -> int:
-    from hpcdl.dist.process_group import backend_groups, init_distributed, shutdown
-    from hpcdl.perf.sync import SyncBenchConfig, bench, bucket_spec, format_comparison, format_report
+    from hpcdl.distributed.process_group import backend_groups, init_distributed, shutdown
+    from hpcdl.bench.sync import SyncBenchConfig, bench, bucket_spec, format_comparison, format_report
 
     caps = {k: v for k, v in (("bucket_cap_mb", args.bucket_cap_mb), ("first_bucket_mb", args.first_bucket_mb))
             if v is not None}
@@ -249,8 +249,8 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
 def cmd_bench_scaling(args: argparse.Namespace) -> int:
     from datetime import timedelta
 
-    from hpcdl.dist.process_group import init_distributed, shutdown
-    from hpcdl.perf.scaling import ScalingBenchConfig, run
+    from hpcdl.distributed.process_group import init_distributed, shutdown
+    from hpcdl.bench.scaling import ScalingBenchConfig, run
 
     cfg = ScalingBenchConfig(model=args.model, batch=args.batch, global_batch=args.global_batch, crop=args.crop,
                              steps=args.steps, warmup=args.warmup, rounds=args.rounds, ranks=_ints(args.ranks, "--ranks"),
@@ -274,14 +274,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hpcdl.utils import atomic_write_text
 
     if args.validate:
-        from hpcdl.perf.validate import format_validation, validate
+        from hpcdl.plan.validate import format_validation, validate
 
         rows = validate()
         print(format_validation(rows))
         if args.json:
             atomic_write_text(args.json, json.dumps(rows, indent=1) + "\n")
         return 0
-    from hpcdl.perf.plan import PlanInputs, format_plan, plan, plot
+    from hpcdl.plan.planner import PlanInputs, format_plan, plan, plot
 
     if not args.nodes or not args.batch:
         raise HpcdlError("hpcdl plan needs --nodes and --batch (or --validate)")
@@ -327,7 +327,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_large_batch(args: argparse.Namespace) -> int:
-    from hpcdl.perf.largebatch import LargeBatchConfig, bench, format_report
+    from hpcdl.bench.largebatch import LargeBatchConfig, bench, format_report
 
     report = bench(LargeBatchConfig(epochs=args.epochs, seeds=args.seeds))
     sys.stdout.write(format_report(report))
@@ -374,7 +374,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     from hpcdl.data.stage import stage
-    from hpcdl.dist.env import discover
+    from hpcdl.distributed.env import discover
 
     local_rank = discover().local_rank
     print(stage(args.root, args.dest, local_rank, timeout_s=args.timeout))
@@ -645,7 +645,7 @@ def _one_rank_of_many() -> bool:
 
 
 def _rank_for_logging() -> int:
-    from hpcdl.dist.env import LAUNCHERS
+    from hpcdl.distributed.env import LAUNCHERS
 
     row = next((r for r in LAUNCHERS if r.marker in os.environ), None)
     value = os.environ.get(row.rank, "0") if row else "0"

@@ -15,11 +15,10 @@ from typing import Callable
 
 from hpcdl import names
 from hpcdl.errors import ConfigError
-from hpcdl.names import check
+from hpcdl.names import IMAGENET_TRAIN, check
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.schedule import ScheduleConfig, steps_per_epoch
 
-IMAGENET_TRAIN = 1_281_167
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,7 +71,7 @@ class LoopConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SyncConfig:
-    """Gradient synchronization (hpcdl.dist.sync, hpcdl.dist.hooks)."""
+    """Gradient synchronization (hpcdl.distributed.sync, hpcdl.distributed.hooks)."""
 
     hook: str = "none"  # none | fp16 | bf16 | hierarchical | chunk_sparse
     # DDP's buckets: gradients are all-reduced in buckets of bucket_cap_mb MB, the first (the last layers,

@@ -26,6 +26,8 @@ IPEX = ("auto", "off")
 ALLOCATORS = ("jemalloc", "tcmalloc", "glibc")  # and "auto", "none"
 LAYOUTS = ("imagenet-train", "imagenet-val", "imagenet22k-tars", "folder")
 
+IMAGENET_TRAIN = 1_281_167  # ImageNet-1K (ILSVRC2012) training images: the presets' and the planner's default
+
 
 def check(field: str, value, choices, fix: str = "") -> None:
     """A ConfigError naming ``field``, ``value`` and the valid names when ``value`` is not one of them."""

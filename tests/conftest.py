@@ -150,7 +150,7 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def ccl():
     """hpcdl's oneCCL runtime (make venv runs 'hpcdl ccl install'); in CI its absence fails."""
-    from hpcdl.dist.ccl_runtime import find_runtime
+    from hpcdl.distributed.ccl_runtime import find_runtime
     from hpcdl.errors import ConfigError
 
     try:

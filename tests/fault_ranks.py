@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-import hpcdl.dist.sync
+import hpcdl.distributed.sync
 import hpcdl.train.checkpoint as checkpoint
 import hpcdl.train.step
 import hpcdl.train.trainer as trainer
@@ -80,7 +80,7 @@ trainer.evaluate = fault("eval")(trainer.evaluate)
 trainer.Trainer._prepare = fault("data", on_call=5)(trainer.Trainer._prepare)
 step = hpcdl.train.step.Stepper.step
 hpcdl.train.step.Stepper.step = fault("step3", on_call=3)(fault("first_step")(step))
-hpcdl.dist.sync._timed = fault("allreduce", on_call=9)(hpcdl.dist.sync._timed)  # a bucket of step 5 (2 a step)
+hpcdl.distributed.sync._timed = fault("allreduce", on_call=9)(hpcdl.distributed.sync._timed)  # a bucket of step 5 (2 a step)
 criterion = trainer.RunConfig.criterion
 trainer.RunConfig.criterion = lambda self: fault("forward", on_call=5)(criterion(self))
 checkpoint.torch.save = half_written_save(checkpoint.torch.save)

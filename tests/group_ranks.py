@@ -12,8 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hpcdl.dist.env import rank_and_world
-from hpcdl.dist.process_group import init_distributed, shutdown
+from hpcdl.distributed.env import rank_and_world
+from hpcdl.distributed.process_group import init_distributed, shutdown
 from hpcdl.log import setup_logging
 
 out, backend = sys.argv[1], sys.argv[2]

@@ -5,8 +5,8 @@ Slow, and for the test of that claim only (``group_ranks.py OUT store``); import
 import torch
 import torch.distributed as dist
 
-from hpcdl.dist.backend import BACKENDS, Backend
-from hpcdl.dist.threaded import CommThread, ThreadedProcessGroup
+from hpcdl.distributed.backend import BACKENDS, Backend
+from hpcdl.distributed.threaded import CommThread, ThreadedProcessGroup
 
 _REDUCE = {"SUM": lambda s: s.sum(0), "MAX": lambda s: s.amax(0), "MIN": lambda s: s.amin(0),
            "PRODUCT": lambda s: s.prod(0)}

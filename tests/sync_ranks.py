@@ -12,9 +12,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hpcdl.dist.env import rank_and_world
-from hpcdl.dist.process_group import init_distributed, shutdown
-from hpcdl.dist.sync import data_parallel
+from hpcdl.distributed.env import rank_and_world
+from hpcdl.distributed.process_group import init_distributed, shutdown
+from hpcdl.distributed.sync import data_parallel
 from hpcdl.log import setup_logging
 
 out, backend, hook = sys.argv[1:4]

@@ -3,9 +3,9 @@ import sys
 
 import pytest
 
-from hpcdl.dist.affinity import plan_cpus
-from hpcdl.dist.backend import AUTO_ORDER, BACKENDS, ccl_environment, choose_backend, interface_to
-from hpcdl.dist.env import discover
+from hpcdl.distributed.affinity import plan_cpus
+from hpcdl.distributed.backend import AUTO_ORDER, BACKENDS, ccl_environment, choose_backend, interface_to
+from hpcdl.distributed.env import discover
 from hpcdl.errors import ConfigError
 
 
@@ -19,7 +19,7 @@ def test_auto_picks_ccl_when_its_runtime_loads_and_gloo_otherwise(ccl):
 @pytest.mark.parametrize("name, library", [("gloo", "gloo"), ("mpi", "MPICH"), ("ccl", "oneCCL 2022.2.0")])
 def test_every_row_checks_and_names_its_library(name, library, ccl, mpiexec):
     # a fresh process each: a process that loaded oneCCL first cannot load the mpich wheel's MPI (docs/communication.md)
-    code = f"from hpcdl.dist.backend import choose_backend; r, c = choose_backend({name!r}); print(r.torch_name, c.reason)"
+    code = f"from hpcdl.distributed.backend import choose_backend; r, c = choose_backend({name!r}); print(r.torch_name, c.reason)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(f"{BACKENDS[name].torch_name} requested: ") and library in run.stdout

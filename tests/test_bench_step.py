@@ -5,7 +5,7 @@ import os
 import subprocess
 
 from conftest import PYTHON
-from hpcdl.dist.affinity import allocator_env
+from hpcdl.distributed.affinity import allocator_env
 
 
 def test_bench_step_compares_both_pairs_and_tunes_only_the_tuned_side(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import IN_CI, PYTHON, REPO
-from hpcdl.dist import ccl_runtime
+from hpcdl.distributed import ccl_runtime
 
 
 def hpcdl(*args, env=None):
@@ -80,7 +80,7 @@ def test_a_process_that_leaves_without_destroying_its_groups_exits_with_its_stat
     """oneCCL hangs at exit with a live communicator; the communication thread destroys what is left."""
     from conftest import free_port, rank_env
 
-    code = ("import torch, torch.distributed as dist\nfrom hpcdl.dist.process_group import init_distributed, set_timeout\n"
+    code = ("import torch, torch.distributed as dist\nfrom hpcdl.distributed.process_group import init_distributed, set_timeout\n"
             "from datetime import timedelta\nctx = init_distributed('ccl')\nset_timeout(ctx, timedelta(seconds=30))\n"
             "t = torch.ones(2)\ndist.all_reduce(t)\nraise SystemExit(3)\n")
     run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
@@ -96,7 +96,7 @@ def test_a_stale_shm_file_named_with_the_ranks_pid_does_not_stop_it(ccl, tmp_pat
     from conftest import free_port, rank_env
 
     code = ("import os, torch, torch.distributed as dist\n"
-            "from hpcdl.dist.process_group import init_distributed\n"
+            "from hpcdl.distributed.process_group import init_distributed\n"
             "from hpcdl.log import setup_logging\nsetup_logging(0, verbose=True)\n"
             "stale = f'/dev/shm/{os.getpid()}:{os.getuid()}:0'\n"
             "open(stale, 'wb').write(os.urandom(4096))\n"

@@ -183,7 +183,7 @@ def test_staging_copies_once_and_the_other_local_rank_waits(packed, tmp_path):
 
 
 def test_bench_data_counts_files_opened_per_epoch(tmp_path):
-    from hpcdl.perf.data import DataBenchConfig, bench, format_report
+    from hpcdl.bench.data import DataBenchConfig, bench, format_report
 
     report = bench(DataBenchConfig(images=48, classes=4, rounds=2, batch_size=8, json_path=str(tmp_path / "r.json")))
     rows = {r["reader"]: r for r in report["rows"]}

@@ -45,8 +45,8 @@ def test_the_requeue_signal_is_checked_when_the_config_is_built():
 def test_the_implementations_are_the_tables():
     """Each registry of implementations is keyed by its table (hpcdl.names.registry refuses drift at import)."""
     from hpcdl.data.sources import LAYOUTS
-    from hpcdl.dist.affinity import ALLOCATOR_CHOICES
-    from hpcdl.dist.backend import BACKENDS
+    from hpcdl.distributed.affinity import ALLOCATOR_CHOICES
+    from hpcdl.distributed.backend import BACKENDS
     from hpcdl.models import MODELS
     from hpcdl.optim.factory import OPTIMIZERS
 
@@ -59,7 +59,7 @@ def test_the_implementations_are_the_tables():
 
 
 def test_the_planners_model_facts_are_the_counted_ones():
-    from hpcdl.perf.plan import MODEL_FACTS, model_facts
+    from hpcdl.plan.facts import MODEL_FACTS, model_facts
 
     assert {n: model_facts(n, count=True) for n in names.MODELS} == MODEL_FACTS
 

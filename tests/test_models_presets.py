@@ -81,7 +81,7 @@ def test_mlperf_lr_rule_and_stampede2_variants():
 
 
 def test_bench_optim_times_each_optimizer_on_the_same_model():
-    from hpcdl.perf.optim import CASES, OptimBenchConfig, bench, format_report
+    from hpcdl.bench.optim import CASES, OptimBenchConfig, bench, format_report
 
     report = bench(OptimBenchConfig(model="resnet18", steps=2, rounds=2))
     assert set(report["ms_per_step"]) == set(CASES) and report["ratio_to_sgd"]["sgd"] == 1.0
@@ -90,7 +90,7 @@ def test_bench_optim_times_each_optimizer_on_the_same_model():
 
 
 def test_bench_large_batch_trains_the_three_recipes():
-    from hpcdl.perf.largebatch import LargeBatchConfig, bench
+    from hpcdl.bench.largebatch import LargeBatchConfig, bench
 
     report = bench(LargeBatchConfig(epochs=3, seeds=1))
     rows = {r["recipe"]: r for r in report["rows"]}

@@ -13,10 +13,11 @@ from hpcdl.errors import ConfigError
 from hpcdl.launch import job_request
 from hpcdl.launch.profiles import get_profile
 from hpcdl.launch.sbatch import render_sbatch
-from hpcdl.perf.model import BatchCurve, Link, StepModel
-from hpcdl.perf.plan import PlanInputs, calibrate, figure, link_from_allreduce, model_facts, plan
-from hpcdl.perf.published import PUBLISHED
-from hpcdl.perf.validate import CALIBRATION, carried_compute, validate
+from hpcdl.plan.model import BatchCurve, Link, StepModel
+from hpcdl.plan.facts import model_facts
+from hpcdl.plan.planner import PlanInputs, calibrate, figure, link_from_allreduce, plan
+from hpcdl.plan.published import PUBLISHED
+from hpcdl.plan.validate import CALIBRATION, carried_compute, validate
 
 # The rows the model misses, and why (docs/scaling.md, "Validation"). Each is a strict xfail: a change that
 # brings one within its bound fails here until the docs and this list are updated.

@@ -10,7 +10,7 @@ import pytest
 from conftest import PYTHON, REPO, load_json, sbatch_wait
 from hpcdl.launch import job_request, submit
 from hpcdl.launch.sbatch import render_sbatch
-from hpcdl.perf.allreduce import bench
+from hpcdl.bench.allreduce import bench
 
 QUICK = dict(max_bytes="64K", seconds_per_size=0.02, heartbeat_s=0.5)
 

@@ -101,7 +101,7 @@ def test_chunk_sparse_trains_as_well_as_dense(mpiexec, demo_data, tmp_path):
 def test_hold_back_leaves_unsent_positions_to_a_later_step():
     import torch
 
-    from hpcdl.dist.hooks import ChunkSparse
+    from hpcdl.distributed.hooks import ChunkSparse
     from hpcdl.optim.lars import LARS
 
     def stepped(hold: bool):

@@ -73,7 +73,7 @@ def detect_part(spec: str | None, environ=os.environ) -> tuple[int, int]:
             raise ConfigError(f"the Slurm array {lo}-{hi} has gaps or a step; pack with a contiguous "
                               f"--array={lo}-{hi}, or give --part i/n")
         return int(environ["SLURM_ARRAY_TASK_ID"]) - lo, hi - lo + 1
-    from hpcdl.dist.env import rank_and_world
+    from hpcdl.distributed.env import rank_and_world
 
     return rank_and_world(environ)  # no rendezvous needed: mpiexec across nodes works without MASTER_ADDR
 

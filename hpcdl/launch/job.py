@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 
-from hpcdl.dist.affinity import ALLOCATOR_CHOICES
+from hpcdl.distributed.affinity import ALLOCATOR_CHOICES
 from hpcdl.errors import ConfigError
 from hpcdl.launch.profiles import ClusterProfile, get_profile
 from hpcdl.utils import format_duration, parse_duration

@@ -43,8 +43,8 @@ class ClusterProfile:
         return self.cores_per_node * self.clock_ghz * self.fp32_flops_per_cycle / 1e3
 
     def network_link(self):
-        """The fabric as an alpha-beta :class:`hpcdl.perf.model.Link`."""
-        from hpcdl.perf.model import Link
+        """The fabric as an alpha-beta :class:`hpcdl.plan.model.Link`."""
+        from hpcdl.plan.model import Link
 
         if self.network_latency_us is None or self.network_gb_s is None:
             raise ConfigError(f"profile {self.name} has no network latency and bandwidth; measure them with hpcdl "

@@ -23,7 +23,7 @@ class TrainJob(submitit.helpers.Checkpointable):
         self.config, self.overrides = config, list(overrides)
 
     def __call__(self) -> dict:
-        from hpcdl.dist.env import rank_and_world
+        from hpcdl.distributed.env import rank_and_world
         from hpcdl.log import setup_logging
         from hpcdl.train.trainer import train
 

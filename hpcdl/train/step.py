@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from hpcdl.dist.sync import CommTimer
+from hpcdl.distributed.sync import CommTimer
 
 PHASES = ("data", "forward", "backward", "comm_wait", "optimizer")
 

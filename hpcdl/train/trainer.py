@@ -1,7 +1,7 @@
 """The trainer: wires data, model, optimizer, gradient sync, checkpoints and signals; owns none of them.
 
 :func:`train` runs one config on the ranks of the job it is started in (srun, mpiexec, torchrun,
-submitit or a single process: :mod:`hpcdl.dist.env` tells them apart). It resumes from the newest
+submitit or a single process: :mod:`hpcdl.distributed.env` tells them apart). It resumes from the newest
 readable checkpoint in the run folder, so a requeued job simply runs again.
 """
 
@@ -25,10 +25,10 @@ from hpcdl.config import RunConfig, dump_yaml
 from hpcdl.data.dataset import ShardDataset
 from hpcdl.data.sampler import DistributedShardSampler
 from hpcdl.data.transforms import EvalTransform, TrainTransform, normalize_batch
-from hpcdl.dist.affinity import allocator_in_use
-from hpcdl.dist.process_group import DistContext, fail_fast, init_distributed, new_subgroup, set_timeout, shutdown
-from hpcdl.dist.hooks import ChunkSparse
-from hpcdl.dist.sync import data_parallel
+from hpcdl.distributed.affinity import allocator_in_use
+from hpcdl.distributed.process_group import DistContext, fail_fast, init_distributed, new_subgroup, set_timeout, shutdown
+from hpcdl.distributed.hooks import ChunkSparse
+from hpcdl.distributed.sync import data_parallel
 from hpcdl.errors import ConfigError, DataError, TrainingDiverged
 from hpcdl.models import build_model
 from hpcdl.optim.factory import build_optimizer

@@ -17,8 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpcdl.dist.affinity import allocator_in_use
-from hpcdl.dist.process_group import DistContext, backend_groups, fail_fast, init_distributed, set_timeout, shutdown
+from hpcdl.distributed.affinity import allocator_in_use
+from hpcdl.distributed.process_group import DistContext, backend_groups, fail_fast, init_distributed, set_timeout, shutdown
 from hpcdl.errors import ConfigError
 from hpcdl.utils import atomic_write_text, format_bytes, parse_bytes
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from hpcdl.dist.env import RankEnv
+from hpcdl.distributed.env import RankEnv
 from hpcdl.names import HOOKS, check
 
 __all__ = ["HOOKS", "ChunkSparse", "Hierarchy", "make_hook", "node_groups", "sparse_allreduce"]
@@ -49,7 +49,7 @@ def node_groups(env: RankEnv, backend: str | None = None, new_group=None) -> Hie
     (default: ``dist.new_group`` on ``backend``; the trainer's keeps them under the job's timeouts).
 
     Nodes are the launcher's (``SLURM_NODEID`` under srun; block placement under mpiexec, see
-    :mod:`hpcdl.dist.env`), so several slurmd on one host count as the nodes Slurm says they are.
+    :mod:`hpcdl.distributed.env`), so several slurmd on one host count as the nodes Slurm says they are.
     """
     placed = [None] * env.world_size
     dist.all_gather_object(placed, env.node_rank)

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from hpcdl.config import SyncConfig
-from hpcdl.dist.env import RankEnv
-from hpcdl.dist.hooks import ChunkSparse
-from hpcdl.dist.sync import data_parallel
+from hpcdl.distributed.env import RankEnv
+from hpcdl.distributed.hooks import ChunkSparse
+from hpcdl.distributed.sync import data_parallel
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
 
@@ -259,8 +259,8 @@ def _bare_group(group):
     """For the latency floor only: a group of ``group``'s ranks on a Python backend whose all-reduce is
     nothing but MPI's (no op, dtype or layout checks, no queue, no timeout): what any Python backend
     pays for torch.distributed's dispatch. Not a backend to train with."""
-    from hpcdl.dist.mpi import MPIProcessGroup
-    from hpcdl.dist.threaded import _DoneWork
+    from hpcdl.distributed.mpi import MPIProcessGroup
+    from hpcdl.distributed.threaded import _DoneWork
 
     class BareMPI(MPIProcessGroup):
         def allreduce(self, tensors, opts):
@@ -307,7 +307,7 @@ def _raw_oneccl(group, x: torch.Tensor):
     """For a oneccl group: ``loop(n)`` makes n one-float onecclAllReduce calls in a row on the group's
     communication thread (oneCCL must be called from that one), so no hand-off is timed: oneCCL's own latency
     through ctypes. None for other backends."""
-    from hpcdl.dist.ccl import CCLProcessGroup
+    from hpcdl.distributed.ccl import CCLProcessGroup
 
     pg = group if group is not None else dist.group.WORLD
     if not isinstance(pg, CCLProcessGroup):

@@ -2,11 +2,11 @@
 without Intel's end-of-life torch-ccl bindings.
 
 Registered as ``oneccl`` (``--backend ccl`` selects it). The library comes from
-:mod:`hpcdl.dist.ccl_runtime`. Each group's communicator is created from a unique id that the group's
+:mod:`hpcdl.distributed.ccl_runtime`. Each group's communicator is created from a unique id that the group's
 rank 0 makes and the others read from the group's rendezvous store (oneCCL's id carries rank 0's
 key-value-store address; no PMI and no MPI launcher are needed). oneCCL reduces fp16 and bf16 itself;
 AVG (which oneCCL's CPU plugin rejects) is a sum divided by the size, and the barrier a one-element
-all-reduce, both from :mod:`hpcdl.dist.threaded`.
+all-reduce, both from :mod:`hpcdl.distributed.threaded`.
 
 oneCCL must be called from one thread per process (two communicators used from two threads at once
 crash it), so every group of a process shares one :class:`CommThread` and nothing runs inline. oneCCL
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpcdl.dist import ccl_runtime
-from hpcdl.dist.threaded import CommThread, ThreadedProcessGroup
+from hpcdl.distributed import ccl_runtime
+from hpcdl.distributed.threaded import CommThread, ThreadedProcessGroup
 from hpcdl.utils import before_leaving
 
 __all__ = ["BACKEND_NAME", "CCLProcessGroup", "register"]

@@ -1,6 +1,6 @@
 """``hpcdl plan``: a job's step time, epoch time, time to train and efficiency at each node count.
 
-The model is :class:`hpcdl.perf.model.StepModel`. Its inputs, and where each comes from:
+The model is :class:`hpcdl.plan.model.StepModel`. Its inputs, and where each comes from:
 
 - per-node compute: images/s against the node's batch, given (``--throughput``), from ``hpcdl bench step
   --json`` (its tuned node, and its throughput-vs-batch curve when it measured one), or fitted from
@@ -10,7 +10,7 @@ The model is :class:`hpcdl.perf.model.StepModel`. Its inputs, and where each com
 - the all-reduce algorithm, the overlap with backward, and the data-loading capacity per node: flags,
   or (overlap, backward's share of compute) fitted by ``--calibrate``.
 
-``--validate`` checks the model against published runs (:mod:`hpcdl.perf.published`).
+``--validate`` checks the model against published runs (:mod:`hpcdl.plan.published`).
 """
 
 from __future__ import annotations
@@ -21,58 +21,12 @@ import math
 import statistics
 
 from hpcdl.errors import ConfigError, DataError
-from hpcdl.perf.model import BatchCurve, Link, StepModel, allreduce_cost
+from hpcdl.plan.facts import ModelFacts, model_facts
+from hpcdl.plan.model import BACKWARD_SHARE, BatchCurve, Link, StepModel, allreduce_cost
+from hpcdl.plan.validate import CALIBRATION, carried_compute
 
-__all__ = ["IMAGENET_TRAIN", "Calibration", "ModelFacts", "PlanInputs", "calibrate", "curve_from_step", "figure", "format_plan",
-           "link_from_allreduce", "model_facts", "plan", "plot"]
-
-IMAGENET_TRAIN = 1_281_167  # ImageNet-1K (ILSVRC2012) training images
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ModelFacts:
-    name: str
-    gradient_bytes: int  # fp32 gradients, one per parameter
-    train_flops: float  # per image, forward and backward, at the model's crop (a multiply-add is 2)
-    buckets: int  # DDP's all-reduces per step at hpcdl's bucket sizes
-
-
-# model_facts(name, count=True) for every model, so that planning needs no torch (a login node);
-# tests/test_plan.py recounts them.
-MODEL_FACTS = {f.name: f for f in (
-    ModelFacts("alexnet_bn", 249_522_336, 6_600_706_176.0, 11),
-    ModelFacts("resnet18", 46_758_048, 10_648_412_160.0, 3),
-    ModelFacts("resnet50", 102_228_128, 24_299_077_632.0, 5),
-    ModelFacts("resnet101", 178_196_640, 46_572_404_736.0, 8),
-    ModelFacts("tiny_cnn", 152_544, 9_039_360.0, 1),
-)}
-
-
-def model_facts(name: str, count: bool = False) -> ModelFacts:
-    """The model's gradient bytes, training flops and buckets: from :data:`MODEL_FACTS`, or with ``count``
-    counted on the meta device (no memory, no arithmetic; needs torch)."""
-    from hpcdl.names import MODELS, check
-
-    check("model", name, MODELS)
-    if not count:
-        return MODEL_FACTS[name]
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from hpcdl.config import SyncConfig
-    from hpcdl.models import MODELS, build_model
-
-    with torch.device("meta"):
-        net = build_model(name)
-        x = torch.empty(2, 3, MODELS[name].crop, MODELS[name].crop)
-    with FlopCounterMode(display=False) as counter:
-        net(x).sum().backward()
-    grad = sum(p.numel() for p in net.parameters()) * 4
-    sync = SyncConfig()
-    first = min(sync.first_bucket_mb or sync.bucket_cap_mb, sync.bucket_cap_mb) * 2 ** 20
-    buckets = 1 + math.ceil(max(0.0, grad - first) / (sync.bucket_cap_mb * 2 ** 20))
-    return ModelFacts(name, grad, counter.get_total_flops() / 2, buckets)
-
+__all__ = ["Calibration", "PlanInputs", "calibrate", "curve_from_step", "figure", "format_plan", "link_from_allreduce",
+           "plan", "plot"]
 
 def link_from_allreduce(report: dict) -> Link:
     """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times, each a ring of its
@@ -144,7 +98,7 @@ def calibrate(report: dict, network: Link, algorithm: str = "ring", messages: in
     singles = [p for p in report["points"] if p["ranks"] == 1]
     share = statistics.median(p["phases_ms"]["backward"] / (p["phases_ms"]["forward"] + p["phases_ms"]["backward"]
                                                             + p["phases_ms"]["optimizer"]) for p in singles) \
-        if singles else 2 / 3
+        if singles else BACKWARD_SHARE
     overlaps = []
     for p in full:
         if p["ranks"] < 2:
@@ -310,17 +264,15 @@ class PlanInputs:
         """(the node's compute curve, ranks per node or None, overlap, backward's share, where they came from)."""
         overlap = 0.0 if self.overlap is None else self.overlap
         if not (self.step_json or self.throughput or self.calibrate_json):
-            from hpcdl.perf.validate import CALIBRATION, carried_compute
-
             ips = carried_compute(facts, profile)
-            return (BatchCurve(((1.0, ips),)), self.ranks_per_node, overlap, 2 / 3,
+            return (BatchCurve(((1.0, ips),)), self.ranks_per_node, overlap, BACKWARD_SHARE,
                     f"compute carried from the published {CALIBRATION} run by training FLOPs and the node's nominal "
                     f"peak (as hpcdl plan --validate does; measure with --step-json to replace it)")
         if self.step_json:
             curve = curve_from_step(read_json(self.step_json, "an hpcdl bench step report"))
-            return curve, self.ranks_per_node, overlap, 2 / 3, f"compute from {self.step_json}"
+            return curve, self.ranks_per_node, overlap, BACKWARD_SHARE, f"compute from {self.step_json}"
         if self.throughput:
-            return parse_throughput(self.throughput), self.ranks_per_node, overlap, 2 / 3, "compute given (--throughput)"
+            return parse_throughput(self.throughput), self.ranks_per_node, overlap, BACKWARD_SHARE, "compute given (--throughput)"
         cal = calibrate(read_json(self.calibrate_json, "an hpcdl bench scaling report"), network, self.algorithm,
                         facts.buckets, intra)
         note = (f"compute and overlap fitted to {self.calibrate_json}: overlap {cal.overlap:.2f}, backward "

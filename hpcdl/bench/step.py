@@ -113,7 +113,7 @@ def overhead(cfg: StepBenchConfig) -> dict:
 
 
 def _child_env(tuned: bool) -> dict[str, str]:
-    from hpcdl.dist.affinity import allocator_env
+    from hpcdl.distributed.affinity import allocator_env
 
     env = {k: v for k, v in os.environ.items() if k not in TUNING_VARS}
     if tuned:
@@ -127,7 +127,7 @@ def _node_round(cfg: StepBenchConfig, tuned: bool) -> dict:
     for local_rank in range(cfg.ranks_per_node):
         spec = {"tuned": tuned, "model": cfg.tuning_model, "batch": cfg.tuning_batch, "crop": cfg.tuning_crop,
                 "steps": cfg.tuning_steps, "local_rank": local_rank, "local_size": cfg.ranks_per_node}
-        procs.append(subprocess.Popen([sys.executable, "-m", "hpcdl.perf.step", json.dumps(spec)], text=True,
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpcdl.bench.step", json.dumps(spec)], text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env(tuned)))
     results = []
     for p in procs:
@@ -141,7 +141,7 @@ def _node_round(cfg: StepBenchConfig, tuned: bool) -> dict:
 
 def child(spec: dict) -> dict:
     """One rank's throughput; tuned: hpcdl's CPU plan for this local rank (its cores, one thread each)."""
-    from hpcdl.dist.affinity import allocator_in_use, apply_cpu_plan, plan_cpus
+    from hpcdl.distributed.affinity import allocator_in_use, apply_cpu_plan, plan_cpus
 
     if spec["tuned"]:
         apply_cpu_plan(plan_cpus(local_rank=spec["local_rank"], local_size=spec["local_size"]))

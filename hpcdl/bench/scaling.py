@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpcdl.dist.process_group import DistContext, fail_fast, set_timeout
+from hpcdl.distributed.process_group import DistContext, fail_fast, set_timeout
 from hpcdl.errors import ConfigError
 from hpcdl.train.step import PHASES
 from hpcdl.utils import atomic_write_text, cpu_model
@@ -144,10 +144,10 @@ def _stepper(ctx: DistContext, cfg: ScalingBenchConfig, batch: int, group):
     """A fresh model on ``group`` (DDP with hpcdl's defaults; the model alone on one rank) and a function that
     runs one timed step of it."""
     from hpcdl.config import SyncConfig
-    from hpcdl.dist.sync import data_parallel
+    from hpcdl.distributed.sync import data_parallel
     from hpcdl.models import MODELS
     from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
-    from hpcdl.perf.step import synthetic_training
+    from hpcdl.bench.step import synthetic_training
     from hpcdl.train.step import Stepper
 
     model, optimizer, criterion, x, y = synthetic_training(cfg.model, batch, cfg.crop or MODELS[cfg.model].crop)
@@ -194,7 +194,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 def _meta(ctx: DistContext, cfg: ScalingBenchConfig, nodes: list[int]) -> dict:
     from hpcdl.models import MODELS
-    from hpcdl.perf.plan import model_facts
+    from hpcdl.plan.facts import model_facts
 
     return {"benchmark": "scaling", "model": cfg.model, "crop": cfg.crop or MODELS[cfg.model].crop,
             "gradient_bytes": model_facts(cfg.model).gradient_bytes, "backend": ctx.backend.name, "world_size": ctx.world_size,

@@ -5,7 +5,7 @@ has, so this registers as ``mpi4py`` (``--backend mpi`` selects it). It runs on 
 was built against: the MPICH or Open MPI wheels from PyPI, or a cluster's Intel MPI or MVAPICH.
 
 The queue, the communication thread (one per group), the watchdog and the error messages are
-:mod:`hpcdl.dist.threaded`'s. Small collectives run on the caller's thread when nothing is queued: both
+:mod:`hpcdl.distributed.threaded`'s. Small collectives run on the caller's thread when nothing is queued: both
 paths use MPI's nonblocking calls, because MPI does not match a nonblocking collective on one rank with
 a blocking one on another and ranks choose their path independently; the inline one polls its request
 against the timeout, so a lost peer still fails it. The thread's lock keeps MPI calls from two threads
@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpcdl.dist.threaded import CommThread, ThreadedProcessGroup
+from hpcdl.distributed.threaded import CommThread, ThreadedProcessGroup
 from hpcdl.errors import ConfigError, LaunchError
 
 __all__ = ["BACKEND_NAME", "MPIProcessGroup", "register"]

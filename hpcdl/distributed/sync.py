@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from hpcdl.dist.env import RankEnv
-from hpcdl.dist.hooks import make_hook
+from hpcdl.distributed.env import RankEnv
+from hpcdl.distributed.hooks import make_hook
 
 __all__ = ["CommTimer", "data_parallel"]
 
@@ -55,7 +55,7 @@ def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str
                   bucket_cap_mb: float = 25.0, first_bucket_mb: float | None = None,
                   gradient_as_bucket_view: bool = True, sparse=None,
                   new_group=None) -> tuple[torch.nn.Module, CommTimer | None]:
-    """``model`` wrapped in DDP over ``group``, its buckets reduced by ``hook`` (:mod:`hpcdl.dist.hooks`)
+    """``model`` wrapped in DDP over ``group``, its buckets reduced by ``hook`` (:mod:`hpcdl.distributed.hooks`)
     and timed; on one rank, ``model`` itself.
 
     ``first_bucket_mb`` caps the first bucket (the last layers' gradients, ready first) below

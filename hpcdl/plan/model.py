@@ -32,6 +32,8 @@ import math
 
 from hpcdl.errors import ConfigError
 
+BACKWARD_SHARE = 2 / 3  # backward's part of a step's compute (about twice forward's), unless calibrated
+
 __all__ = ["ALGORITHMS", "BatchCurve", "Cost", "Link", "StepModel", "allreduce_cost", "hierarchical", "rabenseifner",
            "ring"]
 
@@ -142,7 +144,7 @@ class StepModel:
     intra: Link | None = None  # the node's own link, for the hierarchical all-reduce
     messages: int = 1  # all-reduces per step (DDP's buckets): each pays the latency term, the bytes are split
     overlap: float = 0.0  # the fraction of backward that communication can hide behind (0: none, 1: all)
-    backward_share: float = 2 / 3  # backward's part of the compute (about twice forward's)
+    backward_share: float = BACKWARD_SHARE
     data_images_s: float | None = None  # one node's loading capacity; None: not a limit
 
     def terms(self, nodes: int, global_batch: float) -> dict[str, float]:

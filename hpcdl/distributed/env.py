@@ -18,7 +18,7 @@ import socket
 import subprocess
 from collections.abc import Mapping
 
-from hpcdl.dist.hostlist import expand_hostlist
+from hpcdl.distributed.hostlist import expand_hostlist
 from hpcdl.errors import ConfigError
 
 __all__ = ["LAUNCHERS", "Launcher", "RankEnv", "discover", "rank_and_world", "rendezvous_port",

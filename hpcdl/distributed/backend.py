@@ -1,7 +1,7 @@
 """The communication backends, as one table: name, availability check, per-rank environment, factory.
 
 A backend is a row of :data:`BACKENDS`. ``auto`` takes the first of :data:`AUTO_ORDER` whose check
-passes. Adding a library is one file (a :class:`hpcdl.dist.threaded.ThreadedProcessGroup` subclass with
+passes. Adding a library is one file (a :class:`hpcdl.distributed.threaded.ThreadedProcessGroup` subclass with
 a ``register()``) and one row here.
 """
 
@@ -15,8 +15,8 @@ import struct
 from collections.abc import Callable, Mapping
 
 from hpcdl import names
-from hpcdl.dist.affinity import CpuPlan
-from hpcdl.dist.env import RankEnv
+from hpcdl.distributed.affinity import CpuPlan
+from hpcdl.distributed.env import RankEnv
 from hpcdl.errors import ConfigError
 from hpcdl.names import registry
 
@@ -49,7 +49,7 @@ def _gloo_check(lib: str | None) -> str:
 
 
 def _mpi_check(lib: str | None) -> str:
-    from hpcdl.dist.mpi import _mpi
+    from hpcdl.distributed.mpi import _mpi
 
     MPI = _mpi()
     import mpi4py
@@ -58,20 +58,20 @@ def _mpi_check(lib: str | None) -> str:
 
 
 def _mpi_register() -> None:
-    from hpcdl.dist.mpi import register
+    from hpcdl.distributed.mpi import register
 
     register()
 
 
 def _ccl_check(lib: str | None) -> str:
-    from hpcdl.dist.ccl_runtime import load
+    from hpcdl.distributed.ccl_runtime import load
 
     ccl = load(lib)
     return f"oneCCL {ccl.version} from {ccl.runtime.library} ({ccl.runtime.source})"
 
 
 def _ccl_register() -> None:
-    from hpcdl.dist.ccl import register
+    from hpcdl.distributed.ccl import register
 
     register()
 

@@ -20,9 +20,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hpcdl.dist.affinity import CpuPlan, allocator_in_use, apply_cpu_plan, plan_cpus
-from hpcdl.dist.backend import BACKENDS, Backend, BackendChoice, choose_backend
-from hpcdl.dist.env import RankEnv, discover
+from hpcdl.distributed.affinity import CpuPlan, allocator_in_use, apply_cpu_plan, plan_cpus
+from hpcdl.distributed.backend import BACKENDS, Backend, BackendChoice, choose_backend
+from hpcdl.distributed.env import RankEnv, discover
 from hpcdl.errors import ConfigError, LaunchError, RankLostError
 
 __all__ = ["STARTUP_TIMEOUT", "DistContext", "backend_groups", "fail_fast", "init_distributed", "new_subgroup",
@@ -122,7 +122,7 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
 
     ``timeout`` bounds every collective, the first rendezvous included; shorten it with
     :func:`set_timeout` once the ranks are running. ``ccl_lib``: the libccl to use (see
-    :mod:`hpcdl.dist.ccl_runtime`).
+    :mod:`hpcdl.distributed.ccl_runtime`).
     """
     env = env or discover()
     row, choice = choose_backend(backend, ccl_lib=ccl_lib)
@@ -144,7 +144,7 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
 def _watch_peers(ctx: DistContext, heartbeat_s: float) -> None:
     """Let hpcdl's own groups (MPI, oneCCL) fail a collective whose peer died as soon as its heartbeat has
     stopped, instead of at the timeout (gloo notices a closed connection itself)."""
-    from hpcdl.dist.threaded import CommThread
+    from hpcdl.distributed.threaded import CommThread
 
     def liveness() -> str | None:
         lost = ctx.heartbeat.lost_ranks()
@@ -238,7 +238,7 @@ def new_subgroup(ctx: DistContext, ranks: list[int]) -> dist.ProcessGroup:
 def set_group_timeout(group, timeout: timedelta) -> None:
     """Change a group's collective timeout in place: hpcdl's own groups (MPI, oneCCL) keep it as an attribute
     their watchdog reads; torch's (gloo) through ``dist.set_timeout`` (torch 2.9+)."""
-    from hpcdl.dist.threaded import ThreadedProcessGroup
+    from hpcdl.distributed.threaded import ThreadedProcessGroup
 
     if isinstance(group, ThreadedProcessGroup):
         group.timeout = timeout

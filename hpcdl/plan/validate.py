@@ -20,9 +20,10 @@ import dataclasses
 
 from hpcdl.errors import ConfigError
 from hpcdl.launch.profiles import get_profile
-from hpcdl.perf.model import BatchCurve, StepModel
-from hpcdl.perf.plan import IMAGENET_TRAIN, ModelFacts, model_facts
-from hpcdl.perf.published import PROCESSORS_PER_NODE, PUBLISHED, PublishedRun
+from hpcdl.plan.model import BatchCurve, StepModel
+from hpcdl.names import IMAGENET_TRAIN
+from hpcdl.plan.facts import ModelFacts, model_facts
+from hpcdl.plan.published import PROCESSORS_PER_NODE, PUBLISHED, PublishedRun
 
 __all__ = ["BOUNDS", "CALIBRATION", "PROFILE_OF", "carried_compute", "format_validation", "validate"]
 

@@ -12,7 +12,7 @@ caller's thread instead, which saves two thread hand-offs (the small-message lat
 must be called from one thread only (oneCCL) sets ``inline_bytes = 0``.
 
 A collective that does not complete within its group's timeout fails its Work with a message that
-names this rank, the library and the operation; the caller (``hpcdl.dist.process_group.fail_fast``)
+names this rank, the library and the operation; the caller (``hpcdl.distributed.process_group.fail_fast``)
 then names the lost rank from the heartbeats. A library that cannot abort a call leaves its thread
 stuck in it; at exit such a process leaves at once (``exit_if_stuck``) instead of crashing in the
 library's destructors.

@@ -1,1 +1,0 @@
-"""Benchmarks and scaling tools."""

@@ -1,0 +1,53 @@
+"""What the planner knows of each model without torch: gradient bytes, training FLOPs, DDP's buckets."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+__all__ = ["MODEL_FACTS", "ModelFacts", "model_facts"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelFacts:
+    name: str
+    gradient_bytes: int  # fp32 gradients, one per parameter
+    train_flops: float  # per image, forward and backward, at the model's crop (a multiply-add is 2)
+    buckets: int  # DDP's all-reduces per step at hpcdl's bucket sizes
+
+
+# model_facts(name, count=True) for every model, so that planning needs no torch (a login node);
+# tests/test_plan.py recounts them.
+MODEL_FACTS = {f.name: f for f in (
+    ModelFacts("alexnet_bn", 249_522_336, 6_600_706_176.0, 11),
+    ModelFacts("resnet18", 46_758_048, 10_648_412_160.0, 3),
+    ModelFacts("resnet50", 102_228_128, 24_299_077_632.0, 5),
+    ModelFacts("resnet101", 178_196_640, 46_572_404_736.0, 8),
+    ModelFacts("tiny_cnn", 152_544, 9_039_360.0, 1),
+)}
+
+
+def model_facts(name: str, count: bool = False) -> ModelFacts:
+    """The model's gradient bytes, training flops and buckets: from :data:`MODEL_FACTS`, or with ``count``
+    counted on the meta device (no memory, no arithmetic; needs torch)."""
+    from hpcdl.names import MODELS, check
+
+    check("model", name, MODELS)
+    if not count:
+        return MODEL_FACTS[name]
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hpcdl.config import SyncConfig
+    from hpcdl.models import MODELS, build_model
+
+    with torch.device("meta"):
+        net = build_model(name)
+        x = torch.empty(2, 3, MODELS[name].crop, MODELS[name].crop)
+    with FlopCounterMode(display=False) as counter:
+        net(x).sum().backward()
+    grad = sum(p.numel() for p in net.parameters()) * 4
+    sync = SyncConfig()
+    first = min(sync.first_bucket_mb or sync.bucket_cap_mb, sync.bucket_cap_mb) * 2 ** 20
+    buckets = 1 + math.ceil(max(0.0, grad - first) / (sync.bucket_cap_mb * 2 ** 20))
+    return ModelFacts(name, grad, counter.get_total_flops() / 2, buckets)
