@@ -23,7 +23,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 SAMPLERS = ("global", "shard")
 VERIFY = ("none", "quick", "full")
 IPEX = ("auto", "off")
-ALLOCATORS = ("jemalloc", "tcmalloc", "glibc")  # and "auto", "none"
+ALLOCATORS = ("jemalloc", "tcmalloc", "glibc")
+ALLOCATOR_CHOICES = ("auto", "none", *ALLOCATORS)
 LAYOUTS = ("imagenet-train", "imagenet-val", "imagenet22k-tars", "folder")
 
 IMAGENET_TRAIN = 1_281_167  # ImageNet-1K (ILSVRC2012) training images: the presets' and the planner's default

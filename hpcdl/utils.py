@@ -87,6 +87,18 @@ def cpu_model() -> str:
         return "unknown"
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (avx2, avx512_bf16, amx_bf16 ...) from /proc/cpuinfo; empty where there are none."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 _last_words: list = []
 
 

@@ -183,9 +183,10 @@ def test_staging_copies_once_and_the_other_local_rank_waits(packed, tmp_path):
 
 
 def test_bench_data_counts_files_opened_per_epoch(tmp_path):
-    from hpcdl.bench.data import DataBenchConfig, bench, format_report
+    from hpcdl.bench import run
+    from hpcdl.bench.data import format_report
 
-    report = bench(DataBenchConfig(images=48, classes=4, rounds=2, batch_size=8, json_path=str(tmp_path / "r.json")))
+    report = run("data", images=48, classes=4, rounds=2, batch_size=8, json_path=str(tmp_path / "r.json"))
     rows = {r["reader"]: r for r in report["rows"]}
     assert rows["ImageFolder"]["files_opened_per_epoch"] == 48 == rows["ImageFolder"]["files_opened_next_epochs"] / 1
     assert 1 <= rows["shard reader"]["files_opened_per_epoch"] <= report["shards"] * 2
@@ -193,7 +194,8 @@ def test_bench_data_counts_files_opened_per_epoch(tmp_path):
     assert rows["bare decode"]["files_opened_per_epoch"] == 0
     assert all(r["images_per_s_per_worker"] > 0 for r in rows.values())
     assert "shard reader / ImageFolder" in format_report(report)
-    assert json.loads((tmp_path / "r.json").read_text())["images_packed"] == 48
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["images_packed"] == 48 and written["benchmark"] == "data" and written["config"]["images"] == 48
 
 
 def test_stage_command_prints_the_staged_root(packed, tmp_path):

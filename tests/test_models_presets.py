@@ -81,18 +81,19 @@ def test_mlperf_lr_rule_and_stampede2_variants():
 
 
 def test_bench_optim_times_each_optimizer_on_the_same_model():
-    from hpcdl.bench.optim import CASES, OptimBenchConfig, bench, format_report
+    from hpcdl.bench import run
+    from hpcdl.bench.optim import CASES, format_report
 
-    report = bench(OptimBenchConfig(model="resnet18", steps=2, rounds=2))
+    report = run("optim", model="resnet18", steps=2, rounds=2)
     assert set(report["ms_per_step"]) == set(CASES) and report["ratio_to_sgd"]["sgd"] == 1.0
     assert report["parameters"] == sum(p.numel() for p in build_model("resnet18").parameters())
     assert "vs sgd" in format_report(report)
 
 
 def test_bench_large_batch_trains_the_three_recipes():
-    from hpcdl.bench.largebatch import LargeBatchConfig, bench
+    from hpcdl.bench import run
 
-    report = bench(LargeBatchConfig(epochs=3, seeds=1))
+    report = run("large-batch", epochs=3, seeds=1)
     rows = {r["recipe"]: r for r in report["rows"]}
     assert report["train_images"] == 1437 and report["val_images"] == 360
     assert rows["large-batch SGD (linear scaling)"]["batch"] == 1437 // 8

@@ -14,6 +14,7 @@ from hpcdl.launch import job_request
 from hpcdl.launch.profiles import get_profile
 from hpcdl.launch.sbatch import render_sbatch
 from hpcdl.plan.model import BatchCurve, Link, StepModel
+from hpcdl.bench.reports import AllreduceReport, ScalingReport
 from hpcdl.plan.facts import model_facts
 from hpcdl.plan.planner import PlanInputs, calibrate, figure, link_from_allreduce, plan
 from hpcdl.plan.published import PUBLISHED
@@ -72,11 +73,11 @@ def test_link_fit_recovers_the_link_it_was_made_from():
     alpha, bw, p = 20e-6, 3e9, 4
     rows = [{"bytes": n, "time_us": (2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bw) * 1e6} for n in
             (4, 1 << 10, 1 << 16, 1 << 20, 1 << 24)]
-    link = link_from_allreduce({"meta": {"world_size": p}, "rows": rows})
+    link = link_from_allreduce(AllreduceReport.from_dict({"meta": {"world_size": p}, "rows": rows}))
     assert link.latency_s == pytest.approx(alpha, rel=1e-6) and link.bandwidth_bytes_s == pytest.approx(bw, rel=1e-6)
 
 
-def _scaling_report(model: StepModel, per_rank: int, counts=(1, 2, 4)) -> dict:
+def _scaling_report(model: StepModel, per_rank: int, counts=(1, 2, 4)) -> ScalingReport:
     """What bench scaling would measure of a job that behaves exactly like ``model`` (one rank per node)."""
     points = []
     for k in counts:
@@ -86,7 +87,8 @@ def _scaling_report(model: StepModel, per_rank: int, counts=(1, 2, 4)) -> dict:
                        "images_per_s": t["images_s"], "step_ms": {"mean": t["step_s"] * 1e3},
                        "phases_ms": {"forward": compute / 3, "backward": compute * 2 / 3, "optimizer": 0.0,
                                      "comm_wait": t["exposed_s"] * 1e3}})
-    return {"meta": {"ranks_per_node": 1, "gradient_bytes": model.gradient_bytes}, "points": points}
+    return ScalingReport.from_dict({"meta": {"ranks_per_node": 1, "gradient_bytes": model.gradient_bytes},
+                                    "points": points})
 
 
 def test_calibrate_recovers_compute_and_overlap():

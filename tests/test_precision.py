@@ -3,7 +3,8 @@ import platform
 import pytest
 
 from hpcdl.errors import ConfigError
-from hpcdl.train.precision import choose_precision, cpu_flags
+from hpcdl.train.precision import choose_precision
+from hpcdl.utils import cpu_flags
 
 
 def test_auto_follows_the_cpu_flags():

@@ -10,9 +10,9 @@ import pytest
 from conftest import PYTHON, REPO, load_json, sbatch_wait
 from hpcdl.launch import job_request, submit
 from hpcdl.launch.sbatch import render_sbatch
-from hpcdl.bench.allreduce import bench
+from hpcdl.bench import run as run_benchmark
 
-QUICK = dict(max_bytes="64K", seconds_per_size=0.02, heartbeat_s=0.5)
+QUICK = dict(max_bytes="64K", seconds_per_size=0.02, heartbeat=0.5)
 
 
 def assert_correct(report: dict, ranks: int) -> None:
@@ -34,7 +34,7 @@ def test_committed_generic_script_runs_two_tasks(slurm, tmp_path):
 
 
 def test_submitit_job_with_two_tasks(slurm, tmp_path):
-    job = submit(bench, kwargs=QUICK, profile="local", nodes=1, tasks_per_node=2, time="10",
+    job = submit(run_benchmark, args=("allreduce",), kwargs=QUICK, profile="local", nodes=1, tasks_per_node=2, time="10",
                  job_name="submitit-allreduce", folder=str(tmp_path / "%j"))
     results = job.results()
     assert results[1] is None  # only rank 0 reports
@@ -52,7 +52,7 @@ def test_cli_submit_waits_and_prints_rank_0_output(slurm, tmp_path):
 
 
 def test_submitit_local_executor_without_slurm(tmp_path):
-    job = submit(bench, kwargs=QUICK, cluster="local", tasks_per_node=2, time="10", folder=str(tmp_path / "%j"))
+    job = submit(run_benchmark, args=("allreduce",), kwargs=QUICK, cluster="local", tasks_per_node=2, time="10", folder=str(tmp_path / "%j"))
     report = job.results()[0]
     assert_correct(report, 2)
     assert {r["launcher"] for r in report["ranks"]} == {"submitit-local"}
@@ -96,5 +96,5 @@ def test_local_executor_refuses_another_interpreter(tmp_path):
     from hpcdl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="local executor runs tasks with this interpreter"):
-        submit(bench, cluster="local", python="/opt/other/python3", folder=str(tmp_path / "%j"))
+        submit(run_benchmark, args=("allreduce",), cluster="local", python="/opt/other/python3", folder=str(tmp_path / "%j"))
     assert not any(tmp_path.iterdir())  # refused before anything was submitted

@@ -8,47 +8,39 @@ Every size is also checked: an untimed allreduce of a known pattern must give th
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import socket
 import time
-from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-
-from hpcdl.distributed.affinity import allocator_in_use
-from hpcdl.distributed.process_group import DistContext, backend_groups, fail_fast, init_distributed, set_timeout, shutdown
 from hpcdl.errors import ConfigError
-from hpcdl.utils import atomic_write_text, format_bytes, parse_bytes
+from hpcdl.utils import format_bytes, parse_bytes
 
-__all__ = ["AllreduceConfig", "run"]
+__all__ = ["Config", "format_report", "run"]
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
+ITEMSIZE = {"float32": 4, "float64": 8, "int64": 8}  # the dtypes it sweeps, by name
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class AllreduceConfig:
-    min_bytes: int | str | None = None  # default: one element of dtype
-    max_bytes: int | str = 256 << 20
-    dtype: str = "float32"
-    warmup: int = 2
+class Config:
+    min_bytes: int | str | None = None  # smallest message, e.g. 4 or 64K (default: one element of dtype)
+    max_bytes: int | str = "256M"  # largest message; sizes double from the smallest
+    dtype: str = "float32"  # float32 | float64 | int64
+    warmup: int = 2  # untimed all-reduces per size
     seconds_per_size: float = 0.5  # each size repeats until about this long, at least once
-    max_iters: int = 1000
-    json_path: str | None = None
+    max_iters: int = 1000  # at most this many timed all-reduces per size
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        if self.dtype not in ITEMSIZE:
+            raise ConfigError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(ITEMSIZE)}")
+        itemsize = ITEMSIZE[self.dtype]
         if self.min_bytes is None:
-            self.min_bytes = DTYPES[self.dtype].itemsize
+            self.min_bytes = itemsize
         if isinstance(self.min_bytes, str):
             self.min_bytes = parse_bytes(self.min_bytes, "--min-bytes")
         if isinstance(self.max_bytes, str):
             self.max_bytes = parse_bytes(self.max_bytes, "--max-bytes")
-        itemsize = DTYPES[self.dtype].itemsize
         if self.min_bytes < itemsize or self.max_bytes < self.min_bytes:
             raise ConfigError(f"--min-bytes {self.min_bytes} and --max-bytes {self.max_bytes}: need "
                               f"{itemsize} <= min <= max (one {self.dtype} is {itemsize} bytes)")
@@ -63,35 +55,32 @@ class AllreduceConfig:
         return out
 
 
-def run(ctx: DistContext, cfg: AllreduceConfig, timeout: timedelta, backends: str | None = None) -> dict | None:
-    """Run the sweep on every rank; rank 0 prints the table and returns the report.
+def run(cfg: Config, job) -> dict | None:
+    """The sweep on every rank of ``job``, each size on each of its groups in turn (``--backends``: side by
+    side); rank 0 returns the figures."""
+    from hpcdl.distributed.process_group import fail_fast
 
-    ``backends`` (``gloo,mpi,ccl``): a group on each, measured size by size in turn, side by side; otherwise
-    the default group's backend alone.
-    """
+    ctx = job.ctx
     layout = _layout(ctx)
-    set_timeout(ctx, timeout)
     with fail_fast(ctx):
-        groups = backend_groups(ctx, backends, timeout) if backends else {ctx.backend.name: ctx.group}
         rows = []
         for nbytes in cfg.sizes():
-            for name, group in groups.items():
+            for name, group in job.groups.items():
                 row = {"backend": name, **_measure(ctx, cfg, nbytes, group)}
                 rows.append(row)
                 if ctx.rank == 0:
                     log.debug("%s", row)
-    report = {"meta": {**_meta(ctx, cfg), "backends": list(groups)}, "ranks": layout, "rows": rows}
     if ctx.rank != 0:
         return None
-    print(format_report(report), flush=True)
-    if cfg.json_path:
-        path = cfg.json_path.replace("%j", ctx.env.job_id or "local")  # as in Slurm's --output
-        atomic_write_text(path, json.dumps(report, indent=1) + "\n")
-        log.info("wrote %s", path)
-    return report
+    return {"meta": {**_meta(ctx, cfg), "backends": list(job.groups)}, "ranks": layout, "rows": rows}
 
 
-def _layout(ctx: DistContext) -> list[dict]:
+def _layout(ctx) -> list[dict]:
+    import torch.distributed as dist
+
+    from hpcdl.distributed.affinity import allocator_in_use
+    from hpcdl.distributed.process_group import fail_fast
+
     env = ctx.env
     mine = {"rank": env.rank, "local_rank": env.local_rank, "node_rank": env.node_rank, "host": socket.gethostname(),
             "launcher": env.launcher, "master_addr": env.master_addr, "master_port": env.master_port,
@@ -102,9 +91,12 @@ def _layout(ctx: DistContext) -> list[dict]:
     return gathered
 
 
-def _measure(ctx: DistContext, cfg: AllreduceConfig, nbytes: int, group) -> dict:
+def _measure(ctx, cfg: Config, nbytes: int, group) -> dict:
     """Time ``group``'s all-reduce of ``nbytes``; agreement (check, iterations, times) goes over the default group."""
-    dtype, n = DTYPES[cfg.dtype], nbytes // DTYPES[cfg.dtype].itemsize
+    import torch
+    import torch.distributed as dist
+
+    dtype, n = getattr(torch, cfg.dtype), nbytes // ITEMSIZE[cfg.dtype]
     ok = _check(ctx, dtype, n, group)
     buf = torch.zeros(n, dtype=dtype)
     for _ in range(cfg.warmup):
@@ -122,8 +114,11 @@ def _measure(ctx: DistContext, cfg: AllreduceConfig, nbytes: int, group) -> dict
             "min_time_us": fastest * 1e6, "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9, "correct": ok}
 
 
-def _check(ctx: DistContext, dtype: torch.dtype, n: int, group) -> bool:
+def _check(ctx, dtype, n: int, group) -> bool:
     """Allreduce ``(rank+1) + i % 7`` and compare with the exact sum; True only if every rank agrees."""
+    import torch
+    import torch.distributed as dist
+
     w = ctx.world_size
     pattern = torch.arange(n, dtype=torch.int64) % 7
     buf = (pattern + ctx.rank + 1).to(dtype)
@@ -134,7 +129,10 @@ def _check(ctx: DistContext, dtype: torch.dtype, n: int, group) -> bool:
     return bool(flag.item())
 
 
-def _agree_on_iters(ctx: DistContext, cfg: AllreduceConfig, buf: torch.Tensor, group) -> int:
+def _agree_on_iters(ctx, cfg: Config, buf, group) -> int:
+    import torch
+    import torch.distributed as dist
+
     start = time.perf_counter()
     dist.all_reduce(buf, group=group)
     probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
@@ -142,13 +140,18 @@ def _agree_on_iters(ctx: DistContext, cfg: AllreduceConfig, buf: torch.Tensor, g
     return max(1, min(cfg.max_iters, int(cfg.seconds_per_size / max(probe.item(), 1e-9))))
 
 
-def _max_min(ctx: DistContext, value: float) -> tuple[float, float]:
+def _max_min(ctx, value: float) -> tuple[float, float]:
+    import torch
+    import torch.distributed as dist
+
     t = torch.tensor([value, -value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
     return t[0].item(), -t[1].item()
 
 
-def _meta(ctx: DistContext, cfg: AllreduceConfig) -> dict:
+def _meta(ctx, cfg: Config) -> dict:
+    import torch
+
     return {"benchmark": "allreduce", "backend": ctx.backend.name, "world_size": ctx.world_size,
             "nodes": ctx.env.nodes, "dtype": cfg.dtype, "torch": torch.__version__,
             "job_id": ctx.env.job_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -192,16 +195,8 @@ def _comparison(rows: list[dict], backends: list[str]) -> list[str]:
     return lines
 
 
-def bench(*, backend: str = "auto", backends: str | None = None, timeout_s: float = 300.0,
-          startup_timeout_s: float = 600.0, heartbeat_s: float = 2.0, **config) -> dict | None:
-    """Join the job's process group, run the sweep, leave. Rank 0 returns the report.
-
-    This is what ``hpcdl bench allreduce`` runs, and what a submitit job can call directly. ``backends``
-    (``gloo,mpi,ccl``) compares several in one run; the default group is then gloo's.
-    """
-    cfg = AllreduceConfig(**config)
-    ctx = init_distributed("gloo" if backends else backend, timeout=timedelta(seconds=startup_timeout_s),
-                           heartbeat_s=heartbeat_s)
-    report = run(ctx, cfg, timedelta(seconds=timeout_s), backends)
-    shutdown(ctx)  # not reached after a RankLostError: a broken group cannot be torn down cleanly
-    return report
+def check(report: dict) -> str | None:
+    """Why the run failed (a wrong reduced value), or None: ``hpcdl bench allreduce`` exits 1 on it."""
+    if not all(row["correct"] for row in report["rows"]):
+        return "allreduce produced wrong values; see the check column"
+    return None

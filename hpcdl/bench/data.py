@@ -15,28 +15,25 @@ h5py (the reader opens shards through Python) and anything else, from fresh proc
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from hpcdl.utils import cpu_model
+from hpcdl.bench.rounds import alternate, medians
 
 
 @dataclass(kw_only=True, slots=True)
-class DataBenchConfig:
-    src: str | None = None  # a class-folder tree of JPEGs; default: synthetic ImageNet-sized JPEGs
-    images: int = 3200
-    classes: int = 16
-    short_side: int = 256
-    workers: int = 2
-    batch_size: int = 32
-    rounds: int = 3
-    json_path: str | None = None
+class Config:
+    src: str | None = None  # a class-folder tree of JPEGs (default: synthetic ImageNet-sized JPEGs)
+    images: int = 3200  # synthetic images to generate
+    classes: int = 16  # synthetic classes
+    short_side: int = 256  # pack with this short side
+    workers: int = 2  # DataLoader workers (processes) per reader
+    batch_size: int = 32  # the DataLoader row's batch
+    rounds: int = 3  # epochs per reader, alternating; the median counts
 
 
 _opened = None  # a shared counter of files opened under _roots, set before any process forks
@@ -77,7 +74,7 @@ def _dataloader_round(loader) -> tuple[float, int]:
     return n / (time.perf_counter() - t0) / loader.num_workers, _opened.value
 
 
-def _prepare(cfg: DataBenchConfig, tmp: str) -> tuple[str, str]:
+def _prepare(cfg: Config, tmp: str) -> tuple[str, str]:
     from hpcdl.data.pack import PackConfig, pack
     from hpcdl.data.images import Encoding
     from hpcdl.data.synthetic import generate
@@ -91,7 +88,7 @@ def _prepare(cfg: DataBenchConfig, tmp: str) -> tuple[str, str]:
     return os.path.abspath(src), packed
 
 
-def bench(cfg: DataBenchConfig) -> dict:
+def run(cfg: Config, job=None) -> dict:
     global _opened, _roots
     import torch
     import torchvision.transforms as T
@@ -122,27 +119,18 @@ def bench(cfg: DataBenchConfig) -> dict:
         loader = torch.utils.data.DataLoader(reader, batch_size=cfg.batch_size, num_workers=cfg.workers,
                                              sampler=DistributedShardSampler(reader.shard_sizes),
                                              worker_init_fn=_count_opens, persistent_workers=True)
-        rounds: dict[str, list] = {k: [] for k in (*orders, "shard reader + DataLoader")}
         with multiprocessing.get_context("fork").Pool(cfg.workers, initializer=_count_opens) as pool:
-            for _ in range(cfg.rounds):
-                for name, order in orders.items():
-                    sampler.set_epoch(sampler.epoch + 1)
-                    rounds[name].append(_round(pool, name, order(), cfg.workers))
-                rounds["shard reader + DataLoader"].append(_dataloader_round(loader))
-        report = _report(cfg, rounds, len(reader), len(folder), len(reader.shard_sizes))
-    if cfg.json_path:
-        from hpcdl.utils import atomic_write_text
-
-        atomic_write_text(cfg.json_path.replace("%j", os.environ.get("SLURM_JOB_ID", "local")),
-                          json.dumps(report, indent=1) + "\n")
-    return report
+            cases = {name: (lambda name=name, order=order: _round(pool, name, order(), cfg.workers))
+                     for name, order in orders.items()}
+            cases["shard reader + DataLoader"] = lambda: _dataloader_round(loader)
+            rounds = alternate(cases, cfg.rounds, warmup=0, before=lambda: sampler.set_epoch(sampler.epoch + 1))
+        return _report(rounds, len(reader), len(folder), len(reader.shard_sizes))
 
 
-def _report(cfg: DataBenchConfig, rounds: dict, packed: int, source: int, shards: int) -> dict:
-    median = {k: statistics.median(r for r, _ in v) for k, v in rounds.items()}
+def _report(rounds: dict, packed: int, source: int, shards: int) -> dict:
+    median = medians(rounds, key=lambda r: r[0])
     return {
-        "config": asdict(cfg), "images_packed": packed, "images_source": source, "shards": shards,
-        "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
+        "images_packed": packed, "images_source": source, "shards": shards,
         # the first round ran in fresh processes: its opens are a whole epoch's
         "rows": [{"reader": k, "images_per_s_per_worker": median[k], "files_opened_per_epoch": v[0][1],
                   "files_opened_next_epochs": sum(o for _, o in v[1:]), "rounds": [r for r, _ in v]}
@@ -154,12 +142,11 @@ def _report(cfg: DataBenchConfig, rounds: dict, packed: int, source: int, shards
     }
 
 
-
 def format_report(report: dict) -> str:
     c = report["config"]
     lines = [f"data bench: {report['images_packed']} packed images (source: {report['images_source']} files, "
              f"packed --short-side {c['short_side']} into {report['shards']} shards), {c['workers']} workers, "
-             f"{c['rounds']} rounds, {report['cpu']}",
+             f"{c['rounds']} rounds, {report['provenance']['machine']['cpu']}",
              f"{'reader':26s} {'img/s/worker':>13s} {'files opened: 1st epoch':>24s} {'later epochs':>13s}"]
     for r in report["rows"]:
         lines.append(f"{r['reader']:26s} {r['images_per_s_per_worker']:13.1f} {r['files_opened_per_epoch']:24d} "

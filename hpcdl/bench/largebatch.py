@@ -13,28 +13,24 @@ Each runs over several seeds; the report gives the mean validation accuracy and 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
-
-import torch
-import torch.nn as nn
+from dataclasses import dataclass
 
 from hpcdl.errors import ConfigError
-from hpcdl.models.tiny import TinyCNN
-from hpcdl.optim.factory import OptimConfig, build_optimizer
-from hpcdl.optim.schedule import LRSchedule, ScheduleConfig, steps_per_epoch
+from hpcdl.optim.config import OptimConfig
+from hpcdl.optim.schedule import ScheduleConfig, steps_per_epoch
 
 
 @dataclass(kw_only=True, slots=True)
-class LargeBatchConfig:
-    epochs: int = 15
-    seeds: int = 5
-    small_batch: int = 4
-    small_lr: float = 0.02
+class Config:
+    epochs: int = 15  # epochs every recipe trains
+    seeds: int = 5  # seeds per recipe: the report gives the mean and its spread
+    small_batch: int = 4  # the baseline's batch
+    small_lr: float = 0.02  # the baseline's lr (the linear-scaled SGD's base)
     lars_lr: float = 1.0  # the global lr at the large batch: BN and bias tensors take it as it is (mlperf)
     lars_eta: float = 0.03  # the weights' local lr is lr * eta * ||w|| / ||g||
-    lars_warmup_epochs: float = 2.0
-    weight_decay: float = 5e-4
-    threads: int = 1
+    lars_warmup_epochs: float = 2.0  # LARS's linear warmup
+    weight_decay: float = 5e-4  # every recipe's
+    threads: int = 1  # torch threads
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +43,10 @@ class Recipe:
     warmup_epochs: float
 
 
-def load_digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def load_digits() -> tuple:
+    """(train images, train labels, val images, val labels) as tensors."""
+    import torch
+
     try:
         from sklearn.datasets import load_digits as sk_digits
     except ImportError:
@@ -61,7 +60,7 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
     return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
 
 
-def recipes(cfg: LargeBatchConfig, n_train: int) -> list[Recipe]:
+def recipes(cfg: Config, n_train: int) -> list[Recipe]:
     large = n_train // 8
     sgd = OptimConfig(name="sgd", lr=cfg.small_lr, momentum=0.9, weight_decay=cfg.weight_decay, semantics="mlperf")
     lars = OptimConfig(name="lars", lr=cfg.lars_lr, momentum=0.9, weight_decay=cfg.weight_decay, eta=cfg.lars_eta,
@@ -73,6 +72,13 @@ def recipes(cfg: LargeBatchConfig, n_train: int) -> list[Recipe]:
 
 def train_one(recipe: Recipe, data, epochs: int, seed: int) -> float:
     """Validation accuracy (%) after ``epochs`` epochs of ``recipe``."""
+    import torch
+    import torch.nn as nn
+
+    from hpcdl.models.tiny import TinyCNN
+    from hpcdl.optim.factory import build_optimizer
+    from hpcdl.optim.schedule import LRSchedule
+
     xt, yt, xv, yv = data
     torch.manual_seed(seed)
     model = TinyCNN(num_classes=10, in_channels=1, width=16)
@@ -95,7 +101,9 @@ def train_one(recipe: Recipe, data, epochs: int, seed: int) -> float:
         return float((model(xv).argmax(1) == yv).float().mean()) * 100
 
 
-def bench(cfg: LargeBatchConfig) -> dict:
+def run(cfg: Config, job=None) -> dict:
+    import torch
+
     torch.set_num_threads(cfg.threads)
     data = load_digits()
     rows = []
@@ -106,7 +114,7 @@ def bench(cfg: LargeBatchConfig) -> dict:
                      "warmup_epochs": r.warmup_epochs, "accuracy": accs, "mean": statistics.mean(accs),
                      "stdev": statistics.stdev(accs) if len(accs) > 1 else 0.0})
     base = rows[0]["mean"]
-    return {"config": asdict(cfg), "train_images": len(data[1]), "val_images": len(data[3]), "rows": rows,
+    return {"train_images": len(data[1]), "val_images": len(data[3]), "rows": rows,
             "gap_to_small_batch": {r["recipe"]: r["mean"] - base for r in rows[1:]}}
 
 

@@ -4,14 +4,10 @@ median. Gradients are fixed random tensors, so the step is all that is timed."""
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-import torch
-
-from hpcdl.models import build_model
-from hpcdl.optim.factory import OptimConfig, build_optimizer
+from hpcdl.bench.rounds import alternate, medians, timed_ms
+from hpcdl.optim.config import OptimConfig
 
 CASES = {  # name -> optimizer config; "sgd" is the baseline of the ratios
     "sgd": OptimConfig(name="sgd", lr=0.1, weight_decay=1e-4),
@@ -22,33 +18,33 @@ CASES = {  # name -> optimizer config; "sgd" is the baseline of the ratios
 
 
 @dataclass(kw_only=True, slots=True)
-class OptimBenchConfig:
-    model: str = "resnet50"
-    steps: int = 10
-    rounds: int = 5
-    threads: int = 0  # 0: torch's default
+class Config:
+    model: str = "resnet50"  # whose parameters the step updates
+    steps: int = 10  # steps per round
+    rounds: int = 5  # rounds per optimizer, alternating; the median counts
+    threads: int = 0  # torch threads (0: torch's default)
 
 
-def bench(cfg: OptimBenchConfig) -> dict:
+def run(cfg: Config, job=None) -> dict:
+    import torch
+
+    from hpcdl.models import build_model
+
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    runs = {name: _stepper(cfg.model, oc) for name, oc in CASES.items()}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for name, step in runs.items():
-        step()  # creates the optimizer state outside the timing
-    for _ in range(cfg.rounds):
-        for name, step in runs.items():
-            t0 = time.perf_counter()
-            for _ in range(cfg.steps):
-                step()
-            times[name].append((time.perf_counter() - t0) / cfg.steps * 1e3)
-    median = {k: statistics.median(v) for k, v in times.items()}
+    times = alternate({name: timed_ms(_stepper(cfg.model, oc), cfg.steps) for name, oc in CASES.items()}, cfg.rounds)
+    median = medians(times)  # the warm-up step created each optimizer's state outside the timing
     params = sum(p.numel() for p in build_model(cfg.model).parameters())
-    return {"config": asdict(cfg), "parameters": params, "threads": torch.get_num_threads(),
-            "ms_per_step": median, "rounds_ms": times, "ratio_to_sgd": {k: v / median["sgd"] for k, v in median.items()}}
+    return {"parameters": params, "threads": torch.get_num_threads(), "ms_per_step": median, "rounds_ms": times,
+            "ratio_to_sgd": {k: v / median["sgd"] for k, v in median.items()}}
 
 
 def _stepper(model_name: str, oc: OptimConfig):
+    import torch
+
+    from hpcdl.models import build_model
+    from hpcdl.optim.factory import build_optimizer
+
     torch.manual_seed(0)
     model = build_model(model_name)
     for p in model.parameters():

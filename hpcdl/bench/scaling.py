@@ -19,21 +19,13 @@ percentiles. Rank 0 prints a table and writes the JSON (the input of ``hpcdl pla
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import statistics
 import time
-from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-
-from hpcdl.distributed.process_group import DistContext, fail_fast, set_timeout
 from hpcdl.errors import ConfigError
-from hpcdl.train.step import PHASES
-from hpcdl.utils import atomic_write_text, cpu_model
 
-__all__ = ["ScalingBenchConfig", "figure", "format_report", "plot", "run"]
+__all__ = ["Config", "figure", "format_report", "plot", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +33,18 @@ MODES = ("weak", "strong")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class ScalingBenchConfig:
-    model: str = "resnet50"
+class Config:
+    model: str = "resnet50"  # the model trained at every point
     batch: int = 8  # weak scaling: images per rank
-    global_batch: int | None = None  # strong scaling: images per step; None: batch x the largest rank count
-    crop: int | None = None  # None: the model's training crop
+    global_batch: int | None = None  # strong scaling: images per step (default: batch x the largest rank count)
+    crop: int | None = None  # image side in px (default: the model's training crop)
     steps: int = 5  # timed steps per point and round
-    warmup: int = 1  # untimed steps first (DDP rebuilds its buckets after the first)
-    rounds: int = 2
-    ranks: tuple[int, ...] = ()  # rank counts; (): 1, 2, 4 ... and the job's size
-    modes: tuple[str, ...] = MODES
-    threads: int = 0  # compute threads per rank; 0: hpcdl's CPU plan
-    json_path: str | None = None
-    plot_path: str | None = None
+    warmup: int = 1  # untimed steps first, each round (DDP rebuilds its buckets after the first)
+    rounds: int = 2  # alternating rounds over the points
+    ranks: tuple[int, ...] = ()  # rank counts, e.g. 1,2,4 (default: 1, 2, 4 ... and the job's size)
+    modes: tuple[str, ...] = MODES  # weak, strong or both
+    # compute threads per rank (default 0: hpcdl's CPU plan; give 1 when simulated nodes share cores)
+    threads: int = 0
 
     def __post_init__(self):
         bad = [m for m in self.modes if m not in MODES]
@@ -91,44 +82,48 @@ class ScalingBenchConfig:
         return out
 
 
-def run(ctx: DistContext, cfg: ScalingBenchConfig, timeout: timedelta = timedelta(minutes=30)) -> dict | None:
-    """Measure every point on the job's ranks; rank 0 prints, writes and returns the report."""
+def run(cfg: Config, job) -> dict | None:
+    """Measure every point on the job's ranks; rank 0 gets the figures."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcdl.bench.rounds import alternate
+    from hpcdl.distributed.process_group import fail_fast
+
+    ctx = job.ctx
     points = cfg.points(ctx.world_size)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    set_timeout(ctx, timeout)
     with fail_fast(ctx):
         nodes = _node_ranks(ctx)
-        groups = {k: dist.new_group(ranks=list(range(k)), timeout=timeout, backend=ctx.backend.name)
+        groups = {k: dist.new_group(ranks=list(range(k)), timeout=job.timeout, backend=ctx.backend.name)
                   for k in sorted({p[1] for p in points}) if k > 1}  # every rank creates every group
-        steps: dict[tuple, list[dict]] = {p: [] for p in points}
-        for _ in range(cfg.rounds):
-            for point in points:
-                dist.barrier(group=ctx.group)
-                if ctx.rank < point[1]:
-                    steps[point] += _measure(ctx, cfg, point, groups.get(point[1]))
+        rounds = alternate({p: (lambda p=p: _measure(ctx, cfg, p, groups.get(p[1])) if ctx.rank < p[1] else [])
+                            for p in points}, cfg.rounds, warmup=0, before=lambda: dist.barrier(group=ctx.group))
         dist.barrier(group=ctx.group)
     if ctx.rank != 0:
         return None
-    report = {"meta": _meta(ctx, cfg, nodes), "points": _summaries(steps, nodes)}
-    print(format_report(report), flush=True)
-    job = ctx.env.job_id or "local"
-    if cfg.json_path:
-        atomic_write_text(cfg.json_path.replace("%j", job), json.dumps(report, indent=1) + "\n")
-    if cfg.plot_path:
-        plot(report, cfg.plot_path.replace("%j", job))
-    return report
+    steps = {p: [row for r in rows for row in r] for p, rows in rounds.items()}
+    return {"meta": _meta(ctx, cfg, nodes), "points": _summaries(steps, nodes)}
 
 
-def _node_ranks(ctx: DistContext) -> list[int]:
+def _node_ranks(ctx) -> list[int]:
+    import torch
+    import torch.distributed as dist
+
     mine = torch.tensor([ctx.env.node_rank], dtype=torch.int64)
     every = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
     dist.all_gather(every, mine, group=ctx.group)
     return [int(t.item()) for t in every]
 
 
-def _measure(ctx: DistContext, cfg: ScalingBenchConfig, point: tuple[str, int, int], group) -> list[dict]:
+def _measure(ctx, cfg: Config, point: tuple[str, int, int], group) -> list[dict]:
     """This rank's part of one round of ``point``: per timed step, the slowest rank's wall and phase times."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcdl.train.step import PHASES
+
     stepper = _stepper(ctx, cfg, point[2], group)
     for _ in range(cfg.warmup):
         stepper()
@@ -140,9 +135,11 @@ def _measure(ctx: DistContext, cfg: ScalingBenchConfig, point: tuple[str, int, i
     return [dict(zip(fields, row)) for row in table.tolist()]
 
 
-def _stepper(ctx: DistContext, cfg: ScalingBenchConfig, batch: int, group):
+def _stepper(ctx, cfg: Config, batch: int, group):
     """A fresh model on ``group`` (DDP with hpcdl's defaults; the model alone on one rank) and a function that
     runs one timed step of it."""
+    import torch.distributed as dist
+
     from hpcdl.config import SyncConfig
     from hpcdl.distributed.sync import data_parallel
     from hpcdl.models import MODELS
@@ -168,6 +165,8 @@ def _stepper(ctx: DistContext, cfg: ScalingBenchConfig, batch: int, group):
 
 
 def _summaries(steps: dict[tuple, list[dict]], nodes: list[int]) -> list[dict]:
+    from hpcdl.train.step import PHASES
+
     out = []
     for (mode, k, batch), rows in steps.items():
         walls = sorted(r["wall"] for r in rows)
@@ -192,22 +191,23 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[int(index)]
 
 
-def _meta(ctx: DistContext, cfg: ScalingBenchConfig, nodes: list[int]) -> dict:
+def _meta(ctx, cfg: Config, nodes: list[int]) -> dict:
+    import torch
+
     from hpcdl.models import MODELS
     from hpcdl.plan.facts import model_facts
 
     return {"benchmark": "scaling", "model": cfg.model, "crop": cfg.crop or MODELS[cfg.model].crop,
             "gradient_bytes": model_facts(cfg.model).gradient_bytes, "backend": ctx.backend.name, "world_size": ctx.world_size,
             "nodes": len(set(nodes)), "ranks_per_node": ctx.env.local_size, "threads": torch.get_num_threads(),
-            "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds, "torch": torch.__version__,
-            "cpu": cpu_model(), "job_id": ctx.env.job_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds, "torch": torch.__version__}
 
 
 def format_report(report: dict) -> str:
     m = report["meta"]
     lines = [f"# scaling: {m['model']} at {m['crop']} px on {m['world_size']} ranks ({m['nodes']} node(s), "
              f"{m['ranks_per_node']} per node), backend {m['backend']}, {m['threads']} threads per rank, "
-             f"{m['rounds']} rounds of {m['steps']} steps per point; {m['cpu']}",
+             f"{m['rounds']} rounds of {m['steps']} steps per point; {report['provenance']['machine']['cpu']}",
              f"{'mode':6} {'ranks':>5} {'nodes':>5} {'batch/rank':>10} {'global':>6} {'images/s':>9} {'ideal':>9} "
              f"{'efficiency':>10} {'exposed comm':>12} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"]
     for p in report["points"]:

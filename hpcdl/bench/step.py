@@ -20,42 +20,51 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
-import torch
-
+from hpcdl.bench.rounds import alternate, medians, timed_ms
 from hpcdl.errors import ConfigError
-from hpcdl.models import build_model
-from hpcdl.optim.factory import OptimConfig, build_optimizer
-from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
-from hpcdl.utils import cpu_model
 
 TUNING_VARS = ("LD_PRELOAD", "GLIBC_TUNABLES", "MALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+PARTS = ("overhead", "tuning", "curve")
 
 
 @dataclass(kw_only=True, slots=True)
-class StepBenchConfig:
+class Config:
     model: str = "resnet18"  # the overhead comparison's model
-    batch: int = 32
-    crop: int = 128
-    steps: int = 3  # per round
-    rounds: int = 7
-    tuning_model: str = "resnet50"
-    tuning_batch: int = 8
+    batch: int = 32  # the overhead comparison's batch
+    crop: int = 128  # the overhead comparison's image side in px
+    steps: int = 3  # steps per round
+    rounds: int = 7  # alternating rounds; the median counts
+    tuning_model: str = "resnet50"  # the tuning comparison's model
+    tuning_batch: int = 8  # images per rank
     tuning_crop: int = 224
-    tuning_steps: int = 2  # per child process, after one warm-up step
+    tuning_steps: int = 2  # steps per rank process, after one warm-up step
     tuning_rounds: int = 3
-    ranks_per_node: int = 2
+    ranks_per_node: int = 2  # ranks the tuning comparison runs at once
     threads: int = 0  # the overhead comparison's threads (0: torch's default)
-    curve_batches: tuple[int, ...] = ()  # per-rank batches of the tuned node's throughput-vs-batch curve
+    # also the tuned node's images/s at these per-rank batches (hpcdl plan --step-json reads it)
+    curve_batches: tuple[int, ...] = ()
+    # which comparisons: overhead, tuning, curve (curve whenever curve_batches is given)
+    only: tuple[str, ...] = ("overhead", "tuning")
+
+    def __post_init__(self):
+        self.only = tuple(self.only)
+        if set(self.only) - set(PARTS) or ("curve" in self.only and not self.curve_batches):
+            raise ConfigError(f"--only {','.join(self.only)}: choose from {', '.join(PARTS)}; curve needs "
+                              f"--curve-batches, e.g. --curve-batches 8,16,32")
 
 
 def synthetic_training(model_name: str, batch: int, crop: int, seed: int = 0):
     """(model, LARS, loss, images, labels): one random batch in memory, the same on every call with ``seed``."""
+    import torch
+
+    from hpcdl.models import build_model
+    from hpcdl.optim.factory import OptimConfig, build_optimizer
+
     torch.manual_seed(seed)
     model = build_model(model_name, num_classes=1000).to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, OptimConfig(name="lars", lr=1.0, weight_decay=1e-4))
@@ -77,6 +86,7 @@ def bare_loop(model_name: str, batch: int, crop: int):
 
 
 def hpcdl_loop(model_name: str, batch: int, crop: int):
+    from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
     from hpcdl.train.step import Stepper
 
     model, optimizer, criterion, x, y = synthetic_training(model_name, batch, crop)
@@ -89,25 +99,15 @@ def hpcdl_loop(model_name: str, batch: int, crop: int):
     return step
 
 
-def _rounds(cases: dict, steps: int, rounds: int) -> dict[str, list[float]]:
-    for step in cases.values():
-        step()  # optimizer state and first-touch allocations outside the timing
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, step in cases.items():
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            times[name].append((time.perf_counter() - t0) / steps * 1e3)
-    return times
+def overhead(cfg: Config) -> dict:
+    import torch
 
-
-def overhead(cfg: StepBenchConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cases = {"bare loop": bare_loop(cfg.model, cfg.batch, cfg.crop), "hpcdl": hpcdl_loop(cfg.model, cfg.batch, cfg.crop)}
-    times = _rounds(cases, cfg.steps, cfg.rounds)
-    median = {k: statistics.median(v) for k, v in times.items()}
+    # the warm-up step puts optimizer state and first-touch allocations outside the timing
+    times = alternate({name: timed_ms(step, cfg.steps) for name, step in cases.items()}, cfg.rounds)
+    median = medians(times)
     return {"threads": torch.get_num_threads(), "ms_per_step": median, "rounds_ms": times,
             "ratio": median["hpcdl"] / median["bare loop"]}
 
@@ -121,7 +121,7 @@ def _child_env(tuned: bool) -> dict[str, str]:
     return env
 
 
-def _node_round(cfg: StepBenchConfig, tuned: bool) -> dict:
+def _node_round(cfg: Config, tuned: bool) -> dict:
     """``ranks_per_node`` children at once; the node's throughput is the sum of theirs."""
     procs = []
     for local_rank in range(cfg.ranks_per_node):
@@ -141,6 +141,8 @@ def _node_round(cfg: StepBenchConfig, tuned: bool) -> dict:
 
 def child(spec: dict) -> dict:
     """One rank's throughput; tuned: hpcdl's CPU plan for this local rank (its cores, one thread each)."""
+    import torch
+
     from hpcdl.distributed.affinity import allocator_in_use, apply_cpu_plan, plan_cpus
 
     if spec["tuned"]:
@@ -154,45 +156,37 @@ def child(spec: dict) -> dict:
     return {"images_per_s": spec["batch"] / seconds, "threads": torch.get_num_threads(), "allocator": allocator_in_use()}
 
 
-def tuning(cfg: StepBenchConfig) -> dict:
-    runs: dict[str, list[dict]] = {"untuned": [], "tuned": []}
-    for _ in range(cfg.tuning_rounds):
-        for name in runs:
-            runs[name].append(_node_round(cfg, name == "tuned"))
-    median = {k: statistics.median(r["images_per_s"] for r in v) for k, v in runs.items()}
+def tuning(cfg: Config) -> dict:
+    runs = alternate({name: (lambda tuned=name == "tuned": _node_round(cfg, tuned)) for name in ("untuned", "tuned")},
+                     cfg.tuning_rounds, warmup=0)
+    median = medians(runs, key=lambda r: r["images_per_s"])
     return {"images_per_s": median, "runs": runs, "ratio": median["tuned"] / median["untuned"],
             "setup": {k: {"threads": v[0]["threads"], "allocator": v[0]["allocator"]} for k, v in runs.items()}}
 
 
-def curve(cfg: StepBenchConfig) -> dict:
+def curve(cfg: Config) -> dict:
     """The tuned node's images/s at each per-rank batch of ``curve_batches``, alternating rounds, medians:
     the throughput-vs-batch curve ``hpcdl plan --step-json`` reads."""
-    runs: dict[int, list[float]] = {b: [] for b in cfg.curve_batches}
-    for _ in range(cfg.tuning_rounds):
-        for b in runs:
-            runs[b].append(_node_round(replace(cfg, tuning_batch=b), True)["images_per_s"])
-    return {"points": [[b * cfg.ranks_per_node, statistics.median(v)] for b, v in runs.items()], "runs": runs}
+    runs = alternate({b: (lambda b=b: _node_round(replace(cfg, tuning_batch=b), True)["images_per_s"])
+                      for b in cfg.curve_batches}, cfg.tuning_rounds, warmup=0)
+    return {"points": [[b * cfg.ranks_per_node, v] for b, v in medians(runs).items()], "runs": runs}
 
 
-def bench(cfg: StepBenchConfig, parts: tuple[str, ...] = ("overhead", "tuning")) -> dict:
-    unknown = set(parts) - {"overhead", "tuning", "curve"}
-    if unknown or ("curve" in parts and not cfg.curve_batches):
-        raise ConfigError(f"--only {','.join(parts)}: choose from overhead, tuning, curve; curve needs "
-                          f"--curve-batches, e.g. --curve-batches 8,16,32")
-    report = {"config": asdict(cfg), "cpu": cpu_model()}
-    if "overhead" in parts:
+def run(cfg: Config, job=None) -> dict:
+    report = {}
+    if "overhead" in cfg.only:
         report["overhead"] = overhead(cfg)
-    if "tuning" in parts:
+    if "tuning" in cfg.only:
         report["tuning"] = tuning(cfg)
     if cfg.curve_batches:
         report["curve"] = curve(cfg)
     return report
 
 
-
 def format_report(r: dict) -> str:
     c = r["config"]
-    lines = [f"CPU: {r['cpu']}, {os.cpu_count()} logical CPUs"]
+    machine = r["provenance"]["machine"]
+    lines = [f"CPU: {machine['cpu']}, {machine['logical_cpus']} logical CPUs"]
     if "overhead" in r:
         o = r["overhead"]
         lines += [f"training step, {c['model']} batch {c['batch']} at {c['crop']} px, LARS, {o['threads']} threads, "

@@ -27,40 +27,45 @@ CPU plan.
 
 from __future__ import annotations
 
-import statistics
+import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
+from hpcdl import names
+from hpcdl.bench.rounds import alternate, medians
 from hpcdl.config import SyncConfig
-from hpcdl.distributed.env import RankEnv
-from hpcdl.distributed.hooks import ChunkSparse
-from hpcdl.distributed.sync import data_parallel
 from hpcdl.errors import ConfigError
-from hpcdl.models import build_model
 
-_SYNC = SyncConfig()  # the training defaults
+
+def _training_default(name: str):
+    """A field whose default is the training default ``sync.NAME``."""
+    return dataclasses.field(default_factory=lambda: SyncConfig.__dataclass_fields__[name].default)
 
 
 @dataclass(kw_only=True, slots=True)
-class SyncBenchConfig:
-    model: str = "resnet50"
-    backend: str = "auto"
-    bucket_cap_mb: float = _SYNC.bucket_cap_mb
-    rounds: int = 5
-    latency_iters: int = 2000
-    scaling_model: str = "alexnet_bn"
-    scaling_batch: int = 32  # per rank
-    scaling_steps: int = 3  # per measurement, after one warm-up step (0: no scaling measurement)
-    hooks: tuple[str, ...] = ("none", "fp16", "bf16", "hierarchical", "chunk_sparse")
-    buckets: tuple[str, ...] = ()  # FIRST:CAP or CAP (MB) for the sweep; () skips it
-    sweep_rounds: int = 3
-    first_bucket_mb: float | None = _SYNC.first_bucket_mb
+class Config:
+    model: str = "resnet50"  # whose gradient set is synchronized
+    bucket_cap_mb: float = _training_default("bucket_cap_mb")  # hpcdl's DDP: the bucket cap in MB
+    first_bucket_mb: float | None = _training_default("first_bucket_mb")  # hpcdl's DDP: the first bucket's cap in MB
+    rounds: int = 5  # alternating rounds; the median counts
+    latency_iters: int = 2000  # one-float all-reduces per latency figure
+    scaling_model: str = "alexnet_bn"  # weak scaling: this model, 1 rank vs all
+    scaling_batch: int = 32  # weak scaling: images per rank
+    scaling_steps: int = 3  # weak scaling: steps per measurement, after one warm-up step (0: skip)
+    hooks: tuple[str, ...] = names.HOOKS  # the comm hooks to time through DDP
+    # bucket sweep of the scaling model's DDP step: FIRST:CAP or CAP in MB, e.g. 25,1:25,5,100 (default: skip)
+    buckets: tuple[str, ...] = ()
+    sweep_rounds: int = 3  # the bucket sweep's alternating rounds
+
+    def __post_init__(self):
+        for hook in self.hooks:
+            names.check("--hooks", hook, names.HOOKS)
+        for spec in self.buckets:  # before any rank starts
+            bucket_spec(spec)
 
 
-def _buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+def _buckets(grads: list, cap_bytes: int) -> list[list]:
     buckets, current, size = [], [], 0
     for g in reversed(grads):  # backward produces the last layers' gradients first
         current.append(g)
@@ -71,7 +76,9 @@ def _buckets(grads: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tenso
     return buckets + ([current] if current else [])
 
 
-def _fused(buckets: list[torch.Tensor], dtype: torch.dtype, group) -> None:
+def _fused(buckets: list, dtype, group) -> None:
+    import torch.distributed as dist
+
     sent = [b.to(dtype) if dtype != b.dtype else b for b in buckets]
     works = [dist.all_reduce(t, group=group, async_op=True) for t in sent]
     for w, t, b in zip(works, sent, buckets):
@@ -80,18 +87,34 @@ def _fused(buckets: list[torch.Tensor], dtype: torch.dtype, group) -> None:
             b.copy_(t)
 
 
-def _time(fn, rounds: int, group) -> list[float]:
-    out = []
-    for _ in range(rounds):
+def _timed_ms(fn, group):
+    """A case for :func:`alternate`: the ranks line up at a barrier, then ``fn`` is timed, in ms."""
+    import torch.distributed as dist
+
+    def case() -> float:
         dist.barrier(group=group)
         t0 = time.perf_counter()
         fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+        return (time.perf_counter() - t0) * 1e3
+
+    return case
 
 
-def bench(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
-    """Rank 0 gets the report; the other ranks get None."""
+def run(cfg: Config, job) -> dict | None:
+    """Every path on each of the job's groups (``--backends``: one report per backend, side by side); rank 0
+    gets the figures, the other ranks None."""
+    reports = {name: _bench(cfg, job.env, group) for name, group in job.groups.items()}
+    if job.rank != 0:
+        return None
+    return next(iter(reports.values())) if len(reports) == 1 else {"by_backend": reports}
+
+
+def _bench(cfg: Config, env, group=None) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from hpcdl.models import build_model
+
     torch.manual_seed(dist.get_rank())
     grads = [torch.randn_like(p) for p in build_model(cfg.model).parameters()]
     flat = torch.cat([g.view(-1) for g in grads])
@@ -107,13 +130,8 @@ def bench(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
         comm, MPI = mpi
         buf = flat.numpy()
         cases["raw mpi4py"] = lambda: comm.Allreduce(MPI.IN_PLACE, buf)
-    for fn in cases.values():
-        fn()  # warm-up
-    times = {name: [] for name in cases}
-    for _ in range(cfg.rounds):
-        for name, fn in cases.items():
-            times[name] += _time(fn, 1, group)
-    median = {k: statistics.median(v) for k, v in times.items()}
+    times = alternate({name: _timed_ms(fn, group) for name, fn in cases.items()}, cfg.rounds)
+    median = medians(times)
     report = {"model": cfg.model, "tensors": len(grads), "parameters": flat.numel(), "buckets": len(buckets),
               "world_size": dist.get_world_size(group), "backend": dist.get_backend(group), "ms": median,
               "rounds_ms": times, "fused_vs_flat": median["fused"] / median["flat"],
@@ -123,43 +141,58 @@ def bench(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
         report["scaling"] = weak_scaling(cfg, env, group)
     if cfg.buckets:
         report["bucket_sweep"] = bucket_sweep(cfg, env, group)
-    return report if dist.get_rank() == 0 else None
+    return report
 
 
-class _Emit(torch.autograd.Function):
-    """Backward hands each parameter its fixed gradient: no arithmetic, so DDP's sync is all there is."""
+@functools.cache
+def _gradient_set_class():
+    """The module class below, made on first use (it subclasses torch's classes: no torch at import)."""
+    import torch
 
-    @staticmethod
-    def forward(ctx, noise, *params):
-        ctx.noise = noise
-        return params[0].new_zeros(())
+    class _Emit(torch.autograd.Function):
+        """Backward hands each parameter its fixed gradient: no arithmetic, so DDP's sync is all there is."""
 
-    @staticmethod
-    def backward(ctx, _):
-        return (None, *ctx.noise)
+        @staticmethod
+        def forward(ctx, noise, *params):
+            ctx.noise = noise
+            return params[0].new_zeros(())
 
-
-class _GradientSet(torch.nn.Module):
-    """The model's parameter shapes; backward gives each a fixed random gradient at once."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros_like(p)) for p in model.parameters())
-        self.noise = [torch.randn_like(p) for p in model.parameters()]
-
-    def forward(self) -> torch.Tensor:
-        return _Emit.apply(self.noise, *self.weights)
+        @staticmethod
+        def backward(ctx, _):
+            return (None, *ctx.noise)
 
 
-def hook_rows(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
+    class _GradientSet(torch.nn.Module):
+        """The model's parameter shapes; backward gives each a fixed random gradient at once."""
+
+        def __init__(self, model: torch.nn.Module):
+            super().__init__()
+            self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros_like(p)) for p in model.parameters())
+            self.noise = [torch.randn_like(p) for p in model.parameters()]
+
+        def forward(self) -> torch.Tensor:
+            return _Emit.apply(self.noise, *self.weights)
+
+    return _GradientSet
+
+
+def hook_rows(cfg: Config, env, group=None) -> dict:
     """For each hook: median ms per DDP sync of the gradient set, and MB each rank sends per step."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcdl.distributed.hooks import ChunkSparse
+    from hpcdl.distributed.sync import data_parallel
+    from hpcdl.models import build_model
+
+    training = SyncConfig()
     model = build_model(cfg.model)
     parameters = sum(p.numel() for p in model.parameters())
     nets, sent = {}, {}
     for hook in cfg.hooks:  # a module each: DDP hooks its parameters
         torch.manual_seed(dist.get_rank())
-        sparse = ChunkSparse(keep=_SYNC.keep, chunk=_SYNC.chunk) if hook == "chunk_sparse" else None
-        nets[hook], _ = data_parallel(_GradientSet(model), env, group, hook=hook, backend=dist.get_backend(group),
+        sparse = ChunkSparse(keep=training.keep, chunk=training.chunk) if hook == "chunk_sparse" else None
+        nets[hook], _ = data_parallel(_gradient_set_class()(model), env, group, hook=hook, backend=dist.get_backend(group),
                                       bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb, sparse=sparse)
         sent[hook] = sparse
 
@@ -167,23 +200,21 @@ def hook_rows(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
         net().backward()
         net.zero_grad(set_to_none=False)
 
-    for net in nets.values():
-        sync(net)  # warm-up; DDP builds its buckets
-    times = {hook: [] for hook in nets}
-    for _ in range(cfg.rounds):
-        for hook, net in nets.items():
-            times[hook] += _time(lambda: sync(net), 1, group)
+    # the warm-up builds DDP's buckets
+    times = alternate({hook: _timed_ms(lambda net=net: sync(net), group) for hook, net in nets.items()}, cfg.rounds)
     rows = {}
     for hook in nets:
         elements = sent[hook].last_step_sent[0] if sent[hook] else parameters
         size = 2 if hook in ("fp16", "bf16") or (hook == "chunk_sparse" and sent[hook].fp16) else 4
-        rows[hook] = {"ms": statistics.median(times[hook]), "mb_sent": elements * size / 2 ** 20}
+        rows[hook] = {"ms": medians(times)[hook], "mb_sent": elements * size / 2 ** 20}
     return rows
 
 
-def _train_steps(cfg: SyncBenchConfig):
+def _train_steps(cfg: Config):
     """(a fresh ``scaling_model``, a function timing n training steps of a net over it)."""
-    from hpcdl.models import MODELS
+    import torch
+
+    from hpcdl.models import MODELS, build_model
 
     torch.manual_seed(0)
     model = build_model(cfg.scaling_model)
@@ -202,8 +233,13 @@ def _train_steps(cfg: SyncBenchConfig):
     return model, steps
 
 
-def weak_scaling(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
+def weak_scaling(cfg: Config, env, group=None) -> dict:
     """Seconds per step of rank 0 alone and of all ranks under hpcdl's DDP, same per-rank batch; efficiency."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcdl.distributed.sync import data_parallel
+
     model, steps = _train_steps(cfg)
     alone = None
     if dist.get_rank(group) == 0:
@@ -232,21 +268,21 @@ def bucket_spec(spec: str) -> tuple[float | None, float]:
     return sizes
 
 
-def bucket_sweep(cfg: SyncBenchConfig, env: RankEnv, group=None) -> dict:
+def bucket_sweep(cfg: Config, env, group=None) -> dict:
     """Median seconds per DDP training step of ``scaling_model`` for each ``FIRST:CAP`` (MB) in ``buckets``."""
+    import torch.distributed as dist
+
+    from hpcdl.distributed.sync import data_parallel
+
     nets = {}
     for spec in cfg.buckets:
         first, cap = bucket_spec(spec)
         model, steps_of = _train_steps(cfg)
         nets[spec] = (data_parallel(model, env, group, bucket_cap_mb=cap, first_bucket_mb=first)[0], steps_of)
-    for net, steps in nets.values():
-        steps(net, 1)  # warm-up; DDP rebuilds its buckets after the first step
-    times = {spec: [] for spec in nets}
-    for _ in range(cfg.sweep_rounds):
-        for spec, (net, steps) in nets.items():
-            dist.barrier(group=group)
-            times[spec].append(steps(net, cfg.scaling_steps))
-    return {spec: statistics.median(t) for spec, t in times.items()}
+    # the warm-up step lets DDP rebuild its buckets
+    times = alternate({spec: (lambda net=net, steps=steps: steps(net, cfg.scaling_steps)) for spec, (net, steps)
+                       in nets.items()}, cfg.sweep_rounds, before=lambda: dist.barrier(group=group))
+    return medians(times)
 
 
 def _raw_mpi():
@@ -259,6 +295,8 @@ def _bare_group(group):
     """For the latency floor only: a group of ``group``'s ranks on a Python backend whose all-reduce is
     nothing but MPI's (no op, dtype or layout checks, no queue, no timeout): what any Python backend
     pays for torch.distributed's dispatch. Not a backend to train with."""
+    import torch.distributed as dist
+
     from hpcdl.distributed.mpi import MPIProcessGroup
     from hpcdl.distributed.threaded import _DoneWork
 
@@ -278,6 +316,9 @@ def _bare_group(group):
 
 
 def _latency(iters: int, group, mpi) -> dict:
+    import torch
+    import torch.distributed as dist
+
     x = torch.zeros(1)
     out = {}
     cases = [("torch.distributed", lambda: dist.all_reduce(x, group=group))]
@@ -303,10 +344,12 @@ def _latency(iters: int, group, mpi) -> dict:
     return out
 
 
-def _raw_oneccl(group, x: torch.Tensor):
+def _raw_oneccl(group, x):
     """For a oneccl group: ``loop(n)`` makes n one-float onecclAllReduce calls in a row on the group's
     communication thread (oneCCL must be called from that one), so no hand-off is timed: oneCCL's own latency
     through ctypes. None for other backends."""
+    import torch.distributed as dist
+
     from hpcdl.distributed.ccl import CCLProcessGroup
 
     pg = group if group is not None else dist.group.WORLD
@@ -341,7 +384,13 @@ def format_comparison(reports: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def format_report(r: dict) -> str:
+def format_report(report: dict) -> str:
+    if "by_backend" in report:
+        return "".join(_format_one(r) for r in report["by_backend"].values()) + format_comparison(report["by_backend"])
+    return _format_one(report)
+
+
+def _format_one(r: dict) -> str:
     lines = [f"gradient sync of {r['model']}: {r['tensors']} tensors, {r['parameters'] / 1e6:.1f}M parameters "
              f"({r['parameters'] * 4 / 2 ** 20:.0f} MB fp32), {r['buckets']} buckets; {r['world_size']} ranks, "
              f"backend {r['backend']}; medians",

@@ -20,9 +20,9 @@ class Rejected(Exception):
 class Encoding:
     """How ``hpcdl pack`` stores images: ``--max-side`` or ``--short-side``, and ``--quality``."""
 
-    max_side: int | None = None
-    short_side: int | None = None
-    quality: int = 90
+    max_side: int | None = None  # resize so the longer side is at most N
+    short_side: int | None = None  # resize so the shorter side is at most N
+    quality: int = 90  # JPEG quality when re-encoding
 
     def __post_init__(self):
         if self.max_side and self.short_side:

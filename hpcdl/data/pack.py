@@ -28,7 +28,9 @@ from hpcdl.data.format import (MANIFEST, PARTS_DIR, TMP_SUFFIX, Manifest, ShardE
                                shard_name, write_shard)
 from hpcdl.data.images import Encoding, Rejected, prepare
 from hpcdl.data.sources import Item, SourceOptions, catalog
+from hpcdl import names
 from hpcdl.errors import ConfigError, DataError
+from hpcdl.flags import meta
 from hpcdl.utils import format_duration, parse_bytes
 
 log = logging.getLogger(__name__)
@@ -36,17 +38,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True, slots=True)
 class PackConfig:
-    src: str
-    out: str
-    layout: str = "folder"
-    shard_size: int = 512 << 20
+    src: str  # the images (see --layout)
+    out: str  # the dataset root to write
+    layout: str = field(default="folder", metadata=meta(choices=names.LAYOUTS))  # how SRC is organized
+    shard_size: int | str = "512MB"  # bytes of images per shard
     encoding: Encoding = field(default_factory=Encoding)
-    workers: int = 0  # 0: one per CPU this process may use
-    resume: bool = False
-    seed: int = 0
-    part: str | None = None  # "i/n"; default: the Slurm array task or MPI rank, else the whole dataset
+    workers: int = 0  # encoding processes (0: one per CPU this process may use)
+    resume: bool = False  # keep finished, verified shards and go on
+    seed: int = 0  # the shuffle before sharding
+    part: str | None = None  # i/n: pack part i of n (default: the Slurm array task or MPI rank, else the whole dataset)
     sources: SourceOptions = field(default_factory=SourceOptions)
-    image_timeout_s: float = 60.0  # an input that takes longer to read and decode is rejected
+    image_timeout: float = 60.0  # seconds: an input that takes longer to read and decode is rejected
 
     def __post_init__(self):
         if isinstance(self.shard_size, str):
@@ -56,8 +58,8 @@ class PackConfig:
         if self.workers < 0:
             raise ConfigError(f"--workers {self.workers} must be 0 (one per CPU) or more")
         self.workers = self.workers or len(os.sched_getaffinity(0))
-        if not self.image_timeout_s > 0:
-            raise ConfigError(f"--image-timeout {self.image_timeout_s} must be more than 0 seconds (e.g. 60)")
+        if not self.image_timeout > 0:
+            raise ConfigError(f"--image-timeout {self.image_timeout} must be more than 0 seconds (e.g. 60)")
 
 
 def detect_part(spec: str | None, environ=os.environ) -> tuple[int, int]:
@@ -230,7 +232,7 @@ class _Results:
     """Encoded results in item order, from a process pool (or in this process with one worker)."""
 
     def __init__(self, cfg: PackConfig, items: list[Item]):
-        self.fn = functools.partial(_encode, cfg.encoding, cfg.image_timeout_s)
+        self.fn = functools.partial(_encode, cfg.encoding, cfg.image_timeout)
         self.items, self.workers, self.pool = items, cfg.workers, None
 
     def __enter__(self):

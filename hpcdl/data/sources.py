@@ -61,9 +61,9 @@ class Catalog:
 
 @dataclass(frozen=True, slots=True)
 class SourceOptions:
-    names: str | None = None  # "wnid human name" per line (synset_words.txt, LOC_synset_mapping.txt)
-    val_labels: str | None = None  # ILSVRC2012_validation_ground_truth.txt: one ILSVRC2012_ID per line
-    synsets: str | None = None  # ILSVRC2012_ID -> wnid: "wnid" per line, or "wnid ID name" (map_clsloc.txt)
+    names: str | None = None  # a file of "wnid human name" lines (synset_words.txt, LOC_synset_mapping.txt)
+    val_labels: str | None = None  # imagenet-val: ILSVRC2012_validation_ground_truth.txt, one ILSVRC2012_ID per line
+    synsets: str | None = None  # imagenet-val: ILSVRC2012_ID -> wnid: "wnid" per line, or "wnid ID name" (map_clsloc.txt)
 
 
 def printable(rel: str) -> tuple[str, bool]:

@@ -41,7 +41,8 @@ ALLOCATORS: tuple[Allocator, ...] = (
     Allocator(name="tcmalloc", libraries=("libtcmalloc.so.4", "libtcmalloc_minimal.so.4", "libtcmalloc.so")),
     Allocator(name="glibc", libraries=()),
 )
-ALLOCATOR_CHOICES = ("auto", "none") + tuple(registry("allocators", {a.name: a for a in ALLOCATORS}, names.ALLOCATORS))
+registry("allocators", {a.name: a for a in ALLOCATORS}, names.ALLOCATORS)
+ALLOCATOR_CHOICES = names.ALLOCATOR_CHOICES
 
 
 def find_library(allocator: Allocator, lib_dirs: tuple[str, ...] = LIB_DIRS) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 
-from hpcdl.distributed.affinity import ALLOCATOR_CHOICES
+from hpcdl.names import ALLOCATOR_CHOICES
 from hpcdl.errors import ConfigError
 from hpcdl.launch.profiles import ClusterProfile, get_profile
 from hpcdl.utils import format_duration, parse_duration
@@ -19,19 +19,18 @@ __all__ = ["JobRequest", "job_request"]
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class JobRequest:
-    profile: str = "generic"
+    profile: str = "generic"  # the cluster profile (hpcdl profiles lists them)
     nodes: int = 1
-    tasks_per_node: int = 1
-    cpus_per_task: int | None = None  # default: the node's cores divided among its tasks
-    time: str = "01:00:00"            # Slurm forms: MM, HH:MM:SS, D-HH:MM:SS
+    tasks_per_node: int = 1  # ranks per node; one per socket is a good start
+    cpus_per_task: int | None = None  # cores per rank (default: the profile's cores per node / tasks per node)
+    time: str = "01:00:00"  # wall clock: MM, HH:MM:SS or D-HH:MM:SS
     job_name: str = "hpcdl"
-    output: str = "hpcdl-%j.out"
-    partition: str | None = None      # default: the profile's
-    account: str | None = None
+    output: str = "hpcdl-%j.out"  # Slurm's output path (%j: the job id)
+    partition: str | None = None  # default: the profile's
+    account: str | None = None  # the allocation to charge
     qos: str | None = None
-    python: str | None = None         # the interpreter with hpcdl on the compute nodes (sbatch: python3,
-                                      # submitit: this one)
-    allocator: str = "auto"
+    python: str | None = None  # the interpreter with hpcdl on the compute nodes (sbatch: python3 on PATH; submit: this one)
+    allocator: str = "auto"  # auto | none | jemalloc | tcmalloc | glibc: the memory allocator every rank preloads
 
     def __post_init__(self):
         prof = get_profile(self.profile)

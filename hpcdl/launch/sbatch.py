@@ -17,6 +17,7 @@ import sys
 
 from hpcdl import __version__
 from hpcdl.launch.job import JobRequest, job_request
+from hpcdl.names import ALLOCATOR_CHOICES, ALLOCATORS
 from hpcdl.utils import atomic_write_text, format_duration
 
 __all__ = ["READY_SCRIPTS", "render_sbatch", "sbatch_quote", "write_ready_scripts"]
@@ -105,7 +106,8 @@ def _header(req: JobRequest, command: list[str]) -> list[str]:
                                                         if prof.max_time else "."),
         "# Environment read at run time (export before sbatch; sbatch passes the environment on):",
         "#   HPCDL_PYTHON      the Python that has hpcdl installed (default below).",
-        "#   HPCDL_ALLOCATOR   auto | jemalloc | tcmalloc | glibc | none (default auto: jemalloc, tcmalloc, then glibc).",
+        f"#   HPCDL_ALLOCATOR   {' | '.join(ALLOCATOR_CHOICES)} (default auto: the first that loads of "
+        f"{', '.join(ALLOCATORS)}).",
         "#   GLOO_SOCKET_IFNAME  the interface gloo uses, e.g. ib0, when the hostname resolves to Ethernet.",
         "#   SLURM_MPI_TYPE    srun's PMI plugin, when the command uses MPI (pmi2 for MPICH, pmix for Open MPI).",
         "#   HPCDL_FI_PROVIDER libfabric's provider for backend ccl across nodes (default below: the profile's;"

@@ -82,7 +82,8 @@ def rabenseifner(n_bytes: float, p: int, link: Link) -> Cost:
     return cost
 
 
-ALGORITHMS = {"ring": ring, "rabenseifner": rabenseifner}
+ALGORITHMS = {"ring": ring, "rabenseifner": rabenseifner}  # over all ranks
+ALGORITHM_CHOICES = (*ALGORITHMS, "hierarchical")
 
 
 def hierarchical(n_bytes: float, nodes: int, ranks_per_node: int, network: Link, intra: Link,
@@ -103,7 +104,7 @@ def allreduce_cost(algorithm: str, n_bytes: float, nodes: int, ranks_per_node: i
             raise ConfigError("the hierarchical all-reduce needs the node's own link (intra)")
         return hierarchical(n_bytes, nodes, ranks_per_node, network, intra)
     if algorithm not in ALGORITHMS:
-        raise ConfigError(f"all-reduce algorithm {algorithm!r}; choose one of ring, rabenseifner, hierarchical")
+        raise ConfigError(f"all-reduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHM_CHOICES)}")
     return ALGORITHMS[algorithm](n_bytes, nodes * ranks_per_node, network)
 
 

@@ -16,29 +16,31 @@ The model is :class:`hpcdl.plan.model.StepModel`. Its inputs, and where each com
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 
+from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport
 from hpcdl.errors import ConfigError, DataError
+from hpcdl.flags import meta
+from hpcdl.names import IMAGENET_TRAIN
 from hpcdl.plan.facts import ModelFacts, model_facts
-from hpcdl.plan.model import BACKWARD_SHARE, BatchCurve, Link, StepModel, allreduce_cost
+from hpcdl.plan.model import ALGORITHM_CHOICES, BACKWARD_SHARE, BatchCurve, Link, StepModel, allreduce_cost
 from hpcdl.plan.validate import CALIBRATION, carried_compute
 
-__all__ = ["Calibration", "PlanInputs", "calibrate", "curve_from_step", "figure", "format_plan", "link_from_allreduce",
+__all__ = ["Calibration", "PlanInputs", "PlanQuestion", "calibrate", "curve_from_step", "figure", "format_plan", "link_from_allreduce",
            "plan", "plot"]
 
-def link_from_allreduce(report: dict) -> Link:
+def link_from_allreduce(report: AllreduceReport) -> Link:
     """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times, each a ring of its
     ``world_size`` ranks: ``t = 2(p-1) alpha + 2(p-1)/p n beta``, least squares on the relative error."""
-    p = report["meta"]["world_size"]
-    rows = [r for r in report["rows"] if r["time_us"] > 0]
+    p = report.meta.world_size
+    rows = [r for r in report.rows if r.time_us > 0]
     if p < 2 or len(rows) < 2:
         raise DataError(f"an all-reduce report of {p} rank(s) and {len(rows)} sizes cannot give a link; run "
                         f"hpcdl bench allreduce on 2 or more ranks")
     # t / t = 1 = a * x1 + b * x2 with x1 = 2(p-1)/t, x2 = 2(p-1)/p * n / t: solve the 2x2 normal equations
-    x1 = [2 * (p - 1) / (r["time_us"] * 1e-6) for r in rows]
-    x2 = [2 * (p - 1) / p * r["bytes"] / (r["time_us"] * 1e-6) for r in rows]
+    x1 = [2 * (p - 1) / (r.time_us * 1e-6) for r in rows]
+    x2 = [2 * (p - 1) / p * r.bytes / (r.time_us * 1e-6) for r in rows]
     s11, s12, s22 = sum(a * a for a in x1), sum(a * b for a, b in zip(x1, x2)), sum(b * b for b in x2)
     det = s11 * s22 - s12 * s12
     alpha = (s22 * sum(x1) - s12 * sum(x2)) / det
@@ -48,14 +50,13 @@ def link_from_allreduce(report: dict) -> Link:
     return Link(latency_s=max(alpha, 0.0), bandwidth_bytes_s=1 / beta)
 
 
-def curve_from_step(report: dict) -> BatchCurve:
+def curve_from_step(report: StepReport) -> BatchCurve:
     """A node's images/s against its batch from ``hpcdl bench step --json``: the tuned node of the tuning
     comparison, and every point of its batch sweep when it ran one."""
-    points = [(float(b), v) for b, v in report.get("curve", {}).get("points", [])]
-    tuning = report.get("tuning")
-    if tuning:
-        c = report["config"]
-        points.append((c["tuning_batch"] * c["ranks_per_node"], tuning["images_per_s"]["tuned"]))
+    points = [(float(b), v) for b, v in (report.curve.points if report.curve else ())]
+    if report.tuning:
+        c = report.config
+        points.append((c.tuning_batch * c.ranks_per_node, report.tuning.images_per_s["tuned"]))
     if not points:
         raise DataError("the bench step report holds no node throughput; run hpcdl bench step without --only overhead")
     by_batch: dict[float, list[float]] = {}
@@ -73,7 +74,7 @@ class Calibration:
     points: list[dict]  # each measured point beside what the calibrated model gives for it
 
 
-def calibrate(report: dict, network: Link, algorithm: str = "ring", messages: int = 1,
+def calibrate(report: ScalingReport, network: Link, algorithm: str = "ring", messages: int = 1,
               intra: Link | None = None) -> Calibration:
     """Fit the per-node compute and the overlap to ``hpcdl bench scaling --json``.
 
@@ -84,36 +85,35 @@ def calibrate(report: dict, network: Link, algorithm: str = "ring", messages: in
       exposed), over what backward could hide, averaged and held in [0, 1]. A point whose communication
       was all hidden only bounds the overlap from below: measure where it shows (more ranks, or nodes).
     """
-    rpn = report["meta"]["ranks_per_node"]
-    full = [p for p in report["points"] if p["ranks"] == p["nodes"] * rpn]
+    rpn = report.meta.ranks_per_node
+    full = [p for p in report.points if p.ranks == p.nodes * rpn]
     if not full:
         raise DataError(f"no point of the scaling report fills its nodes ({rpn} ranks each); run bench scaling "
                         f"with all of a node's ranks")
     samples: dict[float, list[float]] = {}
     for p in full:
-        batch = p["batch_per_rank"] * rpn
-        compute_s = (p["step_ms"]["mean"] - p["phases_ms"]["comm_wait"]) / 1e3
+        batch = p.batch_per_rank * rpn
+        compute_s = (p.step_ms.mean - p.phases_ms.comm_wait) / 1e3
         samples.setdefault(batch, []).append(batch / compute_s)
     curve = BatchCurve(tuple((b, statistics.median(v)) for b, v in samples.items()))
-    singles = [p for p in report["points"] if p["ranks"] == 1]
-    share = statistics.median(p["phases_ms"]["backward"] / (p["phases_ms"]["forward"] + p["phases_ms"]["backward"]
-                                                            + p["phases_ms"]["optimizer"]) for p in singles) \
-        if singles else BACKWARD_SHARE
+    singles = [p for p in report.points if p.ranks == 1]
+    share = statistics.median(p.phases_ms.backward / (p.phases_ms.forward + p.phases_ms.backward + p.phases_ms.optimizer)
+                              for p in singles) if singles else BACKWARD_SHARE
     overlaps = []
     for p in full:
-        if p["ranks"] < 2:
+        if p.ranks < 2:
             continue
-        comm = allreduce_cost(algorithm, report["meta"]["gradient_bytes"], p["nodes"], rpn, network, intra)
+        comm = allreduce_cost(algorithm, report.meta.gradient_bytes, p.nodes, rpn, network, intra)
         modelled = comm.latency_s * messages + comm.bandwidth_s
-        compute_s = (p["step_ms"]["mean"] - p["phases_ms"]["comm_wait"]) / 1e3
-        hidden = modelled - p["phases_ms"]["comm_wait"] / 1e3
+        compute_s = (p.step_ms.mean - p.phases_ms.comm_wait) / 1e3
+        hidden = modelled - p.phases_ms.comm_wait / 1e3
         overlaps.append(hidden / (share * compute_s))
     overlap = min(1.0, max(0.0, statistics.fmean(overlaps))) if overlaps else 0.0
-    model = StepModel(gradient_bytes=report["meta"]["gradient_bytes"], throughput=curve, network=network,
+    model = StepModel(gradient_bytes=report.meta.gradient_bytes, throughput=curve, network=network,
                       ranks_per_node=rpn, algorithm=algorithm, intra=intra, messages=messages, overlap=overlap,
                       backward_share=share)
-    checked = [{"mode": p["mode"], "ranks": p["ranks"], "nodes": p["nodes"], "measured_images_s": p["images_per_s"],
-                "model_images_s": model.terms(p["nodes"], p["global_batch"])["images_s"]} for p in full]
+    checked = [{"mode": p.mode, "ranks": p.ranks, "nodes": p.nodes, "measured_images_s": p.images_per_s,
+                "model_images_s": model.terms(p.nodes, p.global_batch)["images_s"]} for p in full]
     return Calibration(curve, overlap, share, rpn, checked)
 
 
@@ -185,14 +185,6 @@ def plot(rows: list[dict], title: str, out: str) -> str:
     return save_png(figure(rows, title), out)
 
 
-def read_json(path: str, what: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DataError(f"{path}: cannot read it as {what} ({exc})") from None
-
-
 def parse_throughput(text: str) -> BatchCurve:
     """``IMAGES_S`` (at any batch) or ``BATCH:IMAGES_S,...``: one node's compute."""
     try:
@@ -205,20 +197,38 @@ def parse_throughput(text: str) -> BatchCurve:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class PlanQuestion:
+    """What to plan: a global batch for so many epochs, at each node count."""
+
+    nodes: tuple[int, ...] = ()  # node counts, e.g. 256,512,1024,1600,2048
+    batch: int | None = None  # the global batch, e.g. 32768
+    epochs: float = 90
+    train_images: int = IMAGENET_TRAIN  # images per epoch (default: ImageNet-1K)
+
+    def __post_init__(self):
+        if not self.nodes or not self.batch:
+            raise ConfigError("hpcdl plan needs --nodes and --batch (or --validate)")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class PlanInputs:
     """Where each of the model's inputs comes from; exactly one source of compute."""
 
-    model: str
-    profile: str = "generic"
-    throughput: str | None = None
+    model: str = "resnet50"
+    profile: str = "generic"  # the cluster: its network (hpcdl profiles lists them)
+    throughput: str | None = None  # one node's compute: IMAGES_S, or BATCH:IMAGES_S,... against its batch
+    # one node's compute from hpcdl bench step --json (with --curve-batches: its curve)
     step_json: str | None = None
-    calibrate_json: str | None = None
+    # fit the compute and the overlap to hpcdl bench scaling --json
+    calibrate_json: str | None = dataclasses.field(default=None, metadata=meta(flag="--calibrate", metavar="RESULTS.json"))
+    # fit the network's latency and bandwidth to hpcdl bench allreduce --json (default: the profile's)
     allreduce_json: str | None = None
-    intra_json: str | None = None  # hpcdl bench allreduce on one node's ranks: the hierarchical all-reduce's node link
-    algorithm: str = "ring"
-    ranks_per_node: int | None = None  # None: the calibration's, else the profile's sockets
-    overlap: float | None = None  # None: the calibration's, else 0
-    data_images_s: float | None = None
+    # hierarchical: hpcdl bench allreduce --json on one node's ranks (the node's own link)
+    intra_json: str | None = dataclasses.field(default=None, metadata=meta(flag="--intra-allreduce-json"))
+    algorithm: str = dataclasses.field(default="ring", metadata=meta(choices=ALGORITHM_CHOICES))  # the all-reduce's algorithm
+    ranks_per_node: int | None = None  # default: the calibration's, else the profile's sockets
+    overlap: float | None = None  # fraction of backward the all-reduce can hide behind, 0-1 (default: the calibration's, else 0)
+    data_images_s: float | None = None  # one node's data-loading capacity, images/s (hpcdl bench data)
 
     def build(self) -> tuple[StepModel, list[str]]:
         """The step model and one line per input saying where it came from."""
@@ -254,9 +264,9 @@ class PlanInputs:
             if not self.intra_json:
                 raise ConfigError("--algorithm hierarchical needs the node's own link: --intra-allreduce-json, the "
                                   "JSON of hpcdl bench allreduce run on the ranks of one node")
-            intra = link_from_allreduce(read_json(self.intra_json, "an hpcdl bench allreduce report"))
+            intra = link_from_allreduce(AllreduceReport.from_json(self.intra_json))
         if self.allreduce_json:
-            return (link_from_allreduce(read_json(self.allreduce_json, "an hpcdl bench allreduce report")), intra,
+            return (link_from_allreduce(AllreduceReport.from_json(self.allreduce_json)), intra,
                     f"fitted to {self.allreduce_json}")
         return profile.network_link(), intra, f"profile {profile.name}"
 
@@ -269,11 +279,11 @@ class PlanInputs:
                     f"compute carried from the published {CALIBRATION} run by training FLOPs and the node's nominal "
                     f"peak (as hpcdl plan --validate does; measure with --step-json to replace it)")
         if self.step_json:
-            curve = curve_from_step(read_json(self.step_json, "an hpcdl bench step report"))
+            curve = curve_from_step(StepReport.from_json(self.step_json))
             return curve, self.ranks_per_node, overlap, BACKWARD_SHARE, f"compute from {self.step_json}"
         if self.throughput:
             return parse_throughput(self.throughput), self.ranks_per_node, overlap, BACKWARD_SHARE, "compute given (--throughput)"
-        cal = calibrate(read_json(self.calibrate_json, "an hpcdl bench scaling report"), network, self.algorithm,
+        cal = calibrate(ScalingReport.from_json(self.calibrate_json), network, self.algorithm,
                         facts.buckets, intra)
         note = (f"compute and overlap fitted to {self.calibrate_json}: overlap {cal.overlap:.2f}, backward "
                 f"{cal.backward_share:.0%} of compute; the fit gives its points as " + ", ".join(

@@ -7,19 +7,9 @@ from __future__ import annotations
 
 from hpcdl.errors import ConfigError
 from hpcdl.names import PRECISIONS
+from hpcdl.utils import cpu_flags
 
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def choose_precision(requested: str, flags: set[str] | None = None) -> tuple[str, str]:

@@ -1,0 +1,153 @@
+"""One way to run every benchmark: join the job's ranks when it needs them, run it, print its table on
+rank 0, and write its JSON report with where and how it was measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from hpcdl.flags import meta
+
+__all__ = ["Job", "Output", "RankOptions", "provenance", "run_benchmark", "write_report"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RankOptions:
+    """How a benchmark that runs on a job's ranks joins them."""
+
+    backend: str = "auto"  # the process group: auto (ccl when a oneCCL runtime loads, else gloo), gloo, ccl or mpi
+    # compare several side by side in one run, e.g. gloo,mpi,ccl (mpi needs mpiexec or srun --mpi)
+    backends: str | None = None
+    timeout: float = 1800.0  # collective timeout in s once all ranks joined
+    startup_timeout: float = 600.0  # timeout in s for all ranks to join
+    heartbeat: float = 2.0  # heartbeat interval in s (names lost ranks)
+
+    def __post_init__(self):
+        from hpcdl import names
+
+        names.check("--backend", self.backend, ("auto", *names.BACKENDS))
+        if min(self.timeout, self.startup_timeout, self.heartbeat) <= 0:
+            from hpcdl.errors import ConfigError
+
+            raise ConfigError(f"--timeout {self.timeout}, --startup-timeout {self.startup_timeout} and --heartbeat "
+                              f"{self.heartbeat} must be more than 0 seconds")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Output:
+    """Where the report goes besides the table on standard output."""
+
+    json_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--json", metavar="FILE"))  # also write the report here as JSON (%j: the job id)
+    plot_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--plot", metavar="PNG"))  # write a PNG here (%j: the job id; needs matplotlib: hpcdl[plot])
+
+
+@dataclasses.dataclass(slots=True)
+class Job:
+    """What a benchmark's ``run`` gets: this rank, and on a job's ranks its process group."""
+
+    env: object  # hpcdl.distributed.env.RankEnv
+    ctx: object = None  # hpcdl.distributed.process_group.DistContext, for benchmarks that run on ranks
+    groups: dict = dataclasses.field(default_factory=dict)  # backend name -> group (--backends), else the default's
+    timeout: timedelta = timedelta(minutes=30)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    def expand(self, path: str) -> str:
+        """``%j`` -> the job id (``local`` outside a job), as in Slurm's ``--output``."""
+        return path.replace("%j", self.env.job_id or "local")
+
+
+def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | None = None,
+                  argv: list[str] | None = None) -> dict | None:
+    """Run ``row`` (a :class:`hpcdl.bench.Benchmark`) with ``cfg``; rank 0 prints and writes the report and
+    returns it, the other ranks return None."""
+    from hpcdl.distributed.env import discover
+
+    ranks, output = ranks or RankOptions(), output or Output()
+    if ranks.backends and not row.compares_backends:
+        from hpcdl.errors import ConfigError
+
+        raise ConfigError(f"bench {row.name} measures one backend at a time; give --backend, not --backends")
+    if output.plot_path and not row.plots:
+        from hpcdl.errors import ConfigError
+
+        raise ConfigError(f"bench {row.name} draws no plot; drop --plot")
+    job = _join(ranks) if row.on_ranks else Job(env=discover())
+    try:
+        figures = row.run(cfg, job)
+    finally:
+        if job.ctx is not None:  # not reached after a RankLostError: a broken group cannot be torn down cleanly
+            from hpcdl.distributed.process_group import shutdown
+
+            shutdown(job.ctx)
+    if figures is None:
+        return None
+    report = {"benchmark": row.name, "config": _plain(cfg), **figures, "provenance": provenance(job, argv)}
+    print(row.format(report), flush=True)
+    if output.json_path:
+        write_report(job.expand(output.json_path), report)
+    if output.plot_path:
+        row.load().plot(report, job.expand(output.plot_path))
+    return report
+
+
+def _join(ranks: RankOptions) -> Job:
+    from hpcdl.distributed.process_group import backend_groups, fail_fast, init_distributed, set_timeout
+
+    ctx = init_distributed("gloo" if ranks.backends else ranks.backend,
+                           timeout=timedelta(seconds=ranks.startup_timeout), heartbeat_s=ranks.heartbeat)
+    timeout = timedelta(seconds=ranks.timeout)
+    set_timeout(ctx, timeout)
+    with fail_fast(ctx):
+        groups = backend_groups(ctx, ranks.backends, timeout) if ranks.backends else {ctx.backend.name: ctx.group}
+    return Job(env=ctx.env, ctx=ctx, groups=groups, timeout=timeout)
+
+
+def _plain(cfg) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def write_report(path: str, report: dict) -> None:
+    from hpcdl.utils import atomic_write_text
+
+    atomic_write_text(path, json.dumps(report, indent=1) + "\n")
+    log.info("wrote %s", path)
+
+
+def provenance(job: Job | None = None, argv: list[str] | None = None) -> dict:
+    """Where and how a report was measured: the machine, the command line, hpcdl's version and commit."""
+    from hpcdl import __version__
+    from hpcdl.utils import cpu_flags, cpu_model
+
+    flags = cpu_flags()
+    return {"command": list(sys.argv if argv is None else argv), "hpcdl": __version__, "commit": _commit(),
+            "machine": {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "logical_cpus": os.cpu_count(),
+                        "flags": sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4")))},
+            "host": os.uname().nodename, "job_id": job.env.job_id if job else None,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _commit() -> str | None:
+    """hpcdl's git commit (with ``-dirty`` when its tree has changes), or None outside a checkout."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (head + ("-dirty" if dirty else "")) or None

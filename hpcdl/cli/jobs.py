@@ -1,0 +1,120 @@
+"""``hpcdl sbatch``, ``hpcdl submit`` and ``hpcdl profiles``: jobs on a cluster's nodes."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from hpcdl.errors import HpcdlError
+from hpcdl.flags import meta
+from hpcdl.launch.job import JobRequest
+
+_COMMAND = meta(remainder=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class SbatchCommand:
+    write: str | None = field(default=None, metadata=meta(metavar="FILE"))  # write the script here instead of printing it
+    command: tuple[str, ...] = field(default=(), metadata=_COMMAND)  # -- then the hpcdl command to run, e.g. -- bench allreduce
+
+
+@dataclass(kw_only=True, slots=True)
+class SubmitCommand:
+    folder: str = "hpcdl-jobs/%j"  # submitit's log folder
+    cluster: str | None = field(default=None, metadata=meta(choices=("slurm", "local")))  # default: slurm when it answers, else local
+    no_wait: bool = False  # return after submitting
+    command: tuple[str, ...] = field(default=(), metadata=_COMMAND)  # -- then the hpcdl command to run, e.g. -- bench allreduce
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfilesCommand:
+    pass
+
+
+def add_commands(sub) -> None:
+    from hpcdl.cli import command
+
+    command(sub, "sbatch", sbatch, JobRequest, SbatchCommand,
+            help="print or write an sbatch script that runs an hpcdl command")
+    command(sub, "submit", submit, JobRequest, SubmitCommand,
+            help="submit an hpcdl command through submitit (Slurm, or local processes)")
+    command(sub, "profiles", profiles, ProfilesCommand, help="list the cluster profiles")
+
+
+def _argv(command: tuple[str, ...]) -> list[str]:
+    argv = list(command[1:] if command[:1] == ("--",) else command)
+    if not argv:
+        raise HpcdlError("no command given: put the hpcdl command after --, e.g. 'hpcdl sbatch ... -- bench allreduce'")
+    return argv
+
+
+def _train_command(argv: list[str]):
+    """The ``train`` command as the real parser reads it (errors before anything is submitted)."""
+    from hpcdl.cli import build_parser
+    from hpcdl.cli.train import TrainCommand
+    from hpcdl.flags import config_from_args
+
+    return config_from_args(TrainCommand, build_parser().parse_args(argv))
+
+
+def sbatch(req: JobRequest, cmd: SbatchCommand) -> int:
+    from hpcdl.cli.train import checked_config
+    from hpcdl.launch.sbatch import render_sbatch
+    from hpcdl.utils import atomic_write_text
+
+    argv = _argv(cmd.command)
+    if argv[0] == "train":
+        checked_config(_train_command(argv), req.ntasks)
+    script = render_sbatch(req, argv)
+    if cmd.write:
+        atomic_write_text(cmd.write, script, mode=0o755)
+        print(f"wrote {cmd.write}; submit it with: sbatch {cmd.write}", file=sys.stderr)
+    else:
+        sys.stdout.write(script)
+    return 0
+
+
+def submit(req: JobRequest, cmd: SubmitCommand) -> int:
+    import dataclasses
+
+    from hpcdl.cli import exit_code
+    from hpcdl.launch.executor import hpcdl_command, submit as submit_job
+
+    argv = _argv(cmd.command)
+    params = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
+    if argv[0] == "train":  # a checkpointable job object: submitit's requeue protocol reaches the trainer
+        from hpcdl.cli.train import checked_config
+        from hpcdl.train.job import TrainJob
+
+        train = _train_command(argv)
+        cfg = checked_config(train, req.ntasks)
+        job = submit_job(TrainJob(train.config, list(train.set)), folder=cmd.folder, cluster=cmd.cluster,
+                         **params | {"job_name": req.job_name if req.job_name != "hpcdl" else cfg.name})
+    else:
+        job = submit_job(hpcdl_command(argv), folder=cmd.folder, cluster=cmd.cluster, **params)
+    print(f"submitted job {job.job_id}; logs in {job.paths.folder}", file=sys.stderr)
+    if cmd.no_wait:
+        return 0
+    outputs = job.results()  # raises submitit.core.utils.FailedJobError with the task's traceback
+    if outputs and isinstance(outputs[0], dict):
+        from hpcdl.train.metrics import summary_text
+
+        print(summary_text(outputs[0]))
+        return exit_code(outputs[0]["outcome"])
+    sys.stdout.write(outputs[0] if outputs and isinstance(outputs[0], str) else "")
+    return 0
+
+
+def profiles(_: ProfilesCommand) -> int:
+    from hpcdl.launch.profiles import PROFILES
+    from hpcdl.utils import format_duration
+
+    for p in PROFILES.values():
+        limits = ", ".join(x for x in (
+            f"partition {p.partition}" if p.partition else "default partition",
+            f"{p.cores_per_node} cores" if p.cores_per_node else "",
+            f"{p.mem_gb_per_node} GB" if p.mem_gb_per_node else "",
+            f"max {p.max_nodes} nodes" if p.max_nodes else "",
+            f"max {format_duration(p.max_time)}" if p.max_time else "") if x)
+        print(f"{p.name:14s} {p.description}\n{'':14s} {limits}" + (f"\n{'':14s} {p.notes}" if p.notes else ""))
+    return 0

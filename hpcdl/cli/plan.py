@@ -1,0 +1,58 @@
+"""``hpcdl plan``: the performance model's step time, time to train and efficiency at each node count."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from hpcdl.bench.runner import Output
+from hpcdl.plan.planner import PlanInputs, PlanQuestion
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanCommand:
+    validate: bool = False  # check the model against the published runs instead (the other flags are ignored)
+
+
+def add_commands(sub) -> None:
+    from hpcdl.cli import command
+
+    command(sub, "plan", plan, PlanCommand, PlanQuestion, PlanInputs, Output,
+            help="predict step time, time to train and efficiency at each node count",
+            description="A performance model (docs/scaling.md): per-node compute, the all-reduce's alpha-beta cost, "
+                        "its overlap with backward, data loading. --validate checks it against published Stampede2 "
+                        "runs.", defer=(PlanQuestion,))
+
+
+def plan(cmd: PlanCommand, question, inputs: PlanInputs, output: Output) -> int:
+    from hpcdl.bench.runner import Job
+    from hpcdl.distributed.env import discover
+    from hpcdl.utils import atomic_write_text
+
+    job = Job(env=discover())
+    output = Output(**{f.name: job.expand(getattr(output, f.name)) if getattr(output, f.name) else None
+                       for f in dataclasses.fields(output)})
+
+    if cmd.validate:
+        from hpcdl.plan.validate import format_validation, validate
+
+        rows = validate()
+        print(format_validation(rows))
+        if output.json_path:
+            atomic_write_text(output.json_path, json.dumps(rows, indent=1) + "\n")
+        return 0
+    from hpcdl.plan.planner import format_plan, plan as planned, plot
+
+    question = question()  # built here: --validate needs no --nodes or --batch
+    model, notes = inputs.build()
+    rows = planned(model, list(question.nodes), question.batch, question.epochs, question.train_images)
+    title = (f"{inputs.model}, global batch {question.batch}, {question.epochs:g} epochs of "
+             f"{question.train_images:,} images")
+    print(format_plan(rows, "\n".join(f"# {line}" for line in [title, *notes])))
+    if output.json_path:
+        atomic_write_text(output.json_path, json.dumps({"inputs": dataclasses.asdict(inputs), "notes": notes,
+                                                         "rows": rows}, indent=1) + "\n")
+    if output.plot_path:
+        plot(rows, title, output.plot_path)
+    return 0

@@ -1,0 +1,188 @@
+"""Command-line flags derived from a config dataclass: the dataclass is the one source of each flag.
+
+Each field becomes ``--field-name``: its type from the annotation, its default from the field, its help
+from the comment on the field's line (or the comment lines just above it). A nested dataclass field
+contributes its own fields' flags. Field metadata, rarely needed, adjusts one flag:
+
+- ``flag``: another spelling (``--json`` for ``json_path``);
+- ``positional``: an argument without dashes (``nargs='?'`` when the field has a default);
+- ``remainder``: a positional that takes every argument after it (``-- COMMAND ...``);
+- ``repeat``: the flag may be given several times and collects a tuple (``--set``);
+- ``choices``: the names argparse offers (the config still checks them itself);
+- ``metavar``, ``hidden``.
+
+:func:`config_from_args` builds the dataclass back from the parsed arguments, so the config's own
+``__post_init__`` checks every value, from the command line as from Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import io
+import re
+import tokenize
+import types
+import typing
+from typing import Any, get_args, get_origin
+
+from hpcdl.errors import ConfigError
+
+__all__ = ["add_flags", "config_from_args", "field_help", "flag_defaults", "meta"]
+
+
+def meta(*, flag: str | None = None, positional: bool = False, remainder: bool = False, repeat: bool = False,
+         choices=None, metavar: str | None = None, hidden: bool = False) -> dict:
+    """Field metadata for :func:`add_flags`: ``field(default=..., metadata=meta(flag="--json"))``."""
+    out = {"flag": flag, "positional": positional or remainder, "remainder": remainder, "repeat": repeat,
+           "choices": choices, "metavar": metavar, "hidden": hidden}
+    return {"cli": {k: v for k, v in out.items() if v}}
+
+
+@functools.cache
+def field_help(cls) -> dict[str, str]:
+    """Each field's help: the comment on its line, else the comment lines right above it."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    out = {}
+    for number, line in enumerate(lines, 1):
+        match = re.match(r"\s+(\w+)\s*:", line)
+        if not match or match.group(1) in out:
+            continue
+        text = comments.get(number) if not line.lstrip().startswith("#") else None
+        above, row = [], number - 1
+        while not text and row >= 1 and lines[row - 1].lstrip().startswith("#"):
+            above.insert(0, comments.get(row, ""))
+            row -= 1
+        out[match.group(1)] = text or " ".join(above)
+    return out
+
+
+def _leaves(cls, prefix: tuple[str, ...] = ()):
+    """(path, field, type) of every init field; nested dataclasses are walked."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _leaves(tp, (*prefix, f.name))
+        else:
+            yield (*prefix, f.name), f, tp, cls
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _optional(tp) -> tuple[Any, bool]:
+    """(the type without None, whether None is allowed)."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return (str if str in args or len(args) > 1 else args[0]), len(args) < len(get_args(tp))
+    return tp, False
+
+
+def _items(kind):
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {kind.__name__} values separated by commas") from None
+
+    parse.__name__ = f"{kind.__name__} list"
+    return parse
+
+
+def _shown(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "none"
+    return "none" if value is None else str(value)
+
+
+def flag_name(path: tuple[str, ...], f: dataclasses.Field) -> str:
+    return f.metadata.get("cli", {}).get("flag") or "--" + path[-1].replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = ()) -> None:
+    """Add one argument per field of ``cls`` (nested dataclasses flattened) to ``parser``."""
+    for path, f, tp, owner in _leaves(cls):
+        if path[-1] in skip:
+            continue
+        opts = f.metadata.get("cli", {})
+        default = _default(f)
+        kind, _ = _optional(tp)
+        text = field_help(owner).get(f.name, "")
+        kw: dict[str, Any] = {"dest": "__".join(path), "choices": opts.get("choices"),
+                              "metavar": opts.get("metavar") or (None if opts.get("choices") else path[-1].upper())}
+        if get_origin(kind) is tuple:
+            item = get_args(kind)[0] if get_args(kind) else str
+            kw["type"] = item if opts.get("repeat") else _items(item)
+            kw["action"] = "append" if opts.get("repeat") else None
+        elif kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction if default is True else "store_true"
+            kw.pop("metavar")
+        else:
+            kw["type"] = kind if kind in (int, float, str) else str
+        if default not in (dataclasses.MISSING, None, ()) and kind is not bool and "default" not in text:
+            text = f"{text} (default: {_shown(default)})" if text else f"default: {_shown(default)}"
+        kw["help"] = argparse.SUPPRESS if opts.get("hidden") else text.replace("%", "%%")
+        kw = {k: v for k, v in kw.items() if v is not None}
+        if opts.get("positional"):
+            kw.pop("dest")
+            kw.pop("type", None) if opts.get("remainder") else None
+            nargs = argparse.REMAINDER if opts.get("remainder") else None if default is dataclasses.MISSING else "?"
+            parser.add_argument(path[-1], nargs=nargs, default=None if default is dataclasses.MISSING else default, **kw)
+            continue
+        kw["default"] = None if default is dataclasses.MISSING else default
+        if opts.get("repeat"):
+            kw["default"] = None
+        parser.add_argument(flag_name(path, f), required=default is dataclasses.MISSING, **kw)
+
+
+def config_from_args(cls, args: argparse.Namespace, **extra):
+    """``cls`` built from the flags :func:`add_flags` added (and ``extra`` fields given directly)."""
+    return _build(cls, vars(args), (), extra)
+
+
+def _build(cls, values: dict, prefix: tuple[str, ...], extra: dict):
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        path = (*prefix, f.name)
+        if not prefix and f.name in extra:
+            kw[f.name] = extra[f.name]
+        elif dataclasses.is_dataclass(hints[f.name]):
+            kw[f.name] = _build(hints[f.name], values, path, {})
+        elif "__".join(path) in values:
+            value = values["__".join(path)]
+            kw[f.name] = tuple(value or ()) if f.metadata.get("cli", {}).get("repeat") else _tuple(value)
+        elif f.name in values:  # a positional argument keeps its own name
+            kw[f.name] = _tuple(values[f.name])
+    try:
+        return cls(**kw)
+    except TypeError as exc:
+        raise ConfigError(f"{cls.__name__}: {exc}") from None
+
+
+def _tuple(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def flag_defaults(cls) -> dict[str, Any]:
+    """``{flag: default}`` as the dataclass gives them (tests compare the parser's with these)."""
+    return {flag_name(path, f): _default(f) for path, f, _, _ in _leaves(cls)
+            if not f.metadata.get("cli", {}).get("positional")}
