@@ -166,11 +166,21 @@ class RunConfig:
                 "peak_lr": s.peak_lr}
 
 
+PRESETS: dict[str, Callable[[], RunConfig]] = {}  # name -> the function that returns it, in definition order
+
+
+def preset(fn: Callable[[], RunConfig]) -> Callable[[], RunConfig]:
+    """Register ``fn`` as the preset of its name (``hpcdl presets`` lists them in definition order)."""
+    PRESETS[fn.__name__] = fn
+    return fn
+
+
 def imagenet_schedule(global_batch: int, epochs: float, **kw) -> ScheduleConfig:
     return ScheduleConfig(global_batch=global_batch, epochs=epochs,
                           steps_per_epoch=steps_per_epoch(IMAGENET_TRAIN, global_batch), **kw)
 
 
+@preset
 def alexnet_bn_b32k() -> RunConfig:
     """AlexNet-BN with LARS at batch 32K: the Stampede2 runs of You et al., "ImageNet Training in Minutes"
     (ICPP 2018, arXiv:1709.05011), in Intel Caffe.
@@ -198,6 +208,7 @@ def mlperf_lars_lr(global_batch: int) -> tuple[float, float]:
     return (25.0, 5.0) if global_batch >= 16384 else (10.0, 5.0)
 
 
+@preset
 def resnet50_b32k_lars() -> RunConfig:
     """ResNet-50 with LARS at batch 32K: the MLPerf training LARS reference (TensorFlow ResNet-50,
     ``lars_util.py``), whose rules MLPerf submissions follow.
@@ -215,6 +226,7 @@ def resnet50_b32k_lars() -> RunConfig:
         schedule=imagenet_schedule(32768, 90, base_lr=lr, warmup_epochs=warmup, decay="poly", power=2.0, end_lr=1e-4))
 
 
+@preset
 def resnet50_b8k_goyal() -> RunConfig:
     """ResNet-50 with SGD at batch 8K: Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in
     1 Hour" (arXiv:1706.02677).
@@ -230,6 +242,7 @@ def resnet50_b8k_goyal() -> RunConfig:
                                    decay="multistep", milestones=(30, 60, 80), gamma=0.1))
 
 
+@preset
 def resnet50_mlperf_cpu() -> RunConfig:
     """ResNet-50 with LARS as Intel's MLPerf Training v3.0 CPU submission ran it.
 
@@ -244,6 +257,7 @@ def resnet50_mlperf_cpu() -> RunConfig:
         schedule=imagenet_schedule(3264, 37, base_lr=10.5, warmup_epochs=2, decay="poly", power=2.0, end_lr=1e-4))
 
 
+@preset
 def demo_tiny_lars() -> RunConfig:
     """The demo (``make demo``): TinyCNN on hpcdl's synthetic classes (``datasets/synthetic``) with LARS.
 
@@ -275,23 +289,31 @@ def with_ranks(cfg: RunConfig, ranks: int, name: str) -> RunConfig:
     return dataclasses.replace(cfg, name=name, ranks=ranks, global_batch=batch, schedule=schedule, notes=notes)
 
 
-def _variant(base: Callable[[], RunConfig], ranks: int, name: str, where: str) -> Callable[[], RunConfig]:
-    def preset() -> RunConfig:
-        return with_ranks(base(), ranks, name)
+@preset
+def alexnet_bn_b32k_skx1024() -> RunConfig:
+    """alexnet_bn_b32k on 1,024 Skylake processors (Xeon Platinum 8160, 512 SKX nodes), one rank per processor
+    (the paper's Stampede2 layout)."""
+    return with_ranks(alexnet_bn_b32k(), 1024, "alexnet_bn_b32k_skx1024")
 
-    preset.__doc__ = f"{base.__name__} on {where}, one rank per processor (the paper's Stampede2 layout)."
-    return preset
+
+@preset
+def alexnet_bn_b32k_knl512() -> RunConfig:
+    """alexnet_bn_b32k on 512 Xeon Phi 7250 (KNL) nodes, one rank per processor (the paper's Stampede2 layout)."""
+    return with_ranks(alexnet_bn_b32k(), 512, "alexnet_bn_b32k_knl512")
 
 
-PRESETS: dict[str, Callable[[], RunConfig]] = {f.__name__: f for f in (
-    alexnet_bn_b32k, resnet50_b32k_lars, resnet50_b8k_goyal, resnet50_mlperf_cpu, demo_tiny_lars)}
-for _base, _ranks, _suffix, _where in (
-        (alexnet_bn_b32k, 1024, "skx1024", "1,024 Skylake processors (Xeon Platinum 8160, 512 SKX nodes)"),
-        (alexnet_bn_b32k, 512, "knl512", "512 Xeon Phi 7250 (KNL) nodes"),
-        (resnet50_b32k_lars, 1600, "skx1600", "1,600 Skylake processors (800 SKX nodes)"),
-        (resnet50_b32k_lars, 2048, "knl2048", "2,048 Xeon Phi 7250 (KNL) nodes")):
-    _name = f"{_base.__name__}_{_suffix}"
-    PRESETS[_name] = _variant(_base, _ranks, _name, _where)
+@preset
+def resnet50_b32k_lars_skx1600() -> RunConfig:
+    """resnet50_b32k_lars on 1,600 Skylake processors (800 SKX nodes), one rank per processor (the paper's
+    Stampede2 layout)."""
+    return with_ranks(resnet50_b32k_lars(), 1600, "resnet50_b32k_lars_skx1600")
+
+
+@preset
+def resnet50_b32k_lars_knl2048() -> RunConfig:
+    """resnet50_b32k_lars on 2,048 Xeon Phi 7250 (KNL) nodes, one rank per processor (the paper's Stampede2
+    layout)."""
+    return with_ranks(resnet50_b32k_lars(), 2048, "resnet50_b32k_lars_knl2048")
 
 
 # Schedule fields that RunConfig derives (see RunConfig.__post_init__): --set refuses them.

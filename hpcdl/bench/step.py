@@ -41,9 +41,9 @@ class Config:
     rounds: int = 7  # alternating rounds; the median counts
     tuning_model: str = "resnet50"  # the tuning comparison's model
     tuning_batch: int = 8  # images per rank
-    tuning_crop: int = 224
+    tuning_crop: int = 224  # the tuning comparison's image side in px
     tuning_steps: int = 2  # steps per rank process, after one warm-up step
-    tuning_rounds: int = 3
+    tuning_rounds: int = 3  # the tuning comparison's alternating rounds
     ranks_per_node: int = 2  # ranks the tuning comparison runs at once
     threads: int = 0  # the overhead comparison's threads (0: torch's default)
     # also the tuned node's images/s at these per-rank batches (hpcdl plan --step-json reads it)

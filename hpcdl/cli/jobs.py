@@ -21,7 +21,7 @@ class SbatchCommand:
 @dataclass(kw_only=True, slots=True)
 class SubmitCommand:
     folder: str = "hpcdl-jobs/%j"  # submitit's log folder
-    cluster: str | None = field(default=None, metadata=meta(choices=("slurm", "local")))  # default: slurm when it answers, else local
+    cluster: str | None = field(default=None, metadata=meta(choices=("slurm", "local")))  # where to run: slurm or local (default: slurm when it answers, else local)
     no_wait: bool = False  # return after submitting
     command: tuple[str, ...] = field(default=(), metadata=_COMMAND)  # -- then the hpcdl command to run, e.g. -- bench allreduce
 

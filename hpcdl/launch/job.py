@@ -20,15 +20,15 @@ __all__ = ["JobRequest", "job_request"]
 @dataclasses.dataclass(kw_only=True, slots=True)
 class JobRequest:
     profile: str = "generic"  # the cluster profile (hpcdl profiles lists them)
-    nodes: int = 1
+    nodes: int = 1  # nodes to allocate
     tasks_per_node: int = 1  # ranks per node; one per socket is a good start
     cpus_per_task: int | None = None  # cores per rank (default: the profile's cores per node / tasks per node)
     time: str = "01:00:00"  # wall clock: MM, HH:MM:SS or D-HH:MM:SS
-    job_name: str = "hpcdl"
+    job_name: str = "hpcdl"  # the name squeue shows
     output: str = "hpcdl-%j.out"  # Slurm's output path (%j: the job id)
-    partition: str | None = None  # default: the profile's
+    partition: str | None = None  # the Slurm partition (default: the profile's)
     account: str | None = None  # the allocation to charge
-    qos: str | None = None
+    qos: str | None = None  # the quality of service to run under (Slurm --qos)
     python: str | None = None  # the interpreter with hpcdl on the compute nodes (sbatch: python3 on PATH; submit: this one)
     allocator: str = "auto"  # auto | none | jemalloc | tcmalloc | glibc: the memory allocator every rank preloads
 

@@ -202,7 +202,7 @@ class PlanQuestion:
 
     nodes: tuple[int, ...] = ()  # node counts, e.g. 256,512,1024,1600,2048
     batch: int | None = None  # the global batch, e.g. 32768
-    epochs: float = 90
+    epochs: float = 90  # epochs to train
     train_images: int = IMAGENET_TRAIN  # images per epoch (default: ImageNet-1K)
 
     def __post_init__(self):
@@ -214,7 +214,7 @@ class PlanQuestion:
 class PlanInputs:
     """Where each of the model's inputs comes from; exactly one source of compute."""
 
-    model: str = "resnet50"
+    model: str = "resnet50"  # the model to plan for (its gradient bytes and FLOPs)
     profile: str = "generic"  # the cluster: its network (hpcdl profiles lists them)
     throughput: str | None = None  # one node's compute: IMAGES_S, or BATCH:IMAGES_S,... against its batch
     # one node's compute from hpcdl bench step --json (with --curve-batches: its curve)
@@ -226,7 +226,7 @@ class PlanInputs:
     # hierarchical: hpcdl bench allreduce --json on one node's ranks (the node's own link)
     intra_json: str | None = dataclasses.field(default=None, metadata=meta(flag="--intra-allreduce-json"))
     algorithm: str = dataclasses.field(default="ring", metadata=meta(choices=ALGORITHM_CHOICES))  # the all-reduce's algorithm
-    ranks_per_node: int | None = None  # default: the calibration's, else the profile's sockets
+    ranks_per_node: int | None = None  # ranks per node (default: the calibration's, else the profile's sockets)
     overlap: float | None = None  # fraction of backward the all-reduce can hide behind, 0-1 (default: the calibration's, else 0)
     data_images_s: float | None = None  # one node's data-loading capacity, images/s (hpcdl bench data)
 

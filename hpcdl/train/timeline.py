@@ -20,9 +20,6 @@ from hpcdl.errors import DataError
 from hpcdl.plot import pyplot, save_png
 from hpcdl.utils import atomic_write_text
 
-_EPOCH = time.time() - time.perf_counter()  # perf_counter -> wall clock, so ranks line up
-
-
 class Timeline:
     def __init__(self, run_dir: str, rank: int):
         folder = os.path.join(run_dir, "timeline")
@@ -30,10 +27,11 @@ class Timeline:
         self.rank = rank
         self._file = open(os.path.join(folder, f"rank{rank}.jsonl"), "a", buffering=1 << 16)
         self._lock = threading.Lock()  # comm spans are recorded from the collectives' threads
+        self._epoch = time.time() - time.perf_counter()  # perf_counter -> wall clock, so ranks line up
 
     def span(self, name: str, start: float, end: float, thread: str = "step", **args) -> None:
         """A span between two ``time.perf_counter()`` readings."""
-        event = {"name": name, "ph": "X", "pid": self.rank, "tid": thread, "ts": round((_EPOCH + start) * 1e6, 1),
+        event = {"name": name, "ph": "X", "pid": self.rank, "tid": thread, "ts": round((self._epoch + start) * 1e6, 1),
                  "dur": round((end - start) * 1e6, 1), **({"args": args} if args else {})}
         with self._lock:
             self._file.write(json.dumps(event) + "\n")

@@ -1,0 +1,147 @@
+"""The command line is derived from the configs: every documented command parses with the real parser, every
+flag's default is its dataclass field's, every flag has help, and the layout keeps no old path."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import re
+import shlex
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, REPO
+from hpcdl.cli import build_parser
+from hpcdl.flags import add_flags, config_from_args, flag_defaults
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PLACEHOLDER = re.compile(r"\[|\.\.\.|\b[A-Z][A-Z_]*\b(?![=/])")  # a synopsis: [--flag], ..., NAME
+
+
+def documented_commands(text: str) -> list[str]:
+    """The ``hpcdl ...`` command lines of a Markdown text: in code blocks (continued lines joined) and in inline
+    code that gives arguments; a synopsis with placeholders is prose, not a command line."""
+    found, block, lines = [], False, text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.strip().startswith("```"):
+            block = not block
+        elif block:
+            while line.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line.rstrip()[:-1] + " " + lines[i].strip()
+            match = re.search(r"(?:^|[\s/])(?:hpcdl|-m hpcdl)\s+([a-z].*)$", line)
+            if match and not line.lstrip().startswith(("#", "from ", "import ")):
+                found.append(match.group(1))
+        else:
+            found += [m.group(1) for span in re.findall(r"`([^`]*)`", line)
+                      if (m := re.match(r"(?:.*\s)?hpcdl\s+([a-z].*\s-.*)$", span))]
+        i += 1
+    commands = (re.split(r"\s+#\s|\s+[|;&>]\s*|\s+2>", c)[0] for c in found)
+    return [c for c in commands if not PLACEHOLDER.search(c)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_documented_command_parses(doc):
+    parser = build_parser()
+    commands = documented_commands(doc.read_text())
+    for command in commands:
+        try:
+            parser.parse_args(shlex.split(command))
+        except SystemExit:
+            pytest.fail(f"{doc.name}: 'hpcdl {command}' does not parse with hpcdl's parser")
+
+
+def test_the_docs_give_many_commands():
+    assert sum(len(documented_commands(d.read_text())) for d in DOCS) >= 50  # the extraction finds them
+
+
+def _commands(parser: argparse.ArgumentParser, prefix=()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*prefix, name))
+    if parser.get_default("fn"):
+        yield prefix, parser
+
+
+def test_every_flag_default_is_its_fields_and_every_flag_has_help():
+    import hpcdl.cli as cli
+
+    checked = 0
+    for words, parser in _commands(build_parser()):
+        configs = parser.get_default("fn").__closure__  # command()'s closure holds its config classes
+        classes = [c for cell in configs for c in (cell.cell_contents if isinstance(cell.cell_contents, tuple)
+                                                   else ()) if dataclasses.is_dataclass(c)]
+        defaults = {k: v for cls in classes for k, v in flag_defaults(cls).items()}
+        for action in parser._actions:
+            if not action.option_strings or action.dest in ("help",):
+                continue
+            flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
+            assert action.help and not action.help.startswith("default"), f"hpcdl {' '.join(words)} {flag} has no help: comment its config field"
+            assert flag in defaults, f"hpcdl {' '.join(words)} {flag} comes from no config field"
+            expected = defaults[flag]
+            if action.required:
+                assert expected is dataclasses.MISSING
+            elif action.default is not None or expected not in ((), None):
+                assert action.default == expected, (words, flag)
+            checked += 1
+    assert checked > 150 and cli.GROUPS
+
+
+def test_a_new_config_field_is_a_flag_with_its_default_and_help():
+    @dataclasses.dataclass(kw_only=True)
+    class Example:
+        warmup_rounds: int = 3  # untimed rounds before the timed ones
+        # images per rank, per step
+        batch: int = 8
+        name: str | None = None  # a name for the report
+        sizes: tuple[int, ...] = (1, 2)  # sizes to sweep
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Example)
+    text = parser.format_help()
+    assert "--warmup-rounds" in text and "untimed rounds before the timed ones (default: 3)" in text
+    assert "images per rank, per step (default: 8)" in text and "a name for the report" in text
+    made = config_from_args(Example, parser.parse_args(["--warmup-rounds", "5", "--sizes", "4,8"]))
+    assert made == Example(warmup_rounds=5, sizes=(4, 8))
+    assert config_from_args(Example, parser.parse_args([])) == Example()
+
+
+def test_a_bad_flag_value_names_the_flag():
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "bench", "scaling", "--ranks", "1,two"], capture_output=True,
+                         text=True)
+    assert run.returncode == 2 and "--ranks" in run.stderr and "'1,two'" in run.stderr
+
+
+def test_no_old_path_remains():
+    """The dist and perf packages became distributed, bench and plan: no import, path or doc names them."""
+    old = re.compile(r"hpcdl[./](dist|perf)\b")
+    files = [p for p in REPO.rglob("*") if p.suffix in (".py", ".md", ".sh", ".sbatch", ".cfg", ".toml") or
+             p.name in ("Makefile", "setup.py")]
+    hits = [f"{p.relative_to(REPO)}:{i}" for p in files if ".venv" not in p.parts and ".git" not in p.parts
+            and "egg-info" not in str(p) for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+            if old.search(line)]
+    assert not hits, hits
+
+
+TORCH_AT_IMPORT = {  # modules that subclass or build torch objects at import: they must import it
+    "hpcdl.data.dataset", "hpcdl.data.sampler", "hpcdl.data.transforms", "hpcdl.distributed.ccl",
+    "hpcdl.distributed.hooks", "hpcdl.distributed.mpi", "hpcdl.distributed.process_group", "hpcdl.distributed.sync",
+    "hpcdl.distributed.threaded", "hpcdl.models", "hpcdl.models.alexnet_bn", "hpcdl.models.tiny", "hpcdl.optim.base",
+    "hpcdl.optim.factory", "hpcdl.optim.lamb", "hpcdl.optim.lars", "hpcdl.train.accel", "hpcdl.train.checkpoint",
+    "hpcdl.train.evaluate", "hpcdl.train.metrics", "hpcdl.train.preempt", "hpcdl.train.step", "hpcdl.train.trainer"}
+
+
+def test_modules_import_without_torch_except_those_that_must():
+    modules = sorted(str(p.relative_to(REPO).with_suffix("")).replace("/", ".").removesuffix(".__init__")
+                     for p in (REPO / "hpcdl").rglob("*.py") if p.name != "__main__.py")
+    code = ("import importlib, sys\nsys.modules['torch'] = sys.modules['torchvision'] = None\nfor m in sys.argv[1:]:\n"
+            "    try:\n        importlib.import_module(m)\n    except ImportError:\n        print(m)\n")
+    needs = set(subprocess.run([PYTHON, "-c", code, *modules], capture_output=True, text=True, check=True,
+                               cwd=REPO).stdout.split())
+    assert needs == TORCH_AT_IMPORT, (f"import torch where it is used: {sorted(needs - TORCH_AT_IMPORT)}; "
+                                      f"no longer need it: {sorted(TORCH_AT_IMPORT - needs)}")
