@@ -84,3 +84,12 @@ def test_sigkill_during_a_write_leaves_the_previous_checkpoint(tmp_path):
     path, state = mgr.load_latest()
     assert state["step"] == 1 and path.endswith("ckpt-000000001.pt")
     assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))  # the dead write's file is gone
+
+
+def test_a_format_1_checkpoint_reads_as_the_parts_layout():
+    from hpcdl.train.state import FORMAT, upgrade
+
+    counters = {"step": 7, "epoch": 2, "elapsed_s": 3.5, "best": {"step": 5, "top1": 50.0}, "time_to_target_s": None}
+    old = {"format": 1, **counters, "model": {}, "sampler": {"position": 3}}
+    assert upgrade(old) == {**old, "format": FORMAT, "counters": counters}
+    assert upgrade(upgrade(old)) == upgrade(old)  # the current format passes as it is

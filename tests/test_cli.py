@@ -145,3 +145,11 @@ def test_modules_import_without_torch_except_those_that_must():
                                cwd=REPO).stdout.split())
     assert needs == TORCH_AT_IMPORT, (f"import torch where it is used: {sorted(needs - TORCH_AT_IMPORT)}; "
                                       f"no longer need it: {sorted(TORCH_AT_IMPORT - needs)}")
+
+
+def test_every_outcome_has_one_exit_status():
+    from hpcdl.cli import Exit, exit_code
+    from hpcdl.train.outcome import Outcome
+
+    assert {o: exit_code(o.value) for o in Outcome} == {Outcome.FINISHED: Exit.OK, Outcome.REQUEUED: Exit.OK,
+                                                        Outcome.STOPPED: Exit.STOPPED, Outcome.TERMINATED: Exit.STOPPED}

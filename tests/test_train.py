@@ -62,7 +62,7 @@ def test_one_process_writes_the_run_folder(data, tmp_path):
     assert summary["outcome"] == "finished" and summary["steps"] == 20 and summary["best_top1"] is not None
     assert "global_batch: 16" in (run / "config.yaml").read_text()
     saved = torch.load(run / "checkpoints" / "ckpt-000000020.pt", weights_only=True)
-    assert saved["config"]["global_batch"] == 16 and saved["step"] == 20
+    assert saved["config"]["global_batch"] == 16 and saved["counters"]["step"] == 20 and saved["format"] == 2
     assert any(p.name.startswith("events.out.tfevents") for p in (run / "tensorboard").iterdir())
     again = hpcdl("train", str(run / "config.yaml"), "--print-config")  # the run folder's config reproduces it
     assert again.returncode == 0 and again.stdout == (run / "config.yaml").read_text()
@@ -448,7 +448,7 @@ def test_fault_matrix_a_full_disk_during_a_checkpoint_keeps_the_previous_one(dat
         assert f"the previous checkpoint {run / 'checkpoints'}" in log and "is kept" in log
         (disk / "filler").unlink()
         newest = CheckpointManager(str(run / "checkpoints")).load_latest()
-        assert newest is not None and newest[1]["step"] >= 4
+        assert newest is not None and newest[1]["counters"]["step"] >= 4
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
@@ -517,7 +517,7 @@ def test_fault_matrix_scancel_stops_every_rank_with_a_checkpoint(slurm, data, tm
         assert f"rank {rank}: stopped at step" in out and "on SIGTERM (scancel" in out, out[-3000:]
     assert "Traceback" not in out
     newest = CheckpointManager(str(tmp_path / "term" / "checkpoints")).load_latest()
-    assert newest is not None and newest[1]["step"] >= 4
+    assert newest is not None and newest[1]["counters"]["step"] >= 4
 
 
 def _processes_of(job: str, node: str) -> list[int]:
@@ -567,7 +567,7 @@ def test_fault_matrix_the_second_node_fails_mid_job(two_nodes, data, tmp_path):
         text = out.read_text()
         assert "lost rank 1 (host" in text and "Slurm node n2" in text and "Traceback" not in text, text[-3000:]
         newest = CheckpointManager(str(run / "checkpoints")).load_latest()
-        assert newest is not None and newest[1]["step"] >= 2
+        assert newest is not None and newest[1]["counters"]["step"] >= 2
     finally:
         subprocess.run(["scancel", job], check=False)
         if not subprocess.run(["pgrep", "-f", "slurmd -N n2"], capture_output=True).stdout:

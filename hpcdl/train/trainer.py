@@ -35,12 +35,14 @@ from hpcdl.optim.factory import build_optimizer
 from hpcdl.optim.schedule import LRSchedule
 from hpcdl.overrides import flatten, to_dict
 from hpcdl.train.accel import apply_ipex
-from hpcdl.train.checkpoint import CheckpointManager, load_rank_state, rng_state, save_rank_state, set_rng_state
+from hpcdl.train.checkpoint import CheckpointManager, load_rank_state, save_rank_state
 from hpcdl.train.evaluate import evaluate
 from hpcdl.train.metrics import RunLog, phase_shares, summary_text
+from hpcdl.train.outcome import Outcome
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal, hand_to_submitit, requeue, requeue_target
 from hpcdl.train.preflight import preflight
+from hpcdl.train.state import FORMAT, Counters, RankRng, SamplerPosition, Stateful, upgrade
 from hpcdl.train.step import Stepper
 from hpcdl.train.timeline import Timeline
 from hpcdl.utils import atomic_write_text
@@ -48,7 +50,6 @@ from hpcdl.utils import atomic_write_text
 __all__ = ["Trainer", "preflight", "run_dir", "train"]
 
 log = logging.getLogger(__name__)
-CHECKPOINT_FORMAT = 1
 
 
 def train(cfg: RunConfig) -> dict:
@@ -212,14 +213,15 @@ class Trainer:
         return normalize_batch(images, channels_last=self.cfg.loop.channels_last)
 
     # -- checkpoints ----------------------------------------------------------------------------------
+    def _parts(self) -> dict[str, Stateful]:
+        """What a checkpoint holds beside its format, world size and config: one entry per stateful part.
+        The comm hook's state (chunk_sparse's residuals) is each rank's own and goes to per-rank files."""
+        return {"model": self.model, "optimizer": self.optimizer, "schedule": self.schedule,
+                "sampler": SamplerPosition(self), "rng": RankRng(self.ctx), "counters": Counters(self)}
+
     def _state(self) -> dict:
-        rngs = [None] * self.ctx.world_size
-        dist.all_gather_object(rngs, rng_state(), group=self.ctx.group)
-        return {"format": CHECKPOINT_FORMAT, "step": self.step, "epoch": self.epoch, "world_size": self.ctx.world_size,
-                "sampler": self.sampler.state_dict(consumed=self.consumed), "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(), "rng": rngs,
-                "elapsed_s": self._elapsed(), "best": self.best, "time_to_target_s": self.time_to_target,
-                "config": to_dict(self.cfg)}
+        return {"format": FORMAT, "world_size": self.ctx.world_size, "config": to_dict(self.cfg),
+                **{name: part.state_dict() for name, part in self._parts().items()}}
 
     def _save(self, why: str) -> None:
         """Collective: every rank gives its RNG state; rank 0 writes."""
@@ -246,18 +248,14 @@ class Trainer:
                               f"{self.ctx.world_size}: an exact resume needs the same number; run on "
                               f"{state['world_size']} ranks or set run_dir to a new folder")
         self._warn_changed(found[0], state["config"])
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
-        self.sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"][self.ctx.rank])
+        state = upgrade(state)
+        for name, part in self._parts().items():
+            part.load_state_dict(state[name])
         if state.get("rank_states"):
             self._hook_state = load_rank_state(found[0], self.ctx.rank)
-        elif self.cfg.sync.hook == "chunk_sparse" and state["step"] > 0:
+        elif self.cfg.sync.hook == "chunk_sparse" and self.step > 0:
             log.warning("%s holds no chunk_sparse residuals (written by an older hpcdl or another hook): they "
                         "start from zero, so this run is not the one that was interrupted", found[0])
-        self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["sampler"]["position"]
-        self.elapsed, self.best, self.time_to_target = state["elapsed_s"], state["best"], state["time_to_target_s"]
         self.last_save_step = self.step
         return found[0]
 
@@ -282,9 +280,9 @@ class Trainer:
                 log.error("rank %d: stopped at step %d on SIGTERM (scancel, or a preemption or time limit without "
                           "--signal); checkpoint written in %s: submit the job again to resume", self.ctx.rank,
                           self.step, os.path.join(self.dir, "checkpoints"))
-                return self._summary("terminated")
+                return self._summary(Outcome.TERMINATED)
             self._finish()
-            return self._summary("finished")
+            return self._summary(Outcome.FINISHED)
         finally:
             self.runlog.close()
             if self.timeline is not None:
@@ -359,12 +357,11 @@ class Trainer:
     def _preempted(self) -> dict:
         log.warning("stopping at step %d on the requeue signal (%s); checkpoint written", self.step,
                     self.cfg.checkpoint.signal)
-        outcome = "stopped"
+        outcome = Outcome.STOPPED
         if self.ctx.rank == 0:
-            if hand_to_submitit(self.stop):  # submitit checkpoints the job object and requeues (then exits)
-                outcome = "requeued"
-            elif requeue(self.cfg.checkpoint.max_requeues):
-                outcome = "requeued"
+            # submitit checkpoints the job object and requeues (then exits); else scontrol requeue
+            if hand_to_submitit(self.stop) or requeue(self.cfg.checkpoint.max_requeues):
+                outcome = Outcome.REQUEUED
         return self._summary(outcome)
 
     def _epochs(self) -> float:
@@ -374,10 +371,10 @@ class Trainer:
     def _elapsed(self) -> float:
         return self.elapsed + time.monotonic() - self.t0 if hasattr(self, "t0") else self.elapsed
 
-    def _summary(self, outcome: str) -> dict:
+    def _summary(self, outcome: Outcome) -> dict:
         cfg, elapsed = self.cfg, self._elapsed()
         jsonl = os.path.join(self.dir, "train.jsonl")
-        s = {"outcome": outcome, "name": cfg.name, "steps": self.step, "world_size": self.ctx.world_size,
+        s = {"outcome": outcome.value, "name": cfg.name, "steps": self.step, "world_size": self.ctx.world_size,
              "epochs": self._epochs(), "train_s": elapsed,
              "images_per_s": self.step * cfg.global_batch / elapsed if elapsed else 0.0,
              "best_top1": self.best and self.best["top1"], "best_top5": self.best and self.best["top5"],
