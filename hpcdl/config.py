@@ -46,7 +46,7 @@ class LoopConfig:
     compile: bool = False  # torch.compile the model
     ipex: str = "auto"  # auto: ipex.optimize when intel_extension_for_pytorch imports and matches torch; off
     accum_steps: int = 1  # micro-batches per optimizer step; each is per_rank_batch / accum_steps images
-    backend: str = "auto"  # auto | gloo | ccl | mpi; auto: ccl when a oneCCL runtime loads, else gloo
+    backend: str = "auto"  # auto: ccl when a oneCCL runtime loads, else gloo (the backends: docs/communication.md)
     ccl_lib: str = ""  # the libccl.so.2 (or its folder) for backend ccl; "": HPCDL_CCL_LIB, CCL_ROOT, hpcdl's runtime
     timeout_s: float = 300.0  # collective timeout from the first completed step on
     # start-up: rendezvous, checkpoint load and broadcast, DDP construction, the first step (torch.compile's)
@@ -73,7 +73,7 @@ class LoopConfig:
 class SyncConfig:
     """Gradient synchronization (hpcdl.distributed.sync, hpcdl.distributed.hooks)."""
 
-    hook: str = "none"  # none | fp16 | bf16 | hierarchical | chunk_sparse
+    hook: str = "none"  # one of names.HOOKS (docs/communication.md describes each)
     # DDP's buckets: gradients are all-reduced in buckets of bucket_cap_mb MB, the first (the last layers,
     # ready first) of first_bucket_mb (None: bucket_cap_mb). Measured: docs/communication.md, bucket sweep.
     bucket_cap_mb: float = 25.0

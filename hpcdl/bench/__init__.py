@@ -24,7 +24,7 @@ class Benchmark:
     module: str  # hpcdl.bench.MODULE: Config, run, format_report (and plot)
     help: str
     on_ranks: bool = False  # runs on a job's ranks: the runner joins the process group first
-    compares_backends: bool = False  # --backends gloo,mpi,ccl: a group per backend, side by side
+    compares_backends: bool = False  # takes --backends: a group per backend, measured side by side
 
     def load(self):
         return importlib.import_module(f"hpcdl.bench.{self.module}")

@@ -13,6 +13,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from hpcdl import names
 from hpcdl.flags import meta
 
 __all__ = ["Job", "Output", "RankOptions", "provenance", "run_benchmark", "write_report"]
@@ -24,16 +25,15 @@ log = logging.getLogger(__name__)
 class RankOptions:
     """How a benchmark that runs on a job's ranks joins them."""
 
-    backend: str = "auto"  # the process group: auto (ccl when a oneCCL runtime loads, else gloo), gloo, ccl or mpi
-    # compare several side by side in one run, e.g. gloo,mpi,ccl (mpi needs mpiexec or srun --mpi)
+    # the process group's backend (auto: ccl when a oneCCL runtime loads, else gloo)
+    backend: str = dataclasses.field(default="auto", metadata=meta(choices=("auto", *names.BACKENDS)))
+    # compare several backends side by side in one run, comma-separated (mpi needs mpiexec or srun --mpi)
     backends: str | None = None
     timeout: float = 1800.0  # collective timeout in s once all ranks joined
     startup_timeout: float = 600.0  # timeout in s for all ranks to join
     heartbeat: float = 2.0  # heartbeat interval in s (names lost ranks)
 
     def __post_init__(self):
-        from hpcdl import names
-
         names.check("--backend", self.backend, ("auto", *names.BACKENDS))
         if min(self.timeout, self.startup_timeout, self.heartbeat) <= 0:
             from hpcdl.errors import ConfigError

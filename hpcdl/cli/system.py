@@ -5,15 +5,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from hpcdl.flags import meta
+from hpcdl.names import ALLOCATOR_CHOICES
 
 
 
 @dataclass(kw_only=True, slots=True)
 class TuneCommand:
     exports: bool = False  # print shell export lines only
-    allocator: str = "auto"  # auto | none | jemalloc | tcmalloc | glibc: the allocator the exports preload
+    # the allocator the exports preload (auto: the first that loads, in the order listed after none)
+    allocator: str = field(default="auto", metadata=meta(choices=ALLOCATOR_CHOICES))
     comm_threads: int = 0  # threads kept for communication
     data_workers: int = 0  # DataLoader workers per rank
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 
-from hpcdl.names import ALLOCATOR_CHOICES
 from hpcdl.errors import ConfigError
+from hpcdl.flags import meta
 from hpcdl.launch.profiles import ClusterProfile, get_profile
+from hpcdl.names import ALLOCATOR_CHOICES
 from hpcdl.utils import format_duration, parse_duration
 
 __all__ = ["JobRequest", "job_request"]
@@ -30,7 +31,8 @@ class JobRequest:
     account: str | None = None  # the allocation to charge
     qos: str | None = None  # the quality of service to run under (Slurm --qos)
     python: str | None = None  # the interpreter with hpcdl on the compute nodes (sbatch: python3 on PATH; submit: this one)
-    allocator: str = "auto"  # auto | none | jemalloc | tcmalloc | glibc: the memory allocator every rank preloads
+    # the memory allocator every rank preloads (auto: the first that loads, in the order listed after none)
+    allocator: str = dataclasses.field(default="auto", metadata=meta(choices=ALLOCATOR_CHOICES))
 
     def __post_init__(self):
         prof = get_profile(self.profile)
