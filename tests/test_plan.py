@@ -14,7 +14,7 @@ from hpcdl.launch import job_request
 from hpcdl.launch.profiles import get_profile
 from hpcdl.launch.sbatch import render_sbatch
 from hpcdl.plan.model import BatchCurve, Link, StepModel
-from hpcdl.bench.reports import AllreduceReport, ScalingReport
+from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport
 from hpcdl.plan.facts import model_facts
 from hpcdl.plan.planner import PlanInputs, calibrate, figure, link_from_allreduce, plan
 from hpcdl.plan.published import PUBLISHED
@@ -182,3 +182,21 @@ def test_plan_from_bench_step_and_allreduce_predicts_what_bench_scaling_measures
     predicted = load_json(tmp_path / "plan.json")["rows"][0]["images_s"]
     print(f"plan {predicted:.3f} images/s, bench scaling {measured['images_per_s']:.3f}")
     assert predicted == pytest.approx(measured["images_per_s"], rel=0.10), (predicted, measured["images_per_s"])
+
+
+def test_a_foreign_or_incomplete_report_is_named_with_its_missing_field(tmp_path):
+    step = tmp_path / "step.json"
+    step.write_text(json.dumps({"benchmark": "step", "config": {"tuning_batch": 8, "ranks_per_node": 2}}))
+    broken = tmp_path / "allreduce.json"
+    broken.write_text(json.dumps({"benchmark": "allreduce", "meta": {"world_size": 2}, "rows": [{"bytes": 4}]}))
+    cases = {("--allreduce-json", step): f"{step}: this is an hpcdl bench step report; give the JSON of hpcdl bench "
+                                         "allreduce --json FILE",
+             ("--allreduce-json", broken): f"{broken}: rows[0].time_us is missing",
+             ("--calibrate", step): f"{step}: this is an hpcdl bench step report",
+             ("--step-json", tmp_path / "none.json"): "none.json: cannot read it as an hpcdl bench step report"}
+    for (flag, path), message in cases.items():
+        run = subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--nodes", "2", "--batch", "256", "--profile", "stampede2-skx",
+                              flag, str(path)],
+                             capture_output=True, text=True)
+        assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, (flag, run.stderr)
+    assert StepReport.from_json(str(step)).tuning is None  # a report may lack what only some readers need
