@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import io
 import re
+import sys
+import textwrap
 import tokenize
 import types
 import typing
@@ -42,23 +43,38 @@ def meta(*, flag: str | None = None, positional: bool = False, remainder: bool =
 
 
 @functools.cache
+def _lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+@functools.cache
 def field_help(cls) -> dict[str, str]:
     """Each field's help: the comment on its line, else the comment lines right above it."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
+    lines = _lines(getattr(sys.modules.get(cls.__module__), "__file__", None) or "")
+    start = next((i for i, line in enumerate(lines) if re.match(rf"\s*class {cls.__name__}\b", line)), None)
+    if start is None:
         return {}
-    comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
-    lines = source.splitlines()
-    out = {}
-    for number, line in enumerate(lines, 1):
+    indent, end = len(lines[start]) - len(lines[start].lstrip()), start + 1
+    while end < len(lines) and (not lines[end].strip() or lines[end].lstrip().startswith("#")
+                                or len(lines[end]) - len(lines[end].lstrip()) > indent):
+        end += 1
+    body = textwrap.dedent("\n".join(lines[start:end])) + "\n"
+    try:  # the class's own lines only: comments are told from '#' in strings by tokenizing them
+        comments = {t.start[0] - 1: t.string.lstrip("#").strip()
+                    for t in tokenize.generate_tokens(io.StringIO(body).readline) if t.type == tokenize.COMMENT}
+    except (SyntaxError, tokenize.TokenError):
+        return {}
+    block, out = body.splitlines(), {}
+    for i, line in enumerate(block):
         match = re.match(r"\s+(\w+)\s*:", line)
-        if not match or match.group(1) in out:
+        if not match or match.group(1) in out or line.lstrip().startswith("#"):
             continue
-        text = comments.get(number) if not line.lstrip().startswith("#") else None
-        above, row = [], number - 1
-        while not text and row >= 1 and lines[row - 1].lstrip().startswith("#"):
+        text, above, row = comments.get(i), [], i - 1
+        while not text and row >= 0 and block[row].lstrip().startswith("#"):
             above.insert(0, comments.get(row, ""))
             row -= 1
         out[match.group(1)] = text or " ".join(above)

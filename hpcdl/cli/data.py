@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from hpcdl.data.pack import PackConfig
+from hpcdl.data.options import PackConfig
 from hpcdl.errors import HpcdlError
 from hpcdl.flags import meta
 

@@ -5,44 +5,16 @@ from __future__ import annotations
 
 import io
 import warnings
-from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-from hpcdl.errors import ConfigError
+from hpcdl.data.options import Encoding
 
 
 class Rejected(Exception):
     """This input is skipped; the message is the reason the manifest records."""
 
 
-@dataclass(frozen=True, slots=True)
-class Encoding:
-    """How ``hpcdl pack`` stores images: ``--max-side`` or ``--short-side``, and ``--quality``."""
-
-    max_side: int | None = None  # resize so the longer side is at most N
-    short_side: int | None = None  # resize so the shorter side is at most N
-    quality: int = 90  # JPEG quality when re-encoding
-
-    def __post_init__(self):
-        if self.max_side and self.short_side:
-            raise ConfigError("give --max-side or --short-side, not both")
-        for name in ("max_side", "short_side"):
-            value = getattr(self, name)
-            if value is not None and value < 16:
-                raise ConfigError(f"--{name.replace('_', '-')} {value} is too small; use at least 16 (e.g. 256)")
-        if not 1 <= self.quality <= 100:
-            raise ConfigError(f"--quality {self.quality} is outside 1..100")
-
-    def target(self, width: int, height: int) -> tuple[int, int] | None:
-        """The stored size, or None when the image is stored at its own size."""
-        if self.max_side and max(width, height) > self.max_side:
-            s = self.max_side / max(width, height)
-        elif self.short_side and min(width, height) > self.short_side:
-            s = self.short_side / min(width, height)
-        else:
-            return None
-        return max(1, round(width * s)), max(1, round(height * s))
 
 
 def prepare(data: bytes, enc: Encoding) -> tuple[bytes, tuple[int, int], tuple[int, int]]:

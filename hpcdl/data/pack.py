@@ -20,46 +20,20 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 from hpcdl import __version__
 from hpcdl.data.format import (MANIFEST, PARTS_DIR, TMP_SUFFIX, Manifest, ShardEntry, check_shard, part_name,
                                shard_name, write_shard)
 from hpcdl.data.images import Encoding, Rejected, prepare
-from hpcdl.data.sources import Item, SourceOptions, catalog
-from hpcdl import names
+from hpcdl.data.options import PackConfig
+from hpcdl.data.sources import Item, catalog
 from hpcdl.errors import ConfigError, DataError
-from hpcdl.flags import meta
-from hpcdl.utils import format_duration, parse_bytes
+from hpcdl.utils import format_duration
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True, slots=True)
-class PackConfig:
-    src: str  # the images (see --layout)
-    out: str  # the dataset root to write
-    layout: str = field(default="folder", metadata=meta(choices=names.LAYOUTS))  # how SRC is organized
-    shard_size: int | str = "512MB"  # bytes of images per shard
-    encoding: Encoding = field(default_factory=Encoding)
-    workers: int = 0  # encoding processes (0: one per CPU this process may use)
-    resume: bool = False  # keep finished, verified shards and go on
-    seed: int = 0  # the shuffle before sharding
-    part: str | None = None  # i/n: pack part i of n (default: the Slurm array task or MPI rank, else the whole dataset)
-    sources: SourceOptions = field(default_factory=SourceOptions)
-    image_timeout: float = 60.0  # seconds: an input that takes longer to read and decode is rejected
-
-    def __post_init__(self):
-        if isinstance(self.shard_size, str):
-            self.shard_size = parse_bytes(self.shard_size, "--shard-size")
-        if self.shard_size < 1 << 16:
-            raise ConfigError(f"--shard-size {self.shard_size} B is too small; use at least 64K (e.g. 512MB)")
-        if self.workers < 0:
-            raise ConfigError(f"--workers {self.workers} must be 0 (one per CPU) or more")
-        self.workers = self.workers or len(os.sched_getaffinity(0))
-        if not self.image_timeout > 0:
-            raise ConfigError(f"--image-timeout {self.image_timeout} must be more than 0 seconds (e.g. 60)")
 
 
 def detect_part(spec: str | None, environ=os.environ) -> tuple[int, int]:

@@ -18,6 +18,7 @@ from typing import Callable
 
 from hpcdl import names
 from hpcdl.errors import ConfigError
+from hpcdl.data.options import SourceOptions
 from hpcdl.names import registry
 
 WNID = re.compile(r"n\d{8}")
@@ -59,11 +60,6 @@ class Catalog:
     items_for_part: Callable[[int, int, int], list[Item]]  # (part, parts, seed) -> items
 
 
-@dataclass(frozen=True, slots=True)
-class SourceOptions:
-    names: str | None = None  # a file of "wnid human name" lines (synset_words.txt, LOC_synset_mapping.txt)
-    val_labels: str | None = None  # imagenet-val: ILSVRC2012_validation_ground_truth.txt, one ILSVRC2012_ID per line
-    synsets: str | None = None  # imagenet-val: ILSVRC2012_ID -> wnid: "wnid" per line, or "wnid ID name" (map_clsloc.txt)
 
 
 def printable(rel: str) -> tuple[str, bool]:
