@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, free_port, rank_env, start_long_sweep, start_ranks
+from conftest import PYTHON, REPO, free_port, mpi_run, rank_env, start_long_sweep, start_ranks
 
 QUICK = ["bench", "allreduce", "--max-bytes", "64K", "--seconds-per-size", "0.02", "--heartbeat", "0.5"]
 
@@ -87,3 +87,24 @@ def test_fail_fast_names_collective_failures_and_lets_other_errors_through(tmp_p
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and expected in run.stderr, run.stderr
     assert ("RankLostError" in run.stderr) == raised.startswith("torch")
+
+
+def test_backends_side_by_side_in_one_run(mpiexec, ccl, tmp_path):
+    """--backends: one group per backend beside a gloo default group, each size on each in turn, one report."""
+    path = tmp_path / "allreduce.json"
+    run = mpi_run(mpiexec, "-m", "hpcdl", "bench", "allreduce", "--backends", "gloo,mpi,ccl", "--max-bytes", "1K",
+                  "--seconds-per-size", "0.01", "--json", path, timeout=180)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(path.read_text())
+    assert report["meta"]["backends"] == ["gloo", "mpi4py", "oneccl"] and all(r["correct"] for r in report["rows"])
+    assert [r["backend"] for r in report["rows"][:3]] == ["gloo", "mpi4py", "oneccl"] and len(report["rows"]) == 3 * 9
+    assert "side by side" in run.stdout and "oneccl/gloo" in run.stdout
+    assert report["provenance"]["command"][-2:] == ["--json", str(path)] and report["config"]["max_bytes"] == 1024
+    path = tmp_path / "sync.json"
+    run = mpi_run(mpiexec, "-m", "hpcdl", "bench", "sync", "--backends", "gloo,mpi", "--model", "tiny_cnn", "--rounds",
+                  "1", "--scaling-steps", "0", "--hooks", "none,fp16", "--latency-iters", "10", "--json", path,
+                  timeout=180)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(path.read_text())
+    assert set(report["by_backend"]) == {"gloo", "mpi4py"} and set(report["by_backend"]["mpi4py"]["hooks"]) == {"none", "fp16"}
+    assert "side by side, tiny_cnn's gradients: gloo, mpi4py" in run.stdout

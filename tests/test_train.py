@@ -411,7 +411,7 @@ def test_fault_matrix_a_rank_killed_in_each_phase(data, tmp_path, phase, victim)
     if phase != "ddp":  # a checkpoint was written before the fault: the newest complete one loads
         half_written = list((run / "checkpoints").glob(".ckpt-*.tmp"))
         newest = CheckpointManager(str(run / "checkpoints")).load_latest()
-        assert newest is not None and {"model", "optimizer", "step"} <= newest[1].keys()
+        assert newest is not None and {"model", "optimizer", "counters"} <= newest[1].keys()
         if phase == "save":  # the half-written one is a temporary file, never listed (the next run removes it)
             assert newest[0].endswith("ckpt-000000002.pt") and half_written
 

@@ -28,20 +28,11 @@ def add_commands(sub) -> None:
 def plan(cmd: PlanCommand, question, inputs: PlanInputs, output: Output) -> int:
     from hpcdl.bench.runner import Job
     from hpcdl.distributed.env import discover
-    from hpcdl.utils import atomic_write_text
 
-    job = Job(env=discover())
-    output = Output(**{f.name: job.expand(getattr(output, f.name)) if getattr(output, f.name) else None
-                       for f in dataclasses.fields(output)})
-
+    job = Job(env=discover())  # %j in --json and --plot, as the benchmarks expand it
+    json_path, plot_path = (job.expand(p) if p else None for p in (output.json_path, output.plot_path))
     if cmd.validate:
-        from hpcdl.plan.validate import format_validation, validate
-
-        rows = validate()
-        print(format_validation(rows))
-        if output.json_path:
-            atomic_write_text(output.json_path, json.dumps(rows, indent=1) + "\n")
-        return 0
+        return _validate(json_path)
     from hpcdl.plan.planner import format_plan, plan as planned, plot
 
     question = question()  # built here: --validate needs no --nodes or --batch
@@ -50,9 +41,24 @@ def plan(cmd: PlanCommand, question, inputs: PlanInputs, output: Output) -> int:
     title = (f"{inputs.model}, global batch {question.batch}, {question.epochs:g} epochs of "
              f"{question.train_images:,} images")
     print(format_plan(rows, "\n".join(f"# {line}" for line in [title, *notes])))
-    if output.json_path:
-        atomic_write_text(output.json_path, json.dumps({"inputs": dataclasses.asdict(inputs), "notes": notes,
-                                                         "rows": rows}, indent=1) + "\n")
-    if output.plot_path:
-        plot(rows, title, output.plot_path)
+    if json_path:
+        _write(json_path, {"inputs": dataclasses.asdict(inputs), "notes": notes, "rows": rows})
+    if plot_path:
+        plot(rows, title, plot_path)
     return 0
+
+
+def _validate(json_path: str | None) -> int:
+    from hpcdl.plan.validate import format_validation, validate
+
+    rows = validate()
+    print(format_validation(rows))
+    if json_path:
+        _write(json_path, rows)
+    return 0
+
+
+def _write(path: str, data) -> None:
+    from hpcdl.utils import atomic_write_text
+
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
