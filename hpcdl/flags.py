@@ -102,12 +102,12 @@ def _default(f: dataclasses.Field):
     return dataclasses.MISSING
 
 
-def _optional(tp) -> tuple[Any, bool]:
-    """(the type without None, whether None is allowed)."""
+def _without_none(tp):
+    """``X | None`` -> ``X``; a union of several types is read as a string that the config parses itself."""
     if get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
-        return (str if str in args or len(args) > 1 else args[0]), len(args) < len(get_args(tp))
-    return tp, False
+        return str if str in args or len(args) > 1 else args[0]
+    return tp
 
 
 def _items(kind):
@@ -134,37 +134,36 @@ def flag_name(path: tuple[str, ...], f: dataclasses.Field) -> str:
 def add_flags(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = ()) -> None:
     """Add one argument per field of ``cls`` (nested dataclasses flattened) to ``parser``."""
     for path, f, tp, owner in _leaves(cls):
-        if path[-1] in skip:
-            continue
-        opts = f.metadata.get("cli", {})
-        default = _default(f)
-        kind, _ = _optional(tp)
-        text = field_help(owner).get(f.name, "")
-        kw: dict[str, Any] = {"dest": "__".join(path), "choices": opts.get("choices"),
-                              "metavar": opts.get("metavar") or (None if opts.get("choices") else path[-1].upper())}
-        if get_origin(kind) is tuple:
-            item = get_args(kind)[0] if get_args(kind) else str
-            kw["type"] = item if opts.get("repeat") else _items(item)
-            kw["action"] = "append" if opts.get("repeat") else None
-        elif kind is bool:
-            kw["action"] = argparse.BooleanOptionalAction if default is True else "store_true"
-            kw.pop("metavar")
+        if path[-1] not in skip:
+            name, kw = _argument(path, f, tp, field_help(owner).get(f.name, ""))
+            parser.add_argument(name, **kw)
+
+
+def _argument(path: tuple[str, ...], f: dataclasses.Field, tp, text: str) -> tuple[str, dict]:
+    """The name or flag and ``add_argument``'s keywords for one field."""
+    opts, default, kind = f.metadata.get("cli", {}), _default(f), _without_none(tp)
+    kw: dict[str, Any] = {"dest": "__".join(path), "choices": opts.get("choices"),
+                          "metavar": opts.get("metavar") or (None if opts.get("choices") else path[-1].upper())}
+    if get_origin(kind) is tuple:
+        item = get_args(kind)[0] if get_args(kind) else str
+        kw |= {"type": item, "action": "append"} if opts.get("repeat") else {"type": _items(item)}
+    elif kind is bool:
+        kw |= {"action": argparse.BooleanOptionalAction if default is True else "store_true", "metavar": None}
+    else:
+        kw["type"] = kind if kind in (int, float, str) else str
+    if default not in (dataclasses.MISSING, None, ()) and kind is not bool and "default" not in text:
+        text = f"{text} (default: {_shown(default)})" if text else f"default: {_shown(default)}"
+    kw["help"] = argparse.SUPPRESS if opts.get("hidden") else text.replace("%", "%%")
+    missing = default is dataclasses.MISSING
+    if opts.get("positional"):
+        del kw["dest"]  # a positional is stored under its own name
+        if opts.get("remainder"):
+            kw |= {"type": None, "nargs": argparse.REMAINDER}
         else:
-            kw["type"] = kind if kind in (int, float, str) else str
-        if default not in (dataclasses.MISSING, None, ()) and kind is not bool and "default" not in text:
-            text = f"{text} (default: {_shown(default)})" if text else f"default: {_shown(default)}"
-        kw["help"] = argparse.SUPPRESS if opts.get("hidden") else text.replace("%", "%%")
-        kw = {k: v for k, v in kw.items() if v is not None}
-        if opts.get("positional"):
-            kw.pop("dest")
-            kw.pop("type", None) if opts.get("remainder") else None
-            nargs = argparse.REMAINDER if opts.get("remainder") else None if default is dataclasses.MISSING else "?"
-            parser.add_argument(path[-1], nargs=nargs, default=None if default is dataclasses.MISSING else default, **kw)
-            continue
-        kw["default"] = None if default is dataclasses.MISSING else default
-        if opts.get("repeat"):
-            kw["default"] = None
-        parser.add_argument(flag_name(path, f), required=default is dataclasses.MISSING, **kw)
+            kw["nargs"] = None if missing else "?"
+        return path[-1], {k: v for k, v in kw.items() if v is not None} | {"default": None if missing else default}
+    kw |= {"required": missing, "default": None if missing or opts.get("repeat") else default}
+    return flag_name(path, f), {k: v for k, v in kw.items() if v is not None or k == "default"}
 
 
 def config_from_args(cls, args: argparse.Namespace, **extra):
