@@ -1,7 +1,18 @@
-"""Launching jobs: cluster profiles, sbatch scripts, and submitit."""
+"""Launching jobs: cluster profiles, sbatch scripts, and submitit.
 
-from hpcdl.launch.executor import submit
+``submit`` is imported on first use: submitit's import costs a tenth of a second that the commands which
+only read profiles or write scripts (every ``hpcdl`` command builds the parser that reads them) need not pay.
+"""
+
 from hpcdl.launch.job import JobRequest, job_request
 from hpcdl.launch.profiles import PROFILES, ClusterProfile, get_profile
 
 __all__ = ["PROFILES", "ClusterProfile", "JobRequest", "get_profile", "job_request", "submit"]
+
+
+def __getattr__(name: str):
+    if name == "submit":
+        from hpcdl.launch.executor import submit
+
+        return submit
+    raise AttributeError(f"module 'hpcdl.launch' has no attribute {name!r}")
