@@ -2,7 +2,9 @@
 
 Bandwidths follow nccl-tests: ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n``, the data
 each rank's link carries in a ring allreduce, comparable across rank counts and with link speed.
-Every size is also checked: an untimed allreduce of a known pattern must give the exact sum.
+Every size is also checked: an untimed allreduce of a known pattern must give the exact sum. Each
+backend's times are fitted to a ring's alpha-beta cost (:func:`fit_ring`): the fitted bus bandwidth is
+the link's achieved rate, to compare with its nominal one.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import logging
 import socket
 import time
 
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, DataError
 from hpcdl.utils import format_bytes, parse_bytes
 
-__all__ = ["Config", "format_report", "run"]
+__all__ = ["Config", "fit_ring", "format_report", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,34 @@ def run(cfg: Config, job) -> dict | None:
                     log.debug("%s", row)
     if ctx.rank != 0:
         return None
-    return {"meta": {**_meta(ctx, cfg), "backends": list(job.groups)}, "ranks": layout, "rows": rows}
+    report = {"meta": {**_meta(ctx, cfg), "backends": list(job.groups)}, "ranks": layout, "rows": rows}
+    if ctx.world_size > 1 and len(cfg.sizes()) > 1:
+        report["fit"] = {}
+        for name in job.groups:
+            alpha, beta = fit_ring(ctx.world_size, [(r["bytes"], r["time_us"] * 1e-6) for r in rows if r["backend"] == name])
+            report["fit"][name] = {"latency_us": alpha * 1e6, "busbw_GBps": 1 / beta / 1e9}
+    return report
+
+
+def fit_ring(world_size: int, points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(alpha, beta) of a ring all-reduce of ``world_size`` ranks that best explain ``points`` (bytes, seconds):
+    ``t = 2(p-1) alpha + 2(p-1)/p n beta``, least squares on the relative error, so that every size counts.
+    ``1 / beta`` is the bus bandwidth: the rate each rank's link achieved."""
+    p = world_size
+    points = [(n, t) for n, t in points if t > 0]
+    if p < 2 or len(points) < 2:
+        raise DataError(f"an all-reduce report of {p} rank(s) and {len(points)} sizes cannot give a link; run "
+                        f"hpcdl bench allreduce on 2 or more ranks")
+    # t / t = 1 = a * x1 + b * x2 with x1 = 2(p-1)/t, x2 = 2(p-1)/p * n / t: solve the 2x2 normal equations
+    x1 = [2 * (p - 1) / t for _, t in points]
+    x2 = [2 * (p - 1) / p * n / t for n, t in points]
+    s11, s12, s22 = sum(a * a for a in x1), sum(a * b for a, b in zip(x1, x2)), sum(b * b for b in x2)
+    det = s11 * s22 - s12 * s12
+    alpha = (s22 * sum(x1) - s12 * sum(x2)) / det
+    beta = (s11 * sum(x2) - s12 * sum(x1)) / det
+    if beta <= 0:
+        raise DataError("the all-reduce report's times do not grow with size; measure up to larger --max-bytes")
+    return max(alpha, 0.0), beta
 
 
 def _layout(ctx) -> list[dict]:
@@ -174,6 +203,9 @@ def format_report(report: dict) -> str:
             lines.append(f"{format_bytes(row['bytes']):>10} {row['elements']:>10} {row['iters']:>6} "
                          f"{row['time_us']:>11.1f} {row['min_time_us']:>11.1f} {row['algbw_GBps']:>12.3f} "
                          f"{row['busbw_GBps']:>12.3f}  {'ok' if row['correct'] else 'WRONG'}")
+    for backend, f in report.get("fit", {}).items():
+        lines.append(f"# fit ({backend}, ring): alpha {f['latency_us']:.1f} us per step, bus bandwidth "
+                     f"{f['busbw_GBps']:.3f} GB/s = {f['busbw_GBps'] * 8:.3f} Gbit/s of payload")
     if len(backends) > 1:
         lines += _comparison(report["rows"], backends)
     bad = [f"{format_bytes(r['bytes'])} ({r.get('backend', meta['backend'])})" for r in report["rows"] if not r["correct"]]

@@ -19,6 +19,7 @@ import dataclasses
 import math
 import statistics
 
+from hpcdl.bench.allreduce import fit_ring
 from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.flags import meta
@@ -31,23 +32,12 @@ __all__ = ["Calibration", "PlanInputs", "PlanQuestion", "calibrate", "curve_from
            "plan", "plot"]
 
 def link_from_allreduce(report: AllreduceReport) -> Link:
-    """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times, each a ring of its
-    ``world_size`` ranks: ``t = 2(p-1) alpha + 2(p-1)/p n beta``, least squares on the relative error."""
-    p = report.meta.world_size
-    rows = [r for r in report.rows if r.time_us > 0]
-    if p < 2 or len(rows) < 2:
-        raise DataError(f"an all-reduce report of {p} rank(s) and {len(rows)} sizes cannot give a link; run "
-                        f"hpcdl bench allreduce on 2 or more ranks")
-    # t / t = 1 = a * x1 + b * x2 with x1 = 2(p-1)/t, x2 = 2(p-1)/p * n / t: solve the 2x2 normal equations
-    x1 = [2 * (p - 1) / (r.time_us * 1e-6) for r in rows]
-    x2 = [2 * (p - 1) / p * r.bytes / (r.time_us * 1e-6) for r in rows]
-    s11, s12, s22 = sum(a * a for a in x1), sum(a * b for a, b in zip(x1, x2)), sum(b * b for b in x2)
-    det = s11 * s22 - s12 * s12
-    alpha = (s22 * sum(x1) - s12 * sum(x2)) / det
-    beta = (s11 * sum(x2) - s12 * sum(x1)) / det
-    if beta <= 0:
-        raise DataError("the all-reduce report's times do not grow with size; measure up to larger --max-bytes")
-    return Link(latency_s=max(alpha, 0.0), bandwidth_bytes_s=1 / beta)
+    """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times (its first backend's),
+    each a ring of its ``world_size`` ranks (:func:`hpcdl.bench.allreduce.fit_ring`)."""
+    first = report.rows[0].backend if report.rows else None
+    alpha, beta = fit_ring(report.meta.world_size, [(r.bytes, r.time_us * 1e-6) for r in report.rows
+                                                    if r.backend == first])
+    return Link(latency_s=alpha, bandwidth_bytes_s=1 / beta)
 
 
 def curve_from_step(report: StepReport) -> BatchCurve:

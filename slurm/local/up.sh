@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Start a throwaway Slurm on this machine: munge, MariaDB + slurmdbd (so that sacct works),
-# slurmctld, and two slurmd that simulate the nodes n1 and n2. Used by `make test` and `make demo`.
+# slurmctld, and slurmd daemons that simulate nodes. Used by `make test` and `make demo`.
+#   partition debug (default): n1 and n2, on the host's loopback;
+#   partition fabric: n3 and n4, each in its own network namespace on a bridge, links shaped by tc tbf to
+#   FABRIC_RATE (default 1gbit; slurm/local/fabric.sh). FABRIC=0 leaves the fabric out; where the machine
+#   cannot host it, up.sh says what is missing and starts the debug partition alone (in CI: an error).
 #
 # It does nothing when a Slurm already answers. It needs root, and no systemd: every daemon is started
 # by hand and tracked by its PID file under $HPCDL_SLURM_STATE. `slurm/local/down.sh` stops them.
@@ -17,11 +21,30 @@ die() { echo "local-slurm: error: $*" >&2; exit 1; }
 
 slurm_answers() { command -v sinfo >/dev/null && timeout 10 sinfo -h -o %P >/dev/null 2>&1; }
 
-if slurm_answers && [ "$(timeout 10 sinfo -h -o %T | grep -c -E '^(idle|mixed|allocated)')" -gt 0 ]; then
-    say "a Slurm already answers ($(sinfo -h -o '%P %D %T' | tr '\n' ';')); nothing to start"
-    exit 0
+FABRIC=${FABRIC:-1}
+HERE=$(cd "$(dirname "$0")" && pwd)
+up_nodes() { timeout 10 sinfo -h -N ${1:+-p "$1"} -o %T 2>/dev/null | grep -c -E '^(idle|mixed|allocated)$' || true; }
+
+if slurm_answers && [ "$(up_nodes)" -gt 0 ]; then
+    if [ "$FABRIC" = 0 ] || [ "$(up_nodes fabric)" -ge 2 ] || ! grep -qF "$MARK" "$CONF" 2>/dev/null; then
+        say "a Slurm already answers ($(sinfo -h -o '%P %D %T' | tr '\n' ';')); nothing to start"
+        exit 0
+    fi
+    say "the local Slurm answers without its fabric partition; restarting it with the fabric"
+    bash "$HERE/down.sh"
 fi
 [ "$(id -u)" = 0 ] || die "no Slurm answers, and starting a local one needs root (run 'sudo $0')"
+
+fabric_nodes=""
+if [ "$FABRIC" != 0 ]; then
+    if bash "$HERE/fabric.sh" up; then
+        fabric_nodes="n3 n4"
+    elif [ "${CI:-}" = true ]; then
+        die "CI needs the shaped fabric (partition fabric); see what fabric.sh says is missing above"
+    else
+        say "no fabric partition: the machine cannot host it (above); starting nodes n1 n2 only"
+    fi
+fi
 
 missing=$(for p in $PACKAGES; do dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q 'ok installed' || echo "$p"; done)
 if [ -n "$missing" ]; then
@@ -39,7 +62,8 @@ fi
 host=$(hostname -s)
 ncpu=$(nproc)
 mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))   # half the RAM for each node
-mkdir -p "$STATE"/{log,state,spool/n1,spool/n2,tmp/n1,tmp/n2,mariadb} /run/munge /run/mysqld
+mkdir -p "$STATE"/{log,state,mariadb} /run/munge /run/mysqld
+for n in n1 n2 $fabric_nodes; do mkdir -p "$STATE/spool/$n" "$STATE/tmp/$n"; done
 chown munge:munge /run/munge; chown mysql:mysql /run/mysqld "$STATE/mariadb"
 
 pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -80,10 +104,19 @@ StorageLoc=slurm_acct_db
 CONF
 chmod 600 /etc/slurm/slurmdbd.conf
 
+# slurmd in the fabric's namespaces reach the controller at the bridge's address
+controller=127.0.0.1; [ -n "$fabric_nodes" ] && controller=10.77.0.254
+fabric_conf=""
+if [ -n "$fabric_nodes" ]; then
+    fabric_conf="# The shaped fabric (slurm/local/fabric.sh): each node in its namespace hX, hostname nX, at 10.77.0.X.
+NodeName=n3 NodeHostname=n3 NodeAddr=10.77.0.3 Port=17003 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
+NodeName=n4 NodeHostname=n4 NodeAddr=10.77.0.4 Port=17004 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
+PartitionName=fabric Nodes=n[3-4] MaxTime=INFINITE State=UP"
+fi
 cat > "$CONF" <<CONF
 $MARK
 ClusterName=hpcdl
-SlurmctldHost=$host(127.0.0.1)
+SlurmctldHost=$host($controller)
 SlurmUser=root
 AuthType=auth/munge
 # A requeued job would otherwise wait 120 s for the old credential to expire.
@@ -116,6 +149,7 @@ MinJobAge=600
 SlurmdParameters=config_overrides
 NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[17001-17002] CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
+$fabric_conf
 CONF
 
 if ! pid_alive "$STATE/slurmdbd.pid"; then /usr/sbin/slurmdbd; fi
@@ -126,8 +160,10 @@ if ! pid_alive "$STATE/slurmctld.pid"; then /usr/sbin/slurmctld; fi
 for n in n1 n2; do
     pid_alive "$STATE/slurmd-$n.pid" || /usr/sbin/slurmd -N "$n"
 done
+if [ -n "$fabric_nodes" ]; then bash "$HERE/fabric.sh" slurmd; fi
 wait_for 30 slurmctld scontrol ping
-node_ready() { [ "$(sinfo -h -N -o %T | grep -c -E '^(idle|mixed|allocated)$')" -eq 2 ]; }
-for _ in $(seq 150); do node_ready && break; scontrol update nodename=n[1-2] state=resume >/dev/null 2>&1 || true; sleep 0.2; done
-node_ready || die "nodes n1 and n2 are not idle: $(sinfo -N -h -o '%N %T %E' | tr '\n' ';')"
-say "up: partition debug, nodes n1 n2 ($ncpu CPUs each), accounting in slurmdbd; state in $STATE"
+all_nodes="n1 n2 $fabric_nodes"
+node_ready() { [ "$(up_nodes)" -eq "$(echo $all_nodes | wc -w)" ]; }
+for _ in $(seq 150); do node_ready && break; scontrol update nodename="$(echo $all_nodes | tr ' ' ,)" state=resume >/dev/null 2>&1 || true; sleep 0.2; done
+node_ready || die "nodes $all_nodes are not all idle: $(sinfo -N -h -o '%N %T %E' | tr '\n' ';')"
+say "up: partition debug, nodes n1 n2${fabric_nodes:+; partition fabric, nodes $fabric_nodes over links shaped to $(cat "$STATE/fabric-rate")} ($ncpu CPUs each), accounting in slurmdbd; state in $STATE"
