@@ -103,7 +103,8 @@ class ChunkSparse:
     fp16: bool = False
     group: dist.ProcessGroup | None = None
     step: int = 0  # counted at each step's last bucket
-    residuals: dict = dataclasses.field(default_factory=dict)
+    residuals: dict = dataclasses.field(default_factory=dict)  # bucket -> what it has not sent yet
+    buffers: dict = dataclasses.field(default_factory=dict)  # bucket -> its residual padded to whole chunks
     sent_elements: int = 0  # this step so far: gradient elements sent (dense or selected chunks)
     total_elements: int = 0  # this step so far: gradient elements in the buckets
     last_step_sent: tuple[int, int] = (0, 0)  # (sent, total) of the last complete step
@@ -112,6 +113,8 @@ class ChunkSparse:
     dry: bool = False  # a rehearsal (the trainer's, after a resume): buckets go back untouched, nothing changes
     pool: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcdl-sparse"))
+    finisher: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcdl-sparse-finish"))
 
 
     def state_dict(self) -> dict:
@@ -158,44 +161,77 @@ def sparse_allreduce(state: ChunkSparse, key, grad: torch.Tensor,
                      dense: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the averaged gradient ``chunk_sparse`` applies for one flat fp32 bucket ``grad``, in place; the
     bool mask of the elements sent, None when all were, as during ``dense_steps`` or when ``dense``)."""
+    return sparse_start(state, key, grad, dense)()
+
+
+def sparse_start(state: ChunkSparse, key, grad: torch.Tensor, dense: bool = False):
+    """The first part of :func:`sparse_allreduce`: pick and pack the chunks and start their all-reduce.
+    Returns ``finish()``, which waits for it and gives what :func:`sparse_allreduce` gives. The hook starts
+    the next bucket while this one is on the wire.
+
+    No full-size tensor is allocated per step: the residual lives in a buffer padded to whole chunks and
+    is accumulated in place, and only the picked chunks are copied (a fresh tensor of a bucket's size
+    costs about five times its arithmetic in page faults)."""
     world = dist.get_world_size(state.group)
     state.total_elements += grad.numel()
     if dense or state.step < state.dense_steps:
-        dist.all_reduce(grad, group=state.group)
+        work = dist.all_reduce(grad, group=state.group, async_op=True)
         state.sent_elements += grad.numel()
-        return grad.div_(world), None
-    acc = grad + state.residuals[key] if key in state.residuals else grad.clone()
-    n, c = acc.numel(), state.chunk
-    chunks = torch.nn.functional.pad(acc, (0, (-n) % c)).view(-1, c)
+        return lambda: (work.wait(), grad.div_(world), None)[1:]
+    n, c = grad.numel(), state.chunk
+    chunks = _residual_chunks(state, key, n)
+    chunks.view(-1)[:n].add_(grad)  # the residual plus this step's gradient
     norms = chunks.abs().sum(1)
     dist.all_reduce(norms, group=state.group)  # every rank now ranks the chunks alike
     picked = norms.topk(max(1, round(state.keep * len(norms)))).indices.sort().values
-    packed = chunks[picked]
+    packed = chunks.index_select(0, picked)
     wire = packed.half() if state.fp16 else packed
-    dist.all_reduce(wire, group=state.group)
+    work = dist.all_reduce(wire, group=state.group, async_op=True)
     state.sent_elements += wire.numel() + norms.numel()
-    chunks[picked] = 0  # what was not sent stays here for the next step
-    state.residuals[key] = chunks.view(-1)[:n].clone()
-    out = torch.zeros_like(chunks)
-    out[picked] = wire.float() / world
-    sent = torch.zeros(len(chunks), dtype=torch.bool)
-    sent[picked] = True
-    return grad.copy_(out.view(-1)[:n]), sent.repeat_interleave(c)[:n]
+    chunks.index_fill_(0, picked, 0)  # what was not sent stays for the next step
+
+    def finish() -> tuple[torch.Tensor, torch.Tensor]:
+        work.wait()
+        full = n // c  # chunks wholly inside the bucket; the last may reach into the padding
+        grad.zero_()
+        body = picked[picked < full]
+        grad[:full * c].view(-1, c).index_copy_(0, body, wire[:len(body)].float().div_(world))
+        if len(body) < len(picked):
+            grad[full * c:].copy_(wire[-1, :n - full * c].float().div_(world))
+        sent = torch.zeros(len(chunks), dtype=torch.bool)
+        sent[picked] = True
+        return grad, sent.repeat_interleave(c)[:n]
+
+    return finish
+
+
+def _residual_chunks(state: ChunkSparse, key, n: int) -> torch.Tensor:
+    """Bucket ``key``'s residual as whole chunks (a view of a padded buffer kept for it); ``state.residuals[key]``
+    is its first ``n`` elements, so a checkpoint holds the residual itself."""
+    c = state.chunk
+    padded = -(-n // c) * c
+    res = state.residuals.get(key)
+    buf = state.buffers.get(key)
+    if buf is None or res is None or res.data_ptr() != buf.data_ptr() or buf.numel() != padded:
+        buf = torch.zeros(padded)
+        if res is not None:  # loaded from a checkpoint, or the first step after DDP's rebuild
+            buf[:n].copy_(res.view(-1)[:n])
+        state.buffers[key] = buf
+        state.residuals[key] = buf[:n]
+    return buf.view(-1, c)
 
 
 def _chunk_sparse(state: ChunkSparse, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Two threads: ``pool`` picks, packs and starts each bucket's all-reduce in DDP's order (so every rank
+    issues the same collectives in the same order), ``finisher`` waits for it and unpacks. A bucket is
+    packed while the one before it is on the wire."""
     tensor, key, last = bucket.buffer(), bucket.index(), bucket.is_last()
     params = bucket.parameters()
     future: torch.futures.Future = torch.futures.Future()
 
-    def run():
-        if state.dry:
-            future.set_result(tensor)
-            return
+    def finish(done):
         try:
-            # Residuals belong to a bucket layout, and DDP's first step has another (after a resume, the
-            # trainer rehearses that step first: see Trainer._rehearse).
-            grad, sent = sparse_allreduce(state, key, tensor, dense=not state.bucketed)
+            grad, sent = done()
             if sent is None:
                 for p in params:
                     state.sent.pop(p, None)
@@ -211,7 +247,20 @@ def _chunk_sparse(state: ChunkSparse, bucket: dist.GradBucket) -> torch.futures.
         except Exception as exc:
             future.set_exception(exc)
 
-    state.pool.submit(run)
+    def start():
+        if state.dry:
+            future.set_result(tensor)
+            return
+        try:
+            # Residuals belong to a bucket layout, and DDP's first step has another (after a resume, the
+            # trainer rehearses that step first: see Trainer._rehearse).
+            done = sparse_start(state, key, tensor, dense=not state.bucketed)
+        except Exception as exc:
+            future.set_exception(exc)
+            return
+        state.finisher.submit(finish, done)
+
+    state.pool.submit(start)
     return future.then(_unwrapped)
 
 

@@ -9,6 +9,7 @@
 #   fabric.sh status         the nodes, their addresses and the rate
 #   fabric.sh down           stop what runs in the namespaces and remove all of it
 #
+# Each node's slurmd is bound to its half of the host's cores, so two nodes do not share a core.
 # Ranks on one node talk inside their namespace (its loopback, and /dev/shm, which is shared); ranks on
 # different nodes cross the bridge through two shaped links: the sender node's egress and the bridge's
 # port toward the receiver, both at RATE, as a switch port is in each direction. The bridge's address in
@@ -100,7 +101,12 @@ slurmd() {
         # Enter the network namespace only (ip netns exec would remount /sys, without the cgroup tree that
         # slurmd reads), with a private mount namespace to bind the fabric's hosts file over /etc/hosts, and
         # a UTS namespace for its own hostname: MPI, oneCCL and gloo then see two hosts, as on a cluster.
-        nsenter --net="/run/netns/h$x" unshare --uts --mount --propagation private sh -c \
+        # Each node owns its share of the cores (n3 the first half, n4 the second), as separate machines
+        # would: its slurmd, and so every task it starts, is bound there.
+        local ncpu i; ncpu=$(nproc); i=$(( x - ${NODES%% *} ))
+        local cores="$(( i * ncpu / 2 ))-$(( (i + 1) * ncpu / 2 - 1 ))"
+        [ "$ncpu" -ge 2 ] || cores=0
+        taskset -c "$cores" nsenter --net="/run/netns/h$x" unshare --uts --mount --propagation private sh -c \
             "mount --bind /etc/netns/h$x/hosts /etc/hosts && hostname n$x && exec /usr/sbin/slurmd -N n$x" \
             || die "slurmd n$x did not start in namespace h$x; its log is $STATE/log/slurmd-n$x.log"
     done

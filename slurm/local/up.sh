@@ -108,7 +108,8 @@ chmod 600 /etc/slurm/slurmdbd.conf
 controller=127.0.0.1; [ -n "$fabric_nodes" ] && controller=10.77.0.254
 fabric_conf=""
 if [ -n "$fabric_nodes" ]; then
-    fabric_conf="# The shaped fabric (slurm/local/fabric.sh): each node in its namespace hX, hostname nX, at 10.77.0.X.
+    fabric_conf="# The shaped fabric (slurm/local/fabric.sh): each node in its namespace hX, hostname nX, at 10.77.0.X,
+# bound to half the cores (CPUs counts them all, so that a node takes 2 tasks on a 2-core host).
 NodeName=n3 NodeHostname=n3 NodeAddr=10.77.0.3 Port=17003 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
 NodeName=n4 NodeHostname=n4 NodeAddr=10.77.0.4 Port=17004 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
 PartitionName=fabric Nodes=n[3-4] MaxTime=INFINITE State=UP"
