@@ -4,8 +4,9 @@
 - ``fp16`` / ``bf16``: each bucket is all-reduced in half precision (half the bytes) and written back
   in fp32; torch's compression hooks. bf16 keeps fp32's range, fp16 its precision.
 - ``hierarchical``: reduce to one leader rank per node, all-reduce across the leaders, broadcast within
-  the node. The three steps run in order on a thread of this module, so backward keeps going while a
-  bucket is reduced; every rank submits buckets in the same order, so the collectives match.
+  the node. The steps run on a thread of this module, so backward keeps going while a bucket is reduced,
+  one bucket behind: a bucket is reduced within the node while the one before it crosses the network.
+  Every rank submits buckets in the same order, so the collectives match.
 - ``chunk_sparse``: GradientFlow's coarse-grained sparse communication. Each bucket (plus what was left
   of it last step) is cut into chunks; the chunks' L1 norms are all-reduced (a small message), every
   rank picks the same top ``keep`` fraction, and only those are packed, all-reduced (in fp16 with
@@ -42,6 +43,7 @@ class Hierarchy:
     world_size: int
     nodes: int
     pool: concurrent.futures.ThreadPoolExecutor
+    pending: tuple | None = None  # (tensor, leaders' all-reduce, future) of the bucket still to broadcast
 
 
 def node_groups(env: RankEnv, backend: str | None = None, new_group=None) -> Hierarchy:
@@ -76,21 +78,39 @@ def _unwrapped(future: torch.futures.Future) -> torch.Tensor:
 
 
 def _hierarchical(state: Hierarchy, bucket: dist.GradBucket) -> torch.futures.Future:
-    tensor = bucket.buffer()
+    """One bucket behind: bucket k's reduce to the leader runs while bucket k-1's all-reduce across the leaders
+    is on the wire, then k-1 is broadcast. Every rank of a node issues its node group's collectives in the
+    same order (reduce 0, reduce 1, broadcast 0, reduce 2, broadcast 1 ... broadcast last), whatever the
+    wire does; DDP hands buckets over in index order, the last one flagged."""
+    tensor, last = bucket.buffer(), bucket.is_last()
     future: torch.futures.Future = torch.futures.Future()
 
     def run():
+        pending, state.pending = state.pending, None
         try:
             dist.reduce(tensor, dst=state.leader, group=state.node_group)
-            if state.leaders is not None:
-                dist.all_reduce(tensor, group=state.leaders)
-            dist.broadcast(tensor, src=state.leader, group=state.node_group)
-            future.set_result(tensor.div_(state.world_size))
+            if pending:
+                _hierarchical_finish(state, *pending)
+                pending = None
+            work = dist.all_reduce(tensor, group=state.leaders, async_op=True) if state.leaders is not None else None
+            if last:
+                _hierarchical_finish(state, tensor, work, future)
+            else:
+                state.pending = (tensor, work, future)
         except Exception as exc:
-            future.set_exception(exc)
+            for f in (future, pending[2] if pending else None):
+                if f is not None and not f.done():
+                    f.set_exception(exc)
 
     state.pool.submit(run)
     return future.then(_unwrapped)
+
+
+def _hierarchical_finish(state: Hierarchy, tensor: torch.Tensor, work, future: torch.futures.Future) -> None:
+    if work is not None:
+        work.wait()
+    dist.broadcast(tensor, src=state.leader, group=state.node_group)
+    future.set_result(tensor.div_(state.world_size))
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)

@@ -112,7 +112,10 @@ if [ -n "$fabric_nodes" ]; then
 # bound to half the cores (CPUs counts them all, so that a node takes 2 tasks on a 2-core host).
 NodeName=n3 NodeHostname=n3 NodeAddr=10.77.0.3 Port=17003 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
 NodeName=n4 NodeHostname=n4 NodeAddr=10.77.0.4 Port=17004 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
-PartitionName=fabric Nodes=n[3-4] MaxTime=INFINITE State=UP"
+PartitionName=fabric Nodes=n[3-4] MaxTime=INFINITE State=UP
+# On n3 and n4, MPICH's UCX must use TCP (the script says why).
+TaskProlog=$STATE/fabric-task-prolog.sh"
+    install -m 755 "$HERE/fabric-task-prolog.sh" "$STATE/fabric-task-prolog.sh"  # outlives the checkout
 fi
 cat > "$CONF" <<CONF
 $MARK
