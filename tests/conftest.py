@@ -123,6 +123,13 @@ def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int
     return run.stdout.strip().split(";")[0]
 
 
+def hpcdl(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    """``python -m hpcdl ARGS`` as a command of its own: without the launcher variables pytest runs under."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "PMI_"))}
+    return subprocess.run([PYTHON, "-m", "hpcdl", *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env=env)
+
+
 def load_json(path: Path) -> dict:
     for _ in range(50):  # the shared filesystem here is local, but be patient like on Lustre
         if path.exists():
@@ -174,3 +181,20 @@ def demo_data(tmp_path_factory) -> Path:
         pack(PackConfig(src=src.root, out=str(root / split), shard_size="1MB", encoding=Encoding(short_side=72),
                         workers=2))
     return root
+
+
+FABRIC_STATE = Path(os.environ.get("HPCDL_SLURM_STATE", "/var/tmp/hpcdl-slurm"))
+
+
+@pytest.fixture(scope="session")
+def fabric(slurm) -> float:
+    """The local Slurm's shaped partition (slurm/local/fabric.sh): nodes n3 and n4 up; its rate in bytes/s."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "fabric", "-o", "%N %T"], capture_output=True, text=True).stdout
+    up = [line for line in out.splitlines() if line.split()[1:2] and line.split()[1] in ("idle", "mixed", "allocated")]
+    rate = FABRIC_STATE / "hpcdl-fab0.rate"
+    if len(up) < 2 or not rate.exists():
+        missing("the shaped fabric (partition fabric)", f"sinfo -p fabric shows {out!r} and {rate} "
+                f"{'exists' if rate.exists() else 'is missing'}; slurm/local/up.sh starts it as root")
+    text = rate.read_text().strip()
+    number, unit = text[:-3].rstrip("kmgt"), text[:-3][len(text[:-3].rstrip("kmgt")):]
+    return float(number) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit] / 8

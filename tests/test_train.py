@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, free_port, rank_env, sbatch_wait, start_ranks
+from conftest import PYTHON, REPO, free_port, hpcdl, rank_env, sbatch_wait, start_ranks
 
 BASE = ["demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
         "--set", "data.min_scale=0.5", "--set", "epochs=4", "--set", "loop.log_every=1"]
@@ -22,12 +22,6 @@ BASE = ["demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set
 def args_for(data: Path, run: Path, *extra: str) -> list[str]:
     return ["train", *BASE, "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}",
             "--set", f"run_dir={run}", *extra]
-
-
-def hpcdl(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "PMI_"))}
-    return subprocess.run([PYTHON, "-m", "hpcdl", *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout, env=env)
 
 
 def model_state(path: Path) -> dict:

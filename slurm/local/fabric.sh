@@ -18,10 +18,11 @@
 set -euo pipefail
 
 STATE=${HPCDL_SLURM_STATE:-/var/tmp/hpcdl-slurm}
-BRIDGE=hpcdl-fab0
-NET=10.77.0
+# FABRIC_BRIDGE, FABRIC_NET and FABRIC_NODES make another fabric beside it (the tests' teardown check)
+BRIDGE=${FABRIC_BRIDGE:-hpcdl-fab0}
+NET=${FABRIC_NET:-10.77.0}
 CONTROLLER=$NET.254
-NODES="3 4"                      # node nX lives in namespace hX at $NET.X
+NODES=${FABRIC_NODES:-3 4}       # node nX lives in namespace hX at $NET.X
 RATE=${FABRIC_RATE:-1gbit}
 
 say() { echo "fabric: $*"; }
@@ -63,7 +64,7 @@ shape() {  # shape RATE: both directions of every node's link
         tc -n "h$x" qdisc replace dev eth0 root tbf rate "$rate" burst "$burst" latency 100ms
         tc qdisc replace dev "hpcdl-h$x" root tbf rate "$rate" burst "$burst" latency 100ms
     done
-    mkdir -p "$STATE"; echo "$rate" > "$STATE/fabric-rate"
+    mkdir -p "$STATE"; echo "$rate" > "$STATE/$BRIDGE.rate"
 }
 
 up() {
@@ -114,7 +115,7 @@ slurmd() {
 
 status() {
     ip link show "$BRIDGE" >/dev/null 2>&1 || { say "down"; return 1; }
-    say "bridge $BRIDGE $CONTROLLER, rate $(cat "$STATE/fabric-rate" 2>/dev/null || echo '?')"
+    say "bridge $BRIDGE $CONTROLLER, rate $(cat "$STATE/$BRIDGE.rate" 2>/dev/null || echo '?')"
     for x in $NODES; do
         say "n$x: namespace h$x, $(ip -n "h$x" -4 -br addr show eth0 2>/dev/null | awk '{print $3}'), $(tc -n "h$x" qdisc show dev eth0 | head -1)"
     done
@@ -133,7 +134,7 @@ down() {
         rm -rf "/etc/netns/h$x"
     done
     ip link del "$BRIDGE" 2>/dev/null || true
-    rm -f "$STATE/fabric-rate"
+    rm -f "$STATE/$BRIDGE.rate"
     say "down: no namespace, link or bridge of the fabric is left"
 }
 

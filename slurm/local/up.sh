@@ -170,4 +170,4 @@ all_nodes="n1 n2 $fabric_nodes"
 node_ready() { [ "$(up_nodes)" -eq "$(echo $all_nodes | wc -w)" ]; }
 for _ in $(seq 150); do node_ready && break; scontrol update nodename="$(echo $all_nodes | tr ' ' ,)" state=resume >/dev/null 2>&1 || true; sleep 0.2; done
 node_ready || die "nodes $all_nodes are not all idle: $(sinfo -N -h -o '%N %T %E' | tr '\n' ';')"
-say "up: partition debug, nodes n1 n2${fabric_nodes:+; partition fabric, nodes $fabric_nodes over links shaped to $(cat "$STATE/fabric-rate")} ($ncpu CPUs each), accounting in slurmdbd; state in $STATE"
+say "up: partition debug, nodes n1 n2${fabric_nodes:+; partition fabric, nodes $fabric_nodes over links shaped to $(cat "$STATE/hpcdl-fab0.rate")} ($ncpu CPUs each), accounting in slurmdbd; state in $STATE"

@@ -1,0 +1,72 @@
+"""On the local Slurm's shaped fabric (slurm/local/fabric.sh): nodes n3 and n4 in their own network
+namespaces, their links shaped by tc tbf. A job's ranks cross a real, rate-limited link."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from conftest import PYTHON, REPO, hpcdl, load_json, missing, sbatch_wait
+from hpcdl.launch import job_request
+from hpcdl.launch.sbatch import render_sbatch
+
+FABRIC_SH = REPO / "slurm" / "local" / "fabric.sh"
+
+
+def test_a_second_fabric_comes_up_shaped_and_goes_down_leaving_nothing(tmp_path):
+    if os.geteuid() != 0:
+        missing("root", "network namespaces and tc need it")
+    env = {**os.environ, "FABRIC_BRIDGE": "hpcdl-fabt", "FABRIC_NET": "10.77.7", "FABRIC_NODES": "7 8",
+           "HPCDL_SLURM_STATE": str(tmp_path)}
+
+    def listing() -> str:
+        return "".join(subprocess.run(cmd, capture_output=True, text=True).stdout
+                       for cmd in (["ip", "netns", "list"], ["ip", "-br", "link"]))
+
+    before = listing()
+    up = subprocess.run(["bash", FABRIC_SH, "up", "300mbit"], env=env, capture_output=True, text=True, timeout=60)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "h7" in listing() and "hpcdl-fabt" in listing()
+        shaped = subprocess.run(["tc", "-n", "h8", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
+        assert "tbf" in shaped and "rate 300Mbit" in shaped, shaped
+        hosts = Path("/etc/netns/h7/hosts").read_text()
+        assert "10.77.7.7 n7" in hosts and "10.77.7.8 n8" in hosts
+        bad = subprocess.run(["bash", FABRIC_SH, "rate", "fast"], env=env, capture_output=True, text=True)
+        assert bad.returncode != 0 and "rate 'fast'" in bad.stderr and "1gbit" in bad.stderr
+    finally:
+        down = subprocess.run(["bash", FABRIC_SH, "down"], env=env, capture_output=True, text=True, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert listing() == before
+    assert not Path("/etc/netns/h7").exists() and not (tmp_path / "hpcdl-fabt.rate").exists()
+
+
+def test_two_nodes_over_the_shaped_link_measure_its_rate(fabric, tmp_path):
+    """A 2-node job crosses the link; the ring fit's bus bandwidth is the shaped rate, within 15%."""
+    script = tmp_path / "fabric.sbatch"
+    script.write_text(render_sbatch(
+        job_request(profile="local", nodes=2, tasks_per_node=1, time="5", python=PYTHON, partition="fabric",
+                    output=f"{tmp_path}/%j.out"),
+        ["bench", "allreduce", "--backend", "gloo", "--min-bytes", "256K", "--max-bytes", "8M", "--seconds-per-size",
+         "0.2", "--json", f"{tmp_path}/fabric-%j.json"]))
+    job = sbatch_wait(script)
+    report = load_json(tmp_path / f"fabric-{job}.json")
+    assert sorted(r["host"] for r in report["ranks"]) == ["n3", "n4"]
+    assert all(row["correct"] for row in report["rows"])
+    fitted = report["fit"]["gloo"]["busbw_GBps"] * 1e9
+    assert abs(fitted / fabric - 1) <= 0.15, (fitted, fabric, (tmp_path / f"{job}.out").read_text()[-2000:])
+
+
+def test_a_hook_trains_to_the_target_across_the_shaped_link(fabric, demo_data, tmp_path):
+    script = tmp_path / "hook.sbatch"
+    made = hpcdl("sbatch", "--profile", "local", "--partition", "fabric", "--nodes", 2, "--tasks-per-node", 1,
+                 "--time", 5, "--output", f"{tmp_path}/hook-%j.out", "--python", PYTHON, "--write", script, "--",
+                 "train", "demo_tiny_lars", "--set", f"data.train={demo_data / 'train'}",
+                 "--set", f"data.val={demo_data / 'val'}", "--set", f"run_dir={tmp_path / 'run'}",
+                 "--set", "sync.hook=fp16", "--set", "loop.backend=gloo", "--set", "checkpoint.every_minutes=0")
+    assert made.returncode == 0, made.stderr
+    job = sbatch_wait(script, f"--chdir={tmp_path}", env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    out = (tmp_path / f"hook-{job}.out").read_text()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["best_top1"] >= 95 and summary["time_to_target_s"] is not None, (summary, out[-3000:])
+    assert "comm hook fp16" in out and "2 node(s) (n[3-4])" in out and "host n3" in out, out[-3000:]
