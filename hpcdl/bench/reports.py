@@ -16,7 +16,7 @@ from typing import get_args, get_origin
 
 from hpcdl.errors import DataError
 
-__all__ = ["AllreduceReport", "ScalingReport", "StepReport"]
+__all__ = ["AllreduceReport", "ScalingReport", "StepReport", "SyncReport"]
 
 
 class _Report:
@@ -94,6 +94,32 @@ class AllreduceReport(_Report):
     benchmark: typing.ClassVar[str] = "allreduce"
     meta: AllreduceMeta
     rows: tuple[AllreduceRow, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncHook:
+    ms: float  # median DDP sync of the gradient set
+    mb_sent: float  # MiB each rank sends per step
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncReport(_Report):
+    benchmark: typing.ClassVar[str] = "sync"
+    model: str
+    parameters: int
+    world_size: int
+    hooks: dict[str, SyncHook]
+
+    def hook_seconds_per_byte(self, hook: str, source: str = "the report") -> float:
+        """The hook's own work per gradient byte: its sync time less the plain sync's scaled to the hook's
+        wire bytes (the plain sync taken as all wire), at least 0."""
+        for name in ("none", hook):
+            if name not in self.hooks:
+                raise DataError(f"{source}: hooks.{name} is missing; run hpcdl bench sync --hooks none,{hook} "
+                                f"--json FILE")
+        none, this = self.hooks["none"], self.hooks[hook]
+        wire_s = none.ms * this.mb_sent / none.mb_sent / 1e3
+        return max(0.0, this.ms / 1e3 - wire_s) / (self.parameters * 4)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

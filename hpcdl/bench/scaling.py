@@ -23,6 +23,7 @@ import logging
 import statistics
 import time
 
+from hpcdl import names
 from hpcdl.errors import ConfigError
 
 __all__ = ["Config", "figure", "format_report", "plot", "run"]
@@ -45,6 +46,9 @@ class Config:
     modes: tuple[str, ...] = MODES  # weak, strong or both
     # compute threads per rank (default 0: hpcdl's CPU plan; give 1 when simulated nodes share cores)
     threads: int = 0
+    # the comm hook (sync.hook) of every multi-rank point; hierarchical is bench sync's (a point's first k ranks
+    # do not split by node)
+    hook: str = "none"
 
     def __post_init__(self):
         bad = [m for m in self.modes if m not in MODES]
@@ -52,6 +56,7 @@ class Config:
             raise ConfigError(f"--modes {','.join(self.modes)}: choose from {', '.join(MODES)}")
         if min(self.batch, self.steps, self.rounds) < 1 or self.warmup < 0 or self.threads < 0:
             raise ConfigError("--batch, --steps and --rounds must be >= 1, --warmup and --threads >= 0")
+        names.check("--hook", self.hook, tuple(h for h in names.HOOKS if h != "hierarchical"))
         if any(k < 1 for k in self.ranks):
             raise ConfigError(f"--ranks {','.join(map(str, self.ranks))}: rank counts are >= 1")
 
@@ -141,6 +146,7 @@ def _stepper(ctx, cfg: Config, batch: int, group):
     import torch.distributed as dist
 
     from hpcdl.config import SyncConfig
+    from hpcdl.distributed.hooks import ChunkSparse
     from hpcdl.distributed.sync import data_parallel
     from hpcdl.models import MODELS
     from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
@@ -151,8 +157,9 @@ def _stepper(ctx, cfg: Config, batch: int, group):
     schedule = LRSchedule(optimizer, ScheduleConfig(base_lr=1.0, steps_per_epoch=1000, epochs=10, warmup_epochs=1))
     size = 1 if group is None else dist.get_world_size(group)
     sync = SyncConfig()
-    net, comm = data_parallel(model, dataclasses.replace(ctx.env, world_size=size), group,
-                              backend=ctx.backend.name, bucket_cap_mb=sync.bucket_cap_mb,
+    sparse = ChunkSparse(keep=sync.keep, chunk=sync.chunk) if cfg.hook == "chunk_sparse" else None
+    net, comm = data_parallel(model, dataclasses.replace(ctx.env, world_size=size), group, hook=cfg.hook,
+                              backend=ctx.backend.name, bucket_cap_mb=sync.bucket_cap_mb, sparse=sparse,
                               first_bucket_mb=sync.first_bucket_mb, gradient_as_bucket_view=sync.gradient_as_bucket_view)
     stepper = Stepper(net, criterion, optimizer, schedule, comm=comm, group=group, distributed=group is not None)
 
@@ -198,15 +205,15 @@ def _meta(ctx, cfg: Config, nodes: list[int]) -> dict:
     from hpcdl.plan.facts import model_facts
 
     return {"benchmark": "scaling", "model": cfg.model, "crop": cfg.crop or MODELS[cfg.model].crop,
-            "gradient_bytes": model_facts(cfg.model).gradient_bytes, "backend": ctx.backend.name, "world_size": ctx.world_size,
-            "nodes": len(set(nodes)), "ranks_per_node": ctx.env.local_size, "threads": torch.get_num_threads(),
+            "gradient_bytes": model_facts(cfg.model).gradient_bytes, "backend": ctx.backend.name, "hook": cfg.hook,
+            "world_size": ctx.world_size, "nodes": len(set(nodes)), "ranks_per_node": ctx.env.local_size, "threads": torch.get_num_threads(),
             "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds, "torch": torch.__version__}
 
 
 def format_report(report: dict) -> str:
     m = report["meta"]
     lines = [f"# scaling: {m['model']} at {m['crop']} px on {m['world_size']} ranks ({m['nodes']} node(s), "
-             f"{m['ranks_per_node']} per node), backend {m['backend']}, {m['threads']} threads per rank, "
+             f"{m['ranks_per_node']} per node), backend {m['backend']}, hook {m.get('hook', 'none')}, {m['threads']} threads per rank, "
              f"{m['rounds']} rounds of {m['steps']} steps per point; {report['provenance']['machine']['cpu']}",
              f"{'mode':6} {'ranks':>5} {'nodes':>5} {'batch/rank':>10} {'global':>6} {'images/s':>9} {'ideal':>9} "
              f"{'efficiency':>10} {'exposed comm':>12} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"]

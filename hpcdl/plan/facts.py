@@ -1,4 +1,5 @@
-"""What the planner knows of each model without torch: gradient bytes, training FLOPs, DDP's buckets."""
+"""What the planner knows of each model without torch: gradient bytes, training FLOPs, DDP's buckets,
+parameter tensors."""
 
 from __future__ import annotations
 
@@ -14,16 +15,17 @@ class ModelFacts:
     gradient_bytes: int  # fp32 gradients, one per parameter
     train_flops: float  # per image, forward and backward, at the model's crop (a multiply-add is 2)
     buckets: int  # DDP's all-reduces per step at hpcdl's bucket sizes
+    tensors: int  # parameter tensors: the per-layer work a step does whatever its batch
 
 
 # model_facts(name, count=True) for every model, so that planning needs no torch (a login node);
 # tests/test_plan.py recounts them.
 MODEL_FACTS = {f.name: f for f in (
-    ModelFacts("alexnet_bn", 249_522_336, 6_600_706_176.0, 11),
-    ModelFacts("resnet18", 46_758_048, 10_648_412_160.0, 3),
-    ModelFacts("resnet50", 102_228_128, 24_299_077_632.0, 5),
-    ModelFacts("resnet101", 178_196_640, 46_572_404_736.0, 8),
-    ModelFacts("tiny_cnn", 152_544, 9_039_360.0, 1),
+    ModelFacts("alexnet_bn", 249_522_336, 6_600_706_176.0, 11, 24),
+    ModelFacts("resnet18", 46_758_048, 10_648_412_160.0, 3, 62),
+    ModelFacts("resnet50", 102_228_128, 24_299_077_632.0, 5, 161),
+    ModelFacts("resnet101", 178_196_640, 46_572_404_736.0, 8, 314),
+    ModelFacts("tiny_cnn", 152_544, 9_039_360.0, 1, 8),
 )}
 
 
@@ -50,4 +52,4 @@ def model_facts(name: str, count: bool = False) -> ModelFacts:
     sync = SyncConfig()
     first = min(sync.first_bucket_mb or sync.bucket_cap_mb, sync.bucket_cap_mb) * 2 ** 20
     buckets = 1 + math.ceil(max(0.0, grad - first) / (sync.bucket_cap_mb * 2 ** 20))
-    return ModelFacts(name, grad, counter.get_total_flops() / 2, buckets)
+    return ModelFacts(name, grad, counter.get_total_flops() / 2, buckets, sum(1 for _ in net.parameters()))

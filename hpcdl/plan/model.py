@@ -23,6 +23,11 @@ one dominates.
 measured throughput-against-batch curve), the all-reduce, the part of it hidden behind backward
 (``overlap``), and the data loading, which runs beside the rest and limits only when it is slower. The
 gradients go out in ``messages`` all-reduces (DDP's buckets), each paying the latency term once.
+
+A comm hook changes two terms (:func:`hook_terms`): the bytes on the wire (``wire_fraction`` of the
+gradient: half for fp16 and bf16, the kept chunks for chunk_sparse) and its own work per step
+(``hook_s``: casting, or picking and packing chunks), measured by ``hpcdl bench sync``. The hierarchical
+hook is the hierarchical algorithm.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from hpcdl.errors import ConfigError
 
 BACKWARD_SHARE = 2 / 3  # backward's part of a step's compute (about twice forward's), unless calibrated
 
-__all__ = ["ALGORITHMS", "BatchCurve", "Cost", "Link", "StepModel", "allreduce_cost", "hierarchical", "rabenseifner",
-           "ring"]
+__all__ = ["ALGORITHMS", "BatchCurve", "Cost", "Link", "StepModel", "allreduce_cost", "hierarchical", "hook_terms",
+           "rabenseifner", "ring"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,6 +113,16 @@ def allreduce_cost(algorithm: str, n_bytes: float, nodes: int, ranks_per_node: i
     return ALGORITHMS[algorithm](n_bytes, nodes * ranks_per_node, network)
 
 
+def hook_terms(hook: str, keep: float = 0.1, chunk: int = 32768) -> tuple[float, int]:
+    """(bytes on the wire per gradient byte, all-reduces per bucket) of a comm hook: chunk_sparse sends the
+    kept chunks and, before them, one L1 norm per chunk."""
+    if hook in ("fp16", "bf16"):
+        return 0.5, 1
+    if hook == "chunk_sparse":
+        return keep + 1 / chunk, 2
+    return 1.0, 1
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class BatchCurve:
     """A node's compute throughput (images/s) against its batch, from measured ``(batch, images/s)`` points.
@@ -147,6 +162,8 @@ class StepModel:
     overlap: float = 0.0  # the fraction of backward that communication can hide behind (0: none, 1: all)
     backward_share: float = BACKWARD_SHARE
     data_images_s: float | None = None  # one node's loading capacity; None: not a limit
+    wire_fraction: float = 1.0  # bytes on the wire per gradient byte (the comm hook's compression)
+    hook_s: float = 0.0  # the comm hook's own work per step (bench sync), beside the wire
 
     def terms(self, nodes: int, global_batch: float) -> dict[str, float]:
         """compute, allreduce (its latency and bandwidth parts), hidden, exposed, data and step times, and
@@ -156,15 +173,17 @@ class StepModel:
             raise ConfigError(f"overlap={self.overlap}: a fraction of backward, between 0 and 1")
         batch = global_batch / nodes
         compute = batch / self.throughput(batch)
-        comm = allreduce_cost(self.algorithm, self.gradient_bytes, nodes, self.ranks_per_node, self.network,
-                              self.intra) if nodes * self.ranks_per_node > 1 else Cost(0.0, 0.0)
-        comm = Cost(comm.latency_s * self.messages, comm.bandwidth_s)
+        multi = nodes * self.ranks_per_node > 1
+        comm = allreduce_cost(self.algorithm, self.gradient_bytes * self.wire_fraction, nodes, self.ranks_per_node,
+                              self.network, self.intra) if multi else Cost(0.0, 0.0)
+        hook = self.hook_s if multi else 0.0
+        comm = Cost(comm.latency_s * self.messages, comm.bandwidth_s + hook)
         hidden = min(comm.total_s, self.overlap * self.backward_share * compute)
         exposed = comm.total_s - hidden
         data = batch / self.data_images_s if self.data_images_s else 0.0
         step = max(compute + exposed, data)
         return {"batch_per_node": batch, "compute_s": compute, "allreduce_s": comm.total_s,
-                "allreduce_latency_s": comm.latency_s, "allreduce_bandwidth_s": comm.bandwidth_s,
+                "allreduce_latency_s": comm.latency_s, "allreduce_bandwidth_s": comm.bandwidth_s - hook, "hook_s": hook,
                 "hidden_s": hidden, "exposed_s": exposed, "data_s": data, "step_s": step,
                 "images_s": global_batch / step, "efficiency": compute / step}
 

@@ -20,13 +20,14 @@ import math
 import statistics
 
 from hpcdl.bench.allreduce import fit_ring
-from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport
+from hpcdl import names
+from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport, SyncReport
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.flags import meta
 from hpcdl.names import IMAGENET_TRAIN
 from hpcdl.plan.facts import ModelFacts, model_facts
-from hpcdl.plan.model import ALGORITHM_CHOICES, BACKWARD_SHARE, BatchCurve, Link, StepModel, allreduce_cost
-from hpcdl.plan.validate import CALIBRATION, carried_compute
+from hpcdl.plan.model import ALGORITHM_CHOICES, BACKWARD_SHARE, BatchCurve, Link, StepModel, allreduce_cost, hook_terms
+from hpcdl.plan.validate import FITTED, carried_compute
 
 __all__ = ["Calibration", "PlanInputs", "PlanQuestion", "calibrate", "curve_from_step", "figure", "format_plan", "link_from_allreduce",
            "plan", "plot"]
@@ -219,6 +220,10 @@ class PlanInputs:
     ranks_per_node: int | None = None  # ranks per node (default: the calibration's, else the profile's sockets)
     overlap: float | None = None  # fraction of backward the all-reduce can hide behind, 0-1 (default: the calibration's, else 0)
     data_images_s: float | None = None  # one node's data-loading capacity, images/s (hpcdl bench data)
+    # the comm hook (sync.hook): its bytes on the wire; hierarchical is --algorithm hierarchical
+    hook: str = dataclasses.field(default="none", metadata=meta(choices=names.HOOKS))
+    # the hook's own work per step, from hpcdl bench sync --hooks none,HOOK --json (default: none counted)
+    sync_json: str | None = None
 
     def build(self) -> tuple[StepModel, list[str]]:
         """The step model and one line per input saying where it came from."""
@@ -230,22 +235,44 @@ class PlanInputs:
                               "--calibrate (hpcdl bench scaling)")
         profile = get_profile(self.profile)
         facts = model_facts(self.model)
+        if self.hook == "hierarchical":
+            self.algorithm = "hierarchical"
         network, intra, net_note = self._links(profile)
+        wire, hook_s, hook_note = self._hook(facts)
         notes = [f"model {facts.name}: {facts.gradient_bytes / 1e6:.1f} MB of gradients in {facts.buckets} DDP "
                  f"buckets, {facts.train_flops / 1e9:.2f} GFLOP per training image",
                  f"network: alpha {network.latency_s * 1e6:.2f} us, {network.bandwidth_bytes_s / 1e9:.2f} GB/s "
-                 f"({net_note}); all-reduce {self.algorithm}"]
+                 f"({net_note}); all-reduce {self.algorithm}", hook_note]
         curve, rpn, overlap, share, note = self._compute(network, intra, facts, profile)
         rpn = rpn or profile.sockets
         points = curve.points
         shown = f"{_rate(points[0][1])} at every batch" if len(points) == 1 else ", ".join(
-            f"{_rate(v)} at {b:g}" for b, v in points)
+            f"{_rate(v)} at {b:g}" for b, v in (points if len(points) <= 8 else points[::len(points) // 6]))
         notes += [note, f"node compute, images/s: {shown}; {rpn} ranks per node; overlap {overlap:.2f}"
                   + (f"; data loading {self.data_images_s:g} images/s per node" if self.data_images_s else "")]
         model = StepModel(gradient_bytes=facts.gradient_bytes, throughput=curve, network=network, ranks_per_node=rpn,
-                          algorithm=self.algorithm, intra=intra, messages=facts.buckets, overlap=overlap,
-                          backward_share=share, data_images_s=self.data_images_s)
+                          algorithm=self.algorithm, intra=intra, messages=facts.buckets * hook_terms(self.hook)[1],
+                          overlap=overlap, backward_share=share, data_images_s=self.data_images_s,
+                          wire_fraction=wire, hook_s=hook_s)
         return model, notes
+
+    def _hook(self, facts: ModelFacts) -> tuple[float, float, str]:
+        """(wire bytes per gradient byte, the hook's work per step in s, where they came from)."""
+        from hpcdl.config import SyncConfig
+
+        sync = SyncConfig()
+        wire, _ = hook_terms(self.hook, sync.keep, sync.chunk)
+        if self.hook in ("none", "hierarchical"):
+            if self.sync_json:
+                raise ConfigError(f"--sync-json gives a comm hook's cost; --hook {self.hook} has none to measure")
+            return wire, 0.0, f"comm hook {self.hook}: all gradient bytes on the wire"
+        if not self.sync_json:
+            return wire, 0.0, (f"comm hook {self.hook}: {wire:.3g} of the gradient bytes on the wire; its own work "
+                               f"not counted (give --sync-json, from hpcdl bench sync --hooks none,{self.hook})")
+        per_byte = SyncReport.from_json(self.sync_json).hook_seconds_per_byte(self.hook, self.sync_json)
+        hook_s = per_byte * facts.gradient_bytes
+        return wire, hook_s, (f"comm hook {self.hook}: {wire:.3g} of the gradient bytes on the wire, its own work "
+                              f"{hook_s * 1e3:.1f} ms per step (from {self.sync_json})")
 
     def _links(self, profile) -> tuple[Link, Link | None, str]:
         """(network, the node's own link for the hierarchical all-reduce, where the network came from)."""
@@ -264,10 +291,11 @@ class PlanInputs:
         """(the node's compute curve, ranks per node or None, overlap, backward's share, where they came from)."""
         overlap = 0.0 if self.overlap is None else self.overlap
         if not (self.step_json or self.throughput or self.calibrate_json):
-            ips = carried_compute(facts, profile)
-            return (BatchCurve(((1.0, ips),)), self.ranks_per_node, overlap, BACKWARD_SHARE,
-                    f"compute carried from the published {CALIBRATION} run by training FLOPs and the node's nominal "
-                    f"peak (as hpcdl plan --validate does; measure with --step-json to replace it)")
+            node = carried_compute(facts, profile)
+            return (node.curve(), self.ranks_per_node, overlap, BACKWARD_SHARE,
+                    f"compute carried from the published {' and '.join(FITTED)} runs ({node.fixed_s * 1e3:.0f} ms a step + "
+                    f"{node.per_image_s * 1e3:.2f} ms an image, by training FLOPs, parameter tensors and the node's nominal "
+                    f"peak, as hpcdl plan --validate does; measure with --step-json to replace it)")
         if self.step_json:
             curve = curve_from_step(StepReport.from_json(self.step_json))
             return curve, self.ranks_per_node, overlap, BACKWARD_SHARE, f"compute from {self.step_json}"
