@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from conftest import PYTHON, load_json, sbatch_wait
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, DataError
 from hpcdl.launch import job_request
 from hpcdl.launch.profiles import get_profile
 from hpcdl.launch.sbatch import render_sbatch
@@ -77,6 +77,43 @@ def test_link_fit_recovers_the_link_it_was_made_from():
             (4, 1 << 10, 1 << 16, 1 << 20, 1 << 24)]
     link = link_from_allreduce(AllreduceReport.from_dict({"meta": {"world_size": p}, "rows": rows}))
     assert link.latency_s == pytest.approx(alpha, rel=1e-6) and link.bandwidth_bytes_s == pytest.approx(bw, rel=1e-6)
+
+
+def test_link_fit_reads_one_backend_of_a_side_by_side_report():
+    p, rows = 2, []
+    for backend, bw in (("gloo", 1e9), ("oneccl", 3e9)):
+        rows += [{"backend": backend, "bytes": n, "time_us": (2 * (p - 1) * 1e-5 + n / bw) * 1e6}
+                 for n in (1 << 16, 1 << 20, 1 << 24)]
+    report = AllreduceReport.from_dict({"meta": {"world_size": p}, "rows": rows})
+    assert link_from_allreduce(report).bandwidth_bytes_s == pytest.approx(1e9, rel=1e-6)  # the first backend's
+    assert link_from_allreduce(report, "oneccl").bandwidth_bytes_s == pytest.approx(3e9, rel=1e-6)
+    with pytest.raises(DataError, match="ar.json: no rows of backend 'mpi4py'; it measured gloo, oneccl"):
+        link_from_allreduce(report, "mpi4py", "ar.json")
+
+
+def test_the_plan_knows_a_hooks_wire_bytes_and_its_own_work(tmp_path):
+    """fp16 halves the bytes on the wire; bench sync's figures give its work: 460 ms against 880 ms of plain
+    DDP for half the bytes is 20 ms of its own, for ResNet-50's gradient set (25.6M parameters)."""
+    sync = tmp_path / "sync.json"
+    sync.write_text(json.dumps({"benchmark": "sync", "model": "resnet50", "parameters": 25_557_032, "world_size": 2,
+                                "hooks": {"none": {"ms": 880.0, "mb_sent": 97.5}, "fp16": {"ms": 460.0, "mb_sent": 48.75}}}))
+    base = dict(model="resnet50", profile="stampede2-skx", throughput="98.5", ranks_per_node=1)
+    dense, _ = PlanInputs(**base).build()
+    fp16, notes = PlanInputs(**base, hook="fp16", sync_json=str(sync)).build()
+    d, h = dense.terms(64, 64 * 64), fp16.terms(64, 64 * 64)
+    assert h["allreduce_bandwidth_s"] == pytest.approx(d["allreduce_bandwidth_s"] / 2)
+    assert h["hook_s"] == pytest.approx(0.020 * 102_228_128 / (25_557_032 * 4))
+    assert any("its own work 20.0 ms per step" in line for line in notes)
+    sparse, _ = PlanInputs(**base, hook="chunk_sparse").build()
+    assert sparse.wire_fraction == pytest.approx(0.1 + 1 / 32768) and sparse.messages == 2 * dense.messages
+    with pytest.raises(ConfigError, match="hierarchical needs the node's own link"):  # the hook is the algorithm
+        PlanInputs(**base, hook="hierarchical").build()
+    with pytest.raises(ConfigError, match="--hook none has none to measure"):
+        PlanInputs(**base, sync_json=str(sync)).build()
+    sync.write_text(json.dumps({"benchmark": "sync", "model": "resnet50", "parameters": 1, "world_size": 2,
+                                "hooks": {"none": {"ms": 880.0, "mb_sent": 97.5}}}))
+    with pytest.raises(DataError, match="hooks.fp16 is missing; run hpcdl bench sync --hooks none,fp16"):
+        PlanInputs(**base, hook="fp16", sync_json=str(sync)).build()
 
 
 def _scaling_report(model: StepModel, per_rank: int, counts=(1, 2, 4)) -> ScalingReport:

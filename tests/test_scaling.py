@@ -13,12 +13,12 @@ from hpcdl.bench.scaling import Config as ScalingBenchConfig, figure, format_rep
 QUICK = ["--model", "resnet18", "--crop", "32", "--batch", "4", "--steps", "2", "--rounds", "2", "--threads", "1"]
 
 
-def _scaling_job(tmp_path, nodes: int, tasks_per_node: int) -> dict:
+def _scaling_job(tmp_path, nodes: int, tasks_per_node: int, *extra: str) -> dict:
     script = tmp_path / "scaling.sbatch"
     script.write_text(render_sbatch(
         job_request(profile="local", nodes=nodes, tasks_per_node=tasks_per_node, time="10", python=PYTHON,
                     output=f"{tmp_path}/%j.out"),
-        ["bench", "scaling", *QUICK, "--json", f"{tmp_path}/scaling-%j.json", "--plot", f"{tmp_path}/scaling-%j.png"]))
+        ["bench", "scaling", *QUICK, *extra, "--json", f"{tmp_path}/scaling-%j.json", "--plot", f"{tmp_path}/scaling-%j.png"]))
     job = sbatch_wait(script)
     report = load_json(tmp_path / f"scaling-{job}.json")
     report["job"] = job
@@ -50,9 +50,10 @@ def test_two_nodes_one_task_each_give_the_table_json_and_plot(two_nodes, tmp_pat
     assert (tmp_path / f"scaling-{report['job']}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_one_node_two_tasks_and_the_plot_shows_the_table(slurm, tmp_path):
-    report = _scaling_job(tmp_path, nodes=1, tasks_per_node=2)
+def test_one_node_two_tasks_with_a_hook_and_the_plot_shows_the_table(slurm, tmp_path):
+    report = _scaling_job(tmp_path, 1, 2, "--hook", "fp16")
     assert report["meta"]["ranks_per_node"] == 2 and {p["nodes"] for p in report["points"]} == {1}
+    assert report["meta"]["hook"] == "fp16" and "hook fp16" in (tmp_path / f"{report['job']}.out").read_text()
     fig = figure(report)
     left, right = fig.axes
     for mode in ("weak", "strong"):
@@ -73,4 +74,6 @@ def test_rank_counts_and_batches_are_checked_before_any_work():
         ScalingBenchConfig(global_batch=30).points(4)
     with pytest.raises(ConfigError, match="--modes"):
         ScalingBenchConfig(modes=("weak", "sideways"))
+    with pytest.raises(ConfigError, match="--hook='hierarchical' is unknown; choose one of none, fp16, bf16, chunk_sparse"):
+        ScalingBenchConfig(hook="hierarchical")  # a point's first k ranks do not split by node: bench sync times it
     assert ScalingBenchConfig(batch=8).points(6)[-1] == ("strong", 6, 8)  # default global: 8 x 6, split over 6

@@ -200,13 +200,15 @@ def hook_rows(cfg: Config, env, group=None) -> dict:
         net().backward()
         net.zero_grad(set_to_none=False)
 
-    # the warm-up builds DDP's buckets
-    times = alternate({hook: _timed_ms(lambda net=net: sync(net), group) for hook, net in nets.items()}, cfg.rounds)
+    # two warm-ups: the first builds DDP's buckets, the second the hooks' state for them (chunk_sparse's
+    # residual buffers: a one-time allocation, 2x the step it falls in)
+    times = alternate({hook: _timed_ms(lambda net=net: sync(net), group) for hook, net in nets.items()}, cfg.rounds,
+                      warmup=2)
     rows = {}
     for hook in nets:
         elements = sent[hook].last_step_sent[0] if sent[hook] else parameters
         size = 2 if hook in ("fp16", "bf16") or (hook == "chunk_sparse" and sent[hook].fp16) else 4
-        rows[hook] = {"ms": medians(times)[hook], "mb_sent": elements * size / 2 ** 20}
+        rows[hook] = {"ms": medians(times)[hook], "mb_sent": elements * size / 2 ** 20, "rounds_ms": times[hook]}
     return rows
 
 

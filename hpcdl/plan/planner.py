@@ -32,12 +32,16 @@ from hpcdl.plan.validate import FITTED, carried_compute
 __all__ = ["Calibration", "PlanInputs", "PlanQuestion", "calibrate", "curve_from_step", "figure", "format_plan", "link_from_allreduce",
            "plan", "plot"]
 
-def link_from_allreduce(report: AllreduceReport) -> Link:
-    """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times (its first backend's),
-    each a ring of its ``world_size`` ranks (:func:`hpcdl.bench.allreduce.fit_ring`)."""
-    first = report.rows[0].backend if report.rows else None
+def link_from_allreduce(report: AllreduceReport, backend: str | None = None, source: str = "the report") -> Link:
+    """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times (``backend``'s rows of a
+    ``--backends`` report, default the first backend's), each a ring of its ``world_size`` ranks
+    (:func:`hpcdl.bench.allreduce.fit_ring`)."""
+    measured = list(dict.fromkeys(r.backend for r in report.rows))
+    backend = backend or (measured[0] if measured else None)
+    if backend not in measured:
+        raise DataError(f"{source}: no rows of backend {backend!r}; it measured {', '.join(measured)}")
     alpha, beta = fit_ring(report.meta.world_size, [(r.bytes, r.time_us * 1e-6) for r in report.rows
-                                                    if r.backend == first])
+                                                    if r.backend == backend])
     return Link(latency_s=alpha, bandwidth_bytes_s=1 / beta)
 
 
@@ -214,6 +218,8 @@ class PlanInputs:
     calibrate_json: str | None = dataclasses.field(default=None, metadata=meta(flag="--calibrate", metavar="RESULTS.json"))
     # fit the network's latency and bandwidth to hpcdl bench allreduce --json (default: the profile's)
     allreduce_json: str | None = None
+    # of a --backends report, the backend whose rows give the link: gloo, mpi4py or oneccl (default: the first)
+    allreduce_backend: str | None = None
     # hierarchical: hpcdl bench allreduce --json on one node's ranks (the node's own link)
     intra_json: str | None = dataclasses.field(default=None, metadata=meta(flag="--intra-allreduce-json"))
     algorithm: str = dataclasses.field(default="ring", metadata=meta(choices=ALGORITHM_CHOICES))  # the all-reduce's algorithm
@@ -235,15 +241,14 @@ class PlanInputs:
                               "--calibrate (hpcdl bench scaling)")
         profile = get_profile(self.profile)
         facts = model_facts(self.model)
-        if self.hook == "hierarchical":
-            self.algorithm = "hierarchical"
-        network, intra, net_note = self._links(profile)
+        algorithm = "hierarchical" if self.hook == "hierarchical" else self.algorithm
+        network, intra, net_note = self._links(profile, algorithm)
         wire, hook_s, hook_note = self._hook(facts)
         notes = [f"model {facts.name}: {facts.gradient_bytes / 1e6:.1f} MB of gradients in {facts.buckets} DDP "
                  f"buckets, {facts.train_flops / 1e9:.2f} GFLOP per training image",
                  f"network: alpha {network.latency_s * 1e6:.2f} us, {network.bandwidth_bytes_s / 1e9:.2f} GB/s "
-                 f"({net_note}); all-reduce {self.algorithm}", hook_note]
-        curve, rpn, overlap, share, note = self._compute(network, intra, facts, profile)
+                 f"({net_note}); all-reduce {algorithm}", hook_note]
+        curve, rpn, overlap, share, note = self._compute(network, intra, facts, profile, algorithm)
         rpn = rpn or profile.sockets
         points = curve.points
         shown = f"{_rate(points[0][1])} at every batch" if len(points) == 1 else ", ".join(
@@ -251,7 +256,7 @@ class PlanInputs:
         notes += [note, f"node compute, images/s: {shown}; {rpn} ranks per node; overlap {overlap:.2f}"
                   + (f"; data loading {self.data_images_s:g} images/s per node" if self.data_images_s else "")]
         model = StepModel(gradient_bytes=facts.gradient_bytes, throughput=curve, network=network, ranks_per_node=rpn,
-                          algorithm=self.algorithm, intra=intra, messages=facts.buckets * hook_terms(self.hook)[1],
+                          algorithm=algorithm, intra=intra, messages=facts.buckets * hook_terms(self.hook)[1],
                           overlap=overlap, backward_share=share, data_images_s=self.data_images_s,
                           wire_fraction=wire, hook_s=hook_s)
         return model, notes
@@ -274,20 +279,21 @@ class PlanInputs:
         return wire, hook_s, (f"comm hook {self.hook}: {wire:.3g} of the gradient bytes on the wire, its own work "
                               f"{hook_s * 1e3:.1f} ms per step (from {self.sync_json})")
 
-    def _links(self, profile) -> tuple[Link, Link | None, str]:
+    def _links(self, profile, algorithm: str) -> tuple[Link, Link | None, str]:
         """(network, the node's own link for the hierarchical all-reduce, where the network came from)."""
         intra = None
-        if self.algorithm == "hierarchical":
+        if algorithm == "hierarchical":
             if not self.intra_json:
                 raise ConfigError("--algorithm hierarchical needs the node's own link: --intra-allreduce-json, the "
                                   "JSON of hpcdl bench allreduce run on the ranks of one node")
             intra = link_from_allreduce(AllreduceReport.from_json(self.intra_json))
         if self.allreduce_json:
-            return (link_from_allreduce(AllreduceReport.from_json(self.allreduce_json)), intra,
-                    f"fitted to {self.allreduce_json}")
+            link = link_from_allreduce(AllreduceReport.from_json(self.allreduce_json), self.allreduce_backend,
+                                       self.allreduce_json)
+            return link, intra, f"fitted to {self.allreduce_json}" + (f" ({self.allreduce_backend})" if self.allreduce_backend else "")
         return profile.network_link(), intra, f"profile {profile.name}"
 
-    def _compute(self, network: Link, intra: Link | None, facts: ModelFacts, profile):
+    def _compute(self, network: Link, intra: Link | None, facts: ModelFacts, profile, algorithm: str):
         """(the node's compute curve, ranks per node or None, overlap, backward's share, where they came from)."""
         overlap = 0.0 if self.overlap is None else self.overlap
         if not (self.step_json or self.throughput or self.calibrate_json):
@@ -301,7 +307,7 @@ class PlanInputs:
             return curve, self.ranks_per_node, overlap, BACKWARD_SHARE, f"compute from {self.step_json}"
         if self.throughput:
             return parse_throughput(self.throughput), self.ranks_per_node, overlap, BACKWARD_SHARE, "compute given (--throughput)"
-        cal = calibrate(ScalingReport.from_json(self.calibrate_json), network, self.algorithm,
+        cal = calibrate(ScalingReport.from_json(self.calibrate_json), network, algorithm,
                         facts.buckets, intra)
         note = (f"compute and overlap fitted to {self.calibrate_json}: overlap {cal.overlap:.2f}, backward "
                 f"{cal.backward_share:.0%} of compute; the fit gives its points as " + ", ".join(
