@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -72,7 +73,9 @@ class Heartbeat:
         return found
 
     def _measure(self) -> list[int] | None:
-        try:  # a dead store refuses at once, but the client retries until its timeout: keep it short
+        if self._store_refuses():
+            return None
+        try:  # the client retries a refused connection until its timeout: keep it short
             store = _client(self.env, timedelta(seconds=max(1.0, 2 * self.interval_s)))
             keys = [_key("hb", r) for r in range(self.env.world_size)]
             before = store.multi_get(keys)
@@ -81,6 +84,19 @@ class Heartbeat:
         except Exception:
             return None
         return [r for r, (a, b) in enumerate(zip(before, after)) if a == b and r != self.env.rank]
+
+    def _store_refuses(self) -> bool:
+        """True when rank 0's host answers but nothing listens on the store's port: rank 0 is gone, known at
+        once (TCPStore's client would retry until its timeout). A host that does not answer at all is left
+        to the client."""
+        try:
+            with socket.create_connection((self.env.master_addr, self.env.master_port),
+                                          timeout=max(1.0, 2 * self.interval_s)):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
 
     def who(self, rank: int) -> str:
         try:
