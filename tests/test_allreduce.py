@@ -99,6 +99,11 @@ def test_backends_side_by_side_in_one_run(mpiexec, ccl, tmp_path):
     assert report["meta"]["backends"] == ["gloo", "mpi4py", "oneccl"] and all(r["correct"] for r in report["rows"])
     assert [r["backend"] for r in report["rows"][:3]] == ["gloo", "mpi4py", "oneccl"] and len(report["rows"]) == 3 * 9
     assert "side by side" in run.stdout and "oneccl/gloo" in run.stdout
+    # a fit per backend, or the reason there is none: up to 1 KB the times need not grow with size, and the
+    # sweep stands either way
+    fits = report["fit"]
+    assert set(fits) == {"gloo", "mpi4py", "oneccl"} and all(("busbw_GBps" in f) != ("none" in f) for f in fits.values())
+    assert run.stdout.count("# fit (") == 3
     assert report["provenance"]["command"][-2:] == ["--json", str(path)] and report["config"]["max_bytes"] == 1024
     path = tmp_path / "sync.json"
     run = mpi_run(mpiexec, "-m", "hpcdl", "bench", "sync", "--backends", "gloo,mpi", "--model", "tiny_cnn", "--rounds",

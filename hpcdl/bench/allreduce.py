@@ -78,7 +78,12 @@ def run(cfg: Config, job) -> dict | None:
     if ctx.world_size > 1 and len(cfg.sizes()) > 1:
         report["fit"] = {}
         for name in job.groups:
-            alpha, beta = fit_ring(ctx.world_size, [(r["bytes"], r["time_us"] * 1e-6) for r in rows if r["backend"] == name])
+            try:
+                alpha, beta = fit_ring(ctx.world_size, [(r["bytes"], r["time_us"] * 1e-6) for r in rows
+                                                        if r["backend"] == name])
+            except DataError as exc:  # small messages only: latency and noise; the sweep itself stands
+                report["fit"][name] = {"none": str(exc)}
+                continue
             report["fit"][name] = {"latency_us": alpha * 1e6, "busbw_GBps": 1 / beta / 1e9}
     return report
 
@@ -204,6 +209,9 @@ def format_report(report: dict) -> str:
                          f"{row['time_us']:>11.1f} {row['min_time_us']:>11.1f} {row['algbw_GBps']:>12.3f} "
                          f"{row['busbw_GBps']:>12.3f}  {'ok' if row['correct'] else 'WRONG'}")
     for backend, f in report.get("fit", {}).items():
+        if "none" in f:
+            lines.append(f"# fit ({backend}): none, {f['none']}")
+            continue
         lines.append(f"# fit ({backend}, ring): alpha {f['latency_us']:.1f} us per step, bus bandwidth "
                      f"{f['busbw_GBps']:.3f} GB/s = {f['busbw_GBps'] * 8:.3f} Gbit/s of payload")
     if len(backends) > 1:
