@@ -200,7 +200,9 @@ def test_plan_cli_names_a_missing_report(tmp_path):
 def test_plan_from_bench_step_and_allreduce_predicts_what_bench_scaling_measures(slurm, tmp_path):
     """This machine as one node of 2 ranks, ResNet-50 at 8 images a rank (docs/scaling.md): the plan from the
     node's compute (bench step) and the link (bench allreduce on the node's 2 ranks) against bench scaling's
-    2-rank throughput, within 10%."""
+    2-rank throughput, within 20%: the runs are minutes apart, and this VM's compute moves 7-21% between runs
+    (docs/scaling.md, "The planner on the fabric"), so a tighter bound tests the box, not the model. The
+    figures themselves come from the benchmarks (docs/scaling.md)."""
     def job(name: str, command: list[str]) -> None:
         script = tmp_path / f"{name}.sbatch"
         script.write_text(render_sbatch(job_request(profile="local", nodes=1, tasks_per_node=2, time="10",
@@ -222,7 +224,7 @@ def test_plan_from_bench_step_and_allreduce_predicts_what_bench_scaling_measures
     assert (measured["ranks"], measured["global_batch"]) == (2, 16)
     predicted = load_json(tmp_path / "plan.json")["rows"][0]["images_s"]
     print(f"plan {predicted:.3f} images/s, bench scaling {measured['images_per_s']:.3f}")
-    assert predicted == pytest.approx(measured["images_per_s"], rel=0.10), (predicted, measured["images_per_s"])
+    assert predicted == pytest.approx(measured["images_per_s"], rel=0.20), (predicted, measured["images_per_s"])
 
 
 def test_a_foreign_or_incomplete_report_is_named_with_its_missing_field(tmp_path):
