@@ -107,7 +107,6 @@ class SyncReport(_Report):
     benchmark: typing.ClassVar[str] = "sync"
     model: str
     parameters: int
-    world_size: int
     hooks: dict[str, SyncHook]
 
     def hook_seconds_per_byte(self, hook: str, source: str = "the report") -> float:
