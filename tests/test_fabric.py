@@ -48,9 +48,9 @@ def test_two_nodes_over_the_shaped_link_measure_its_rate(fabric, tmp_path):
         job_request(profile="local", nodes=2, tasks_per_node=1, time="5", python=PYTHON, partition="fabric",
                     output=f"{tmp_path}/%j.out"),
         ["bench", "allreduce", "--backend", "gloo", "--min-bytes", "256K", "--max-bytes", "8M", "--seconds-per-size",
-         "0.2", "--json", f"{tmp_path}/fabric-%j.json"]))
+         "0.2", "--json", f"{tmp_path}/fabric-%j-%N.json"]))
     job = sbatch_wait(script)
-    report = load_json(tmp_path / f"fabric-{job}.json")
+    report = load_json(tmp_path / f"fabric-{job}-n3.json")  # rank 0's node, by Slurm's name
     assert sorted(r["host"] for r in report["ranks"]) == ["n3", "n4"]
     assert all(row["correct"] for row in report["rows"])
     fitted = report["fit"]["gloo"]["busbw_GBps"] * 1e9

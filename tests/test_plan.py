@@ -130,6 +130,24 @@ def _scaling_report(model: StepModel, per_rank: int, counts=(1, 2, 4)) -> Scalin
                                     "points": points})
 
 
+def test_step_reports_of_several_nodes_give_the_slowest_node(tmp_path):
+    """A job steps at its slowest node's pace: --step-json a,b takes, at every batch, the least throughput."""
+    def step_report(name: str, tuned: float, curve: list) -> str:
+        path = tmp_path / f"step-{name}.json"
+        path.write_text(json.dumps({"benchmark": "step", "config": {"tuning_batch": 8, "ranks_per_node": 1},
+                                    "tuning": {"images_per_s": {"tuned": tuned, "untuned": tuned / 2}},
+                                    "curve": {"points": curve}}))
+        return str(path)
+
+    n3 = step_report("n3", 8.0, [[16, 10.0]])
+    n4 = step_report("n4", 7.0, [[16, 11.0], [32, 12.0]])
+    model, notes = PlanInputs(model="resnet50", profile="stampede2-skx", step_json=f"{n3},{n4}", ranks_per_node=1).build()
+    assert model.throughput.points == ((8, 7.0), (16, 10.0), (32, 10.0))  # n3 holds 10 beyond its last point
+    assert f"compute from the slowest node of {n3}, {n4}" in notes
+    alone, notes = PlanInputs(model="resnet50", profile="stampede2-skx", step_json=n4, ranks_per_node=1).build()
+    assert alone.throughput.points == ((8, 7.0), (16, 11.0), (32, 12.0)) and f"compute from {n4}" in notes
+
+
 def test_calibrate_recovers_compute_and_overlap():
     net = Link(latency_s=50e-6, bandwidth_bytes_s=0.25e9)  # slow enough that backward cannot hide it all
     truth = StepModel(gradient_bytes=100e6, throughput=BatchCurve(((16, 20.0),)), network=net, overlap=0.4)

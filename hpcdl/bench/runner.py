@@ -47,7 +47,7 @@ class Output:
     """Where the report goes besides the table on standard output."""
 
     json_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--json", metavar="FILE"))  # also write the report here as JSON (%j: the job id)
-    plot_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--plot", metavar="PNG"))  # write a PNG here (%j: the job id; needs matplotlib: hpcdl[plot])
+    plot_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--plot", metavar="PNG"))  # write a PNG here (%j, %N as for --json; needs matplotlib: hpcdl[plot])
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,8 +64,11 @@ class Job:
         return self.env.rank
 
     def expand(self, path: str) -> str:
-        """``%j`` -> the job id (``local`` outside a job), as in Slurm's ``--output``."""
-        return path.replace("%j", self.env.job_id or "local")
+        """``%j`` -> the job id (``local`` outside a job) and ``%N`` -> the node's name (Slurm's, else the short
+        host name), as in Slurm's ``--output``: ``srun -N4 hpcdl bench step --json step-%N.json`` keeps each
+        node's report."""
+        node = os.environ.get("SLURMD_NODENAME") or self.env.hostname.split(".")[0]
+        return path.replace("%j", self.env.job_id or "local").replace("%N", node)
 
 
 def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | None = None,

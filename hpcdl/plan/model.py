@@ -147,6 +147,13 @@ class BatchCurve:
                 return v0 + (v1 - v0) * (batch - b0) / (b1 - b0)
         return pts[-1][1]
 
+    @classmethod
+    def slowest(cls, curves: list[BatchCurve]) -> BatchCurve:
+        """The nodes of one job step together, so the job's node is the slowest of them at every batch: at
+        each batch any of them was measured at, the least throughput of all."""
+        batches = sorted({b for c in curves for b, _ in c.points})
+        return cls(tuple((b, min(c(b) for c in curves)) for b in batches))
+
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StepModel:

@@ -212,7 +212,8 @@ class PlanInputs:
     model: str = "resnet50"  # the model to plan for (its gradient bytes and FLOPs)
     profile: str = "generic"  # the cluster: its network (hpcdl profiles lists them)
     throughput: str | None = None  # one node's compute: IMAGES_S, or BATCH:IMAGES_S,... against its batch
-    # one node's compute from hpcdl bench step --json (with --curve-batches: its curve)
+    # one node's compute from hpcdl bench step --json (with --curve-batches: its curve); FILE,FILE,...: one report
+    # per node of the allocation (bench step --json step-%N.json on every node at once), the slowest node counts
     step_json: str | None = None
     # fit the compute and the overlap to hpcdl bench scaling --json
     calibrate_json: str | None = dataclasses.field(default=None, metadata=meta(flag="--calibrate", metavar="RESULTS.json"))
@@ -303,8 +304,10 @@ class PlanInputs:
                     f"{node.per_image_s * 1e3:.2f} ms an image, by training FLOPs, parameter tensors and the node's nominal "
                     f"peak, as hpcdl plan --validate does; measure with --step-json to replace it)")
         if self.step_json:
-            curve = curve_from_step(StepReport.from_json(self.step_json))
-            return curve, self.ranks_per_node, overlap, BACKWARD_SHARE, f"compute from {self.step_json}"
+            paths = [p for p in self.step_json.split(",") if p]
+            curve = BatchCurve.slowest([curve_from_step(StepReport.from_json(p)) for p in paths])
+            where = f"the slowest node of {', '.join(paths)}" if len(paths) > 1 else paths[0]
+            return curve, self.ranks_per_node, overlap, BACKWARD_SHARE, f"compute from {where}"
         if self.throughput:
             return parse_throughput(self.throughput), self.ranks_per_node, overlap, BACKWARD_SHARE, "compute given (--throughput)"
         cal = calibrate(ScalingReport.from_json(self.calibrate_json), network, algorithm,
