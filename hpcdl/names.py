@@ -12,7 +12,7 @@ import signal
 
 from hpcdl.errors import ConfigError
 
-MODELS = ("alexnet_bn", "resnet18", "resnet50", "resnet101", "tiny_cnn")
+MODELS = ("alexnet_bn", "resnet18", "resnet50", "resnet101", "tiny_cnn", "tiny_cnn_fc")
 OPTIMIZERS = ("sgd", "lars", "larc", "lamb", "adamw")
 ADAPTIVE_OPTIMIZERS = ("lars", "larc", "lamb")  # a per-tensor trust ratio
 SEMANTICS = ("mlperf", "caffe")

@@ -67,7 +67,7 @@ def test_the_planners_model_facts_are_the_counted_ones():
 def test_sbatch_refuses_a_bad_model_before_torch_is_imported(data):
     run = hpcdl_counting_torch("sbatch", "--profile", "local", "--nodes", "1", "--", "train", "demo_tiny_lars",
                                "--set", "model=nope", "--set", f"data.train={data / 'train'}")
-    assert "model='nope' is unknown; choose one of alexnet_bn, resnet18, resnet50, resnet101, tiny_cnn" in run.stderr
+    assert "model='nope' is unknown; choose one of alexnet_bn, resnet18, resnet50, resnet101, tiny_cnn, tiny_cnn_fc" in run.stderr
     assert "no torch 2" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 

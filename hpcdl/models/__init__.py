@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch.nn as nn
@@ -37,6 +38,8 @@ MODELS: dict[str, ModelInfo] = registry("models", {m.name: m for m in (
     ModelInfo("resnet50", _torchvision("resnet50"), 224, "torchvision ResNet-50 (v1.5)"),
     ModelInfo("resnet101", _torchvision("resnet101"), 224, "torchvision ResNet-101 (v1.5)"),
     ModelInfo("tiny_cnn", TinyCNN, 32, "a small CNN for tests and the demo; any input size"),
+    ModelInfo("tiny_cnn_fc", partial(TinyCNN, hidden=4096), 32,
+              "tiny_cnn with a 4,096-unit fully-connected layer: 8.4M parameters, 99.9% in the head (comm hooks)"),
 )}, names.MODELS)
 
 
