@@ -26,6 +26,7 @@ MODEL_FACTS = {f.name: f for f in (
     ModelFacts("resnet50", 102_228_128, 24_299_077_632.0, 5, 161),
     ModelFacts("resnet101", 178_196_640, 46_572_404_736.0, 8, 314),
     ModelFacts("tiny_cnn", 152_544, 9_039_360.0, 1, 8),
+    ModelFacts("tiny_cnn_fc", 49_979_360, 83_755_008.0, 3, 10),
 )}
 
 
