@@ -46,7 +46,7 @@ class RankOptions:
 class Output:
     """Where the report goes besides the table on standard output."""
 
-    json_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--json", metavar="FILE"))  # also write the report here as JSON (%j: the job id)
+    json_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--json", metavar="FILE"))  # also write the report here as JSON (%j: the job id, %N: the node's name)
     plot_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--plot", metavar="PNG"))  # write a PNG here (%j, %N as for --json; needs matplotlib: hpcdl[plot])
 
 

@@ -21,7 +21,8 @@ class TinyCNN(nn.Module):
             nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(inplace=True),
             nn.AdaptiveAvgPool2d(8 if hidden else 1))
         if hidden:
-            self.fc = nn.Sequential(nn.Linear(2 * width * 64, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, num_classes))
+            self.fc = nn.Sequential(nn.Linear(2 * width * 64, hidden), nn.ReLU(inplace=True),
+                                    nn.Linear(hidden, num_classes))
         else:
             self.fc = nn.Linear(2 * width, num_classes)
 
