@@ -46,8 +46,10 @@ class RankOptions:
 class Output:
     """Where the report goes besides the table on standard output."""
 
-    json_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--json", metavar="FILE"))  # also write the report here as JSON (%j: the job id, %N: the node's name)
-    plot_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--plot", metavar="PNG"))  # write a PNG here (%j, %N as for --json; needs matplotlib: hpcdl[plot])
+    # also write the report here as JSON (%j: the job id, %N: the node's name)
+    json_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--json", metavar="FILE"))
+    # write a PNG here (%j, %N as for --json; needs matplotlib: hpcdl[plot])
+    plot_path: str | None = dataclasses.field(default=None, metadata=meta(flag="--plot", metavar="PNG"))
 
 
 @dataclasses.dataclass(slots=True)

@@ -291,7 +291,8 @@ class PlanInputs:
         if self.allreduce_json:
             link = link_from_allreduce(AllreduceReport.from_json(self.allreduce_json), self.allreduce_backend,
                                        self.allreduce_json)
-            return link, intra, f"fitted to {self.allreduce_json}" + (f" ({self.allreduce_backend})" if self.allreduce_backend else "")
+            which = f" ({self.allreduce_backend})" if self.allreduce_backend else ""
+            return link, intra, f"fitted to {self.allreduce_json}{which}"
         return profile.network_link(), intra, f"profile {profile.name}"
 
     def _compute(self, network: Link, intra: Link | None, facts: ModelFacts, profile, algorithm: str):
