@@ -1,8 +1,12 @@
 """DDP communication hooks, chosen by name in the config (``sync.hook``), on every backend.
 
-- ``none``: DDP's own bucket all-reduce.
+- ``none``: DDP's bucket all-reduce, averaged.
 - ``fp16`` / ``bf16``: each bucket is all-reduced in half precision (half the bytes) and written back
-  in fp32; torch's compression hooks. bf16 keeps fp32's range, fp16 its precision.
+  in fp32, as torch's compression hooks do. bf16 keeps fp32's range, fp16 its precision.
+
+  Unlike torch's own hooks (``default_hooks``), these chain no Python callback to the collective:
+  its future is set on a thread of the hook.
+
 - ``hierarchical``: reduce to one leader rank per node, all-reduce across the leaders, broadcast within
   the node. The steps run on a thread of this module, so backward keeps going while a bucket is reduced,
   one bucket behind: a bucket is reduced within the node while the one before it crosses the network.
@@ -14,6 +18,16 @@
   feedback), so no gradient is lost, only delayed. Dense for the first ``dense_warmup_epochs``.
   :meth:`ChunkSparse.hold_back` makes the optimizer step leave the held-back positions alone (weights
   and optimizer state), so that they move when their gradient is sent, not before.
+
+Every collective a hook issues is issued from a thread of the hook, on an alias of its tensor, and is
+waited for until the backend's worker thread has let go of it (:func:`_start`, :func:`_wait`). In
+torch 2.14 a collective holds Python objects: the issuing thread's Python context when issued during
+backward (``torch.autograd.graph._engine_run_backward`` stashes it), and a reference to the Python
+wrapper of each tensor it reduces. Whoever frees the collective last takes the GIL to drop them, and
+so does whoever frees a Python callback chained to its future (torch's hooks chain one). Left to the
+worker thread, a process that exits within moments of its last all-reduce aborts: the interpreter is
+finalizing, the worker thread is ended while it waits for the GIL, and C++ calls ``std::terminate``
+("terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -21,16 +35,96 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
+import sys
+import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from hpcdl.distributed.env import RankEnv
 from hpcdl.names import HOOKS, check
 
-__all__ = ["HOOKS", "ChunkSparse", "Hierarchy", "make_hook", "node_groups", "sparse_allreduce"]
+__all__ = ["HOOKS", "ChunkSparse", "Hierarchy", "Plain", "make_hook", "node_groups", "sparse_allreduce"]
 
+log = logging.getLogger(__name__)
+
+
+def _start(collective, tensor: torch.Tensor, **kwargs) -> list:
+    """``collective(alias, async_op=True, **kwargs)`` started on a new alias of ``tensor``; :func:`_wait`
+    takes what this returns. Nothing but its Python wrapper and the collective holds the alias, so
+    the wrapper's reference count shows when the backend has let go of it."""
+    held = [tensor.view(-1)]
+    held.append(collective(held[0], async_op=True, **kwargs))
+    return held
+
+
+def _wait(held: list) -> None:
+    """Wait for a collective from :func:`_start` (raising its error), then until the backend's worker
+    thread has freed it: the alias's C++ holders keep one reference to its Python wrapper, dropped
+    under the GIL when the last of them goes, which the sleep here gives up."""
+    alias, work = held
+    held.clear()  # from here the only references are these two names
+    work.wait()
+    if type(work) is not dist.Work:  # a Python process group's (hpcdl's mpi and ccl): Python frees it
+        return
+    held_by_work = sys.getrefcount(alias)
+    del work
+    deadline = time.monotonic() + 5.0
+    while sys.getrefcount(alias) >= held_by_work:
+        if time.monotonic() > deadline:
+            log.warning("a collective's tensor is still held 5 s after it finished; going on")
+            return
+        time.sleep(0.0001)
+
+
+@dataclasses.dataclass(slots=True)
+class Plain:
+    """State of the ``none``, ``fp16`` and ``bf16`` hooks: the group, the dtype on the wire, each bucket's
+    copy in that dtype, and the hook's two threads."""
+
+    group: dist.ProcessGroup | None
+    wire: torch.dtype | None  # None: the bucket's own dtype
+    buffers: dict = dataclasses.field(default_factory=dict)  # bucket index -> its copy in ``wire``, reused
+    issuer: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcdl-allreduce"))
+    finisher: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcdl-allreduce-done"))
+
+
+def _plain(state: Plain, bucket: dist.GradBucket) -> torch.futures.Future:
+    """The bucket averaged over the group, in ``state.wire`` on the wire. One thread starts the buckets'
+    all-reduces in DDP's order (so every rank's match), another waits for each and sets its future."""
+    buffer = bucket.buffer()
+    wire = buffer
+    if state.wire is not None:
+        wire = state.buffers.get(bucket.index())
+        if wire is None or wire.numel() != buffer.numel():  # DDP rebuilds its buckets after the first step
+            wire = state.buffers[bucket.index()] = torch.empty(buffer.numel(), dtype=state.wire)
+        wire.copy_(buffer)
+    wire.div_(dist.get_world_size(state.group))
+    future: torch.futures.Future = torch.futures.Future()
+
+    def start():
+        try:
+            held = _start(dist.all_reduce, wire, group=state.group)
+        except Exception as exc:
+            future.set_exception(exc)
+            return
+        state.finisher.submit(finish, held)
+
+    def finish(held):
+        try:
+            _wait(held)
+        except Exception as exc:
+            future.set_exception(exc)
+            return
+        if wire is not buffer:
+            buffer.copy_(wire)
+        future.set_result(buffer)
+
+    state.issuer.submit(start)
+    return future.then(_unwrapped)
 
 
 @dataclasses.dataclass(slots=True)
@@ -88,15 +182,15 @@ def _hierarchical(state: Hierarchy, bucket: dist.GradBucket) -> torch.futures.Fu
     def run():
         pending, state.pending = state.pending, None
         try:
-            dist.reduce(tensor, dst=state.leader, group=state.node_group)
+            _wait(_start(dist.reduce, tensor, dst=state.leader, group=state.node_group))
             if pending:
                 _hierarchical_finish(state, *pending)
                 pending = None
-            work = dist.all_reduce(tensor, group=state.leaders, async_op=True) if state.leaders is not None else None
+            held = _start(dist.all_reduce, tensor, group=state.leaders) if state.leaders is not None else None
             if last:
-                _hierarchical_finish(state, tensor, work, future)
+                _hierarchical_finish(state, tensor, held, future)
             else:
-                state.pending = (tensor, work, future)
+                state.pending = (tensor, held, future)
         except Exception as exc:
             for f in (future, pending[2] if pending else None):
                 if f is not None and not f.done():
@@ -106,10 +200,11 @@ def _hierarchical(state: Hierarchy, bucket: dist.GradBucket) -> torch.futures.Fu
     return future.then(_unwrapped)
 
 
-def _hierarchical_finish(state: Hierarchy, tensor: torch.Tensor, work, future: torch.futures.Future) -> None:
-    if work is not None:
-        work.wait()
-    dist.broadcast(tensor, src=state.leader, group=state.node_group)
+def _hierarchical_finish(state: Hierarchy, tensor: torch.Tensor, held: list | None,
+                         future: torch.futures.Future) -> None:
+    if held is not None:
+        _wait(held)
+    _wait(_start(dist.broadcast, tensor, src=state.leader, group=state.node_group))
     future.set_result(tensor.div_(state.world_size))
 
 
@@ -195,23 +290,23 @@ def sparse_start(state: ChunkSparse, key, grad: torch.Tensor, dense: bool = Fals
     world = dist.get_world_size(state.group)
     state.total_elements += grad.numel()
     if dense or state.step < state.dense_steps:
-        work = dist.all_reduce(grad, group=state.group, async_op=True)
+        held = _start(dist.all_reduce, grad, group=state.group)
         state.sent_elements += grad.numel()
-        return lambda: (work.wait(), grad.div_(world), None)[1:]
+        return lambda: (_wait(held), grad.div_(world), None)[1:]
     n, c = grad.numel(), state.chunk
     chunks = _residual_chunks(state, key, n)
     chunks.view(-1)[:n].add_(grad)  # the residual plus this step's gradient
     norms = chunks.abs().sum(1)
-    dist.all_reduce(norms, group=state.group)  # every rank now ranks the chunks alike
+    _wait(_start(dist.all_reduce, norms, group=state.group))  # every rank now ranks the chunks alike
     picked = norms.topk(max(1, round(state.keep * len(norms)))).indices.sort().values
     packed = chunks.index_select(0, picked)
     wire = packed.half() if state.fp16 else packed
-    work = dist.all_reduce(wire, group=state.group, async_op=True)
+    held = _start(dist.all_reduce, wire, group=state.group)
     state.sent_elements += wire.numel() + norms.numel()
     chunks.index_fill_(0, picked, 0)  # what was not sent stays for the next step
 
     def finish() -> tuple[torch.Tensor, torch.Tensor]:
-        work.wait()
+        _wait(held)
         full = n // c  # chunks wholly inside the bucket; the last may reach into the padding
         grad.zero_()
         body = picked[picked < full]
@@ -295,5 +390,4 @@ def make_hook(name: str, env: RankEnv, group=None, backend: str | None = None, s
         state = sparse or ChunkSparse()
         state.group = group
         return state, _chunk_sparse
-    return group, {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
-                   "bf16": default_hooks.bf16_compress_hook}[name]
+    return Plain(group, {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}[name]), _plain

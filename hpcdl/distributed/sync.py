@@ -14,7 +14,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from hpcdl.distributed.env import RankEnv
@@ -26,7 +25,7 @@ __all__ = ["CommTimer", "data_parallel"]
 class CommTimer:
     """When the last gradient bucket of the current backward was handed to the communication hook."""
 
-    def __init__(self, hook_state=None, hook=default_hooks.allreduce_hook):
+    def __init__(self, hook_state, hook):
         self.hook_state, self.hook = hook_state, hook
         self.last_handover = 0.0
         self.buckets = 0
