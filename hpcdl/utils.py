@@ -87,8 +87,19 @@ def cpu_model() -> str:
         return "unknown"
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (avx2, avx512_bf16, amx_bf16 ...) from /proc/cpuinfo; empty where there are none."""
+SIMULATED_FLAGS_VAR = "HPCDL_SIMULATE_CPU_FLAGS"
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo", environ: dict[str, str] | None = None) -> set[str]:
+    """The CPU's feature flags (avx2, avx512_bf16, amx_bf16 ...) from /proc/cpuinfo; empty where there are none.
+
+    ``HPCDL_SIMULATE_CPU_FLAGS="avx2 fma amx_bf16"`` (spaces or commas) replaces them: a simulation, for
+    testing the rules that follow the flags on a CPU that lacks them. :func:`cpu_flags_simulated` says
+    when it is in force, and every log line that reports a choice made from the flags says so.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(SIMULATED_FLAGS_VAR, "").strip():
+        return set(environ[SIMULATED_FLAGS_VAR].replace(",", " ").split())
     try:
         with open(cpuinfo) as f:
             for line in f:
@@ -97,6 +108,11 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def cpu_flags_simulated(environ: dict[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return bool(environ.get(SIMULATED_FLAGS_VAR, "").strip())
 
 
 _last_words: list = []

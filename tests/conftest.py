@@ -123,9 +123,20 @@ def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int
     return run.stdout.strip().split(";")[0]
 
 
-def hpcdl(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+# CPUs whose features the tests make hpcdl's detection report (HPCDL_SIMULATE_CPU_FLAGS): the rules that
+# follow the flags are tested on each, whatever CPU the suite runs on. Named as simulations.
+SIMULATED_CPUS = {
+    "simulated Sapphire Rapids (AMX)": "sse4_2 avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile amx_int8",
+    "simulated Cooper Lake (AVX-512 bf16, no AMX)": "sse4_2 avx2 fma avx512f avx512_bf16",
+    "simulated Skylake/Ice Lake (AVX-512, no bf16)": "sse4_2 avx2 fma avx512f avx512bw avx512_vnni",
+    "simulated EPYC Zen 3 (AVX2 only)": "sse4_2 avx2 fma",
+}
+
+
+def hpcdl(*args, cwd=None, timeout=300, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m hpcdl ARGS`` as a command of its own: without the launcher variables pytest runs under."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "PMI_"))}
+    env.update(extra_env or {})
     return subprocess.run([PYTHON, "-m", "hpcdl", *map(str, args)], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout, env=env)
 

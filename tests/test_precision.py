@@ -4,7 +4,14 @@ import pytest
 
 from hpcdl.errors import ConfigError
 from hpcdl.train.precision import choose_precision
-from hpcdl.utils import cpu_flags
+from hpcdl.utils import cpu_flags, cpu_flags_simulated
+
+from conftest import SIMULATED_CPUS
+
+AUTO = {"simulated Sapphire Rapids (AMX)": ("bf16", "avx512_bf16 and amx_bf16"),
+        "simulated Cooper Lake (AVX-512 bf16, no AMX)": ("bf16", "avx512_bf16"),
+        "simulated Skylake/Ice Lake (AVX-512, no bf16)": ("fp32", "no avx512_bf16 or amx_bf16"),
+        "simulated EPYC Zen 3 (AVX2 only)": ("fp32", "no avx512_bf16 or amx_bf16")}
 
 
 def test_auto_follows_the_cpu_flags():
@@ -23,3 +30,14 @@ def test_this_machine_reads_its_flags():
         assert {"sse2", "avx2"} <= flags, flags  # every x86-64 CPU hpcdl targets has them
     expected = "bf16" if {"avx512_bf16", "amx_bf16"} & flags else "fp32"
     assert choose_precision("auto")[0] == expected
+
+
+@pytest.mark.parametrize("cpu", sorted(SIMULATED_CPUS))
+def test_detection_reports_the_simulated_flags_and_auto_follows_them(cpu, monkeypatch):
+    monkeypatch.setenv("HPCDL_SIMULATE_CPU_FLAGS", SIMULATED_CPUS[cpu].replace(" ", ",", 1))
+    assert cpu_flags() == set(SIMULATED_CPUS[cpu].split()) and cpu_flags_simulated()
+    precision, why = choose_precision("auto")
+    assert (precision, AUTO[cpu][1] in why) == (AUTO[cpu][0], True), why
+    assert why.endswith("(flags simulated by HPCDL_SIMULATE_CPU_FLAGS)")
+    monkeypatch.delenv("HPCDL_SIMULATE_CPU_FLAGS")
+    assert not cpu_flags_simulated() and "simulated" not in choose_precision("auto")[1]

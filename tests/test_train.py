@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, free_port, hpcdl, rank_env, sbatch_wait, start_ranks
+from conftest import PYTHON, REPO, SIMULATED_CPUS, free_port, hpcdl, rank_env, sbatch_wait, start_ranks
+from hpcdl.train.precision import choose_precision
 
 BASE = ["demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
         "--set", "data.min_scale=0.5", "--set", "epochs=4", "--set", "loop.log_every=1"]
@@ -42,7 +43,8 @@ def test_one_process_writes_the_run_folder(data, tmp_path):
     done = hpcdl(*args_for(data, run, "--set", "loop.max_steps=20", "--set", "checkpoint.every_steps=5",
                            "--set", "checkpoint.keep=2"), "--set", "data.workers=0")
     assert done.returncode == 0, done.stderr
-    for line in ("world size 1; batch per rank 16", "15 steps per epoch", "precision fp32 (auto:", "ipex: not used",
+    auto = choose_precision("auto")[0]  # what this CPU's detected flags make auto pick
+    for line in ("world size 1; batch per rank 16", "15 steps per epoch", f"precision {auto} (auto:", "ipex: not used",
                  "allocator", "threads per rank", "summary: 20 steps"):
         assert line in done.stderr, line
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt-000000015.pt", "ckpt-000000020.pt"]
@@ -285,6 +287,18 @@ def test_loop_options_train(option, line, data, tmp_path):
     assert line in done.stderr
     steps = [json.loads(x) for x in (run / "train.jsonl").read_text().splitlines() if '"kind": "step"' in x]
     assert [s["images"] for s in steps] == [16, 16, 16] and all(s["loss"] == s["loss"] for s in steps)
+
+
+@pytest.mark.parametrize("cpu, expected", [("simulated Sapphire Rapids (AMX)", "bf16"),
+                                            ("simulated EPYC Zen 3 (AVX2 only)", "fp32")])
+def test_auto_precision_trains_with_what_the_simulated_cpu_has(cpu, expected, data, tmp_path):
+    run = tmp_path / "run"
+    done = hpcdl(*args_for(data, run, "--set", "loop.max_steps=2", "--set", "data.workers=0", "--set", "loop.eval_every=0"),
+                 extra_env={"HPCDL_SIMULATE_CPU_FLAGS": SIMULATED_CPUS[cpu]})
+    assert done.returncode == 0, done.stderr
+    assert f"precision {expected} (auto: the CPU has" in done.stderr
+    assert "(flags simulated by HPCDL_SIMULATE_CPU_FLAGS)" in done.stderr
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
 
 
 def test_timeline_of_two_ranks_shows_communication_inside_backward(data, tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from hpcdl.errors import ConfigError
 from hpcdl.names import PRECISIONS
-from hpcdl.utils import cpu_flags
+from hpcdl.utils import SIMULATED_FLAGS_VAR, cpu_flags, cpu_flags_simulated
 
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags
 
@@ -16,8 +16,13 @@ def choose_precision(requested: str, flags: set[str] | None = None) -> tuple[str
     """(``fp32`` or ``bf16``, the reason, for the start-up log)."""
     if requested not in PRECISIONS:
         raise ConfigError(f"precision {requested!r} is unknown; choose one of {', '.join(PRECISIONS)}")
+    simulated = flags is None and cpu_flags_simulated()
     flags = cpu_flags() if flags is None else flags
-    native = [f for f in NATIVE_BF16 if f in flags]
+    precision, why = _rule(requested, [f for f in NATIVE_BF16 if f in flags])
+    return precision, why + (f" (flags simulated by {SIMULATED_FLAGS_VAR})" if simulated else "")
+
+
+def _rule(requested: str, native: list[str]) -> tuple[str, str]:
     if requested == "fp32":
         return "fp32", "requested"
     if requested == "bf16":
