@@ -261,3 +261,33 @@ def test_a_foreign_or_incomplete_report_is_named_with_its_missing_field(tmp_path
                              capture_output=True, text=True)
         assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, (flag, run.stderr)
     assert StepReport.from_json(str(step)).tuning is None  # a report may lack what only some readers need
+
+
+def test_bf16_plan_on_sapphire_rapids_and_refused_where_bf16_is_emulated():
+    fp32, _ = PlanInputs(model="resnet50", profile="stampede3-spr").build()
+    bf16, notes = PlanInputs(model="resnet50", profile="stampede3-spr", precision="bf16").build()
+    spr = get_profile("stampede3-spr")
+    # the per-image work runs bf16_step_speedup times faster; the fixed part stays, so large batches gain most
+    assert 1.0 < bf16.throughput(512) / fp32.throughput(512) < spr.bf16_step_speedup
+    assert bf16.throughput(512) / fp32.throughput(512) > bf16.throughput(8) / fp32.throughput(8)
+    assert any("then bf16 at 2.1x fp32's per-image speed" in line for line in notes)
+    for name in ("stampede3-skx", "stampede3-icx", "frontera-clx"):
+        with pytest.raises(ConfigError, match=f"profile {name}'s CPUs have no avx512_bf16 or AMX"):
+            PlanInputs(model="resnet50", profile=name, precision="bf16").build()
+    with pytest.raises(ConfigError, match="already in the precision it ran"):
+        PlanInputs(model="resnet50", profile="stampede3-spr", precision="bf16", throughput="500").build()
+
+
+def test_profiles_list_the_machines_users_hold_with_their_sources():
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "profiles"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    blocks = {b.split()[0]: b for b in run.stdout.split("\n") if b and not b.startswith(" ")}
+    assert {"stampede3-skx", "stampede3-icx", "stampede3-spr", "frontera-clx"} <= set(blocks)
+    assert "(retired)" in blocks["stampede2-skx"] and "(retired)" in blocks["stampede2-knl"]
+    for name in ("stampede3-skx", "stampede3-icx", "stampede3-spr", "frontera-clx"):
+        p = get_profile(name)
+        assert p.source and p.cores_per_node and p.partition and not p.retired, name
+        assert f"source: {p.source}" in run.stdout
+    spr = get_profile("stampede3-spr")
+    assert spr.hbm_gb_per_node == 128 and "amx_bf16" in spr.cpu_flags and spr.peak_bf16_tflops > 10 * spr.peak_fp32_tflops
+    assert "217.9 bf16 TFLOPS" in run.stdout and "bf16 emulated" in run.stdout

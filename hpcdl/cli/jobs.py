@@ -116,5 +116,13 @@ def profiles(_: ProfilesCommand) -> int:
             f"{p.mem_gb_per_node} GB" if p.mem_gb_per_node else "",
             f"max {p.max_nodes} nodes" if p.max_nodes else "",
             f"max {format_duration(p.max_time)}" if p.max_time else "") if x)
-        print(f"{p.name:14s} {p.description}\n{'':14s} {limits}" + (f"\n{'':14s} {p.notes}" if p.notes else ""))
+        node = ", ".join(x for x in (
+            f"{p.sockets} sockets, {p.numa_per_node} NUMA domains" if p.numa_per_node else "",
+            f"{p.hbm_gb_per_node} GB HBM" if p.hbm_gb_per_node else "", p.cpu_flags,
+            f"{p.peak_fp32_tflops:.2f} fp32 TFLOPS" if p.peak_fp32_tflops else "",
+            f"{p.peak_bf16_tflops:.1f} bf16 TFLOPS" if p.peak_bf16_tflops else
+            ("bf16 emulated" if p.peak_fp32_tflops else ""), p.network, p.fi_provider and f"libfabric {p.fi_provider}") if x)
+        print(f"{p.name:14s} {p.description}\n{'':14s} {limits}" + "".join(
+            f"\n{'':14s} {text}" for text in (node, p.notes, p.source and f"source: {p.source}",
+                                              p.unconfirmed and f"unconfirmed: {p.unconfirmed}") if text))
     return 0

@@ -39,6 +39,8 @@ READY_SCRIPTS: dict[str, tuple[dict, list[str]]] = {
                                   job_name="hpcdl-allreduce"), _ALLREDUCE),
     "stampede2-knl.sbatch": (dict(profile="stampede2-knl", nodes=4, tasks_per_node=1, time="00:30:00",
                                   job_name="hpcdl-allreduce"), _ALLREDUCE),
+    "stampede3-spr.sbatch": (dict(profile="stampede3-spr", nodes=4, tasks_per_node=2, time="00:30:00",
+                                  job_name="hpcdl-allreduce"), _ALLREDUCE),
     "generic.sbatch": (dict(profile="generic", nodes=1, tasks_per_node=2, time="00:30:00",
                             job_name="hpcdl-allreduce"), _ALLREDUCE),
     # The published Stampede2 runs (docs/reproduce-stampede2.md).

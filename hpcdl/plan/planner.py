@@ -150,6 +150,23 @@ def format_plan(rows: list[dict], header: str) -> str:
     return "\n".join(lines)
 
 
+def bf16_compute(node, profile):
+    """The fp32 node compute carried to bf16 autocast: the per-image work runs ``bf16_step_speedup`` times faster
+    (the profile's measured step, not the AMX peak: the step reaches a smaller fraction of bf16's peak than of
+    fp32's); the fixed part (the fp32 weight update, per-layer calls) stays."""
+    from hpcdl.plan.validate import NodeCompute
+
+    if not profile.bf16_flops_per_cycle:
+        raise ConfigError(f"profile {profile.name}'s CPUs have no avx512_bf16 or AMX: bf16 is emulated there and many "
+                          f"times slower than fp32; plan --precision fp32, or choose a node with AMX (stampede3-spr)")
+    if not profile.bf16_step_speedup:
+        raise ConfigError(f"profile {profile.name} has native bf16 but no measured bf16_step_speedup; measure it with "
+                          f"hpcdl bench step on one of its nodes, or give --step-json")
+    return (NodeCompute(node.fixed_s, node.per_image_s / profile.bf16_step_speedup),
+            f", then bf16 at {profile.bf16_step_speedup:g}x fp32's per-image speed (the profile's measured step; "
+            f"peak {profile.peak_bf16_tflops:.0f} bf16 TFLOPS a node)")
+
+
 def _rate(v: float) -> str:
     return f"{v:,.0f}" if v >= 1000 else f"{v:.1f}" if v >= 100 else f"{v:.3f}"
 
@@ -231,6 +248,8 @@ class PlanInputs:
     hook: str = dataclasses.field(default="none", metadata=meta(choices=names.HOOKS))
     # the hook's own work per step, from hpcdl bench sync --hooks none,HOOK --json (default: none counted)
     sync_json: str | None = None
+    # the training precision: bf16 carries the compute by the profile's measured bf16 step speed-up
+    precision: str = dataclasses.field(default="fp32", metadata=meta(choices=("fp32", "bf16")))
 
     def build(self) -> tuple[StepModel, list[str]]:
         """The step model and one line per input saying where it came from."""
@@ -299,11 +318,16 @@ class PlanInputs:
         """(the node's compute curve, ranks per node or None, overlap, backward's share, where they came from)."""
         overlap = 0.0 if self.overlap is None else self.overlap
         if not (self.step_json or self.throughput or self.calibrate_json):
-            node = carried_compute(facts, profile)
+            node, bf16 = carried_compute(facts, profile), ""
+            if self.precision == "bf16":
+                node, bf16 = bf16_compute(node, profile)
             return (node.curve(), self.ranks_per_node, overlap, BACKWARD_SHARE,
                     f"compute carried from the published {' and '.join(FITTED)} runs ({node.fixed_s * 1e3:.0f} ms a step + "
                     f"{node.per_image_s * 1e3:.2f} ms an image, by training FLOPs, parameter tensors and the node's nominal "
-                    f"peak, as hpcdl plan --validate does; measure with --step-json to replace it)")
+                    f"peak, as hpcdl plan --validate does{bf16}; measure with --step-json to replace it)")
+        if self.precision == "bf16":
+            raise ConfigError("--precision bf16 carries the published fp32 compute to bf16; measured compute "
+                              "(--throughput, --step-json, --calibrate) is already in the precision it ran: drop --precision")
         if self.step_json:
             paths = [p for p in self.step_json.split(",") if p]
             curve = BatchCurve.slowest([curve_from_step(StepReport.from_json(p)) for p in paths])
