@@ -25,7 +25,13 @@ from hpcdl.optim.schedule import ScheduleConfig, steps_per_epoch
 class DataConfig:
     train: str = ""  # a packed dataset root (hpcdl pack); $VARS are expanded on the compute node
     val: str = ""  # "" : no evaluation
-    workers: int = 4  # DataLoader worker processes per rank
+    workers: int = 4  # DataLoader worker processes per rank (they run at nice +10 on the rank's cores)
+    # whole cores kept from compute for the workers: auto (sized at start-up from the loader's measured cost
+    # per image and the step's images/s; none when they need a fraction of a core) or a count
+    reserve_cores: str | int = "auto"
+    # > 0: decode this many training images once at start-up and train on them from memory, in turn (the step
+    # without the loader, as hpcdl bench feed compares; not for real training)
+    in_memory: int = 0
     sampler: str = "global"  # global | shard (see hpcdl.data.sampler)
     seed: int = 0  # the shuffle and each sample's augmentation (seed, epoch, index)
     verify: str = "quick"  # none | quick | full: shard checks at start-up
@@ -37,6 +43,11 @@ class DataConfig:
         check("data.verify", self.verify, names.VERIFY)
         if self.workers < 0:
             raise ConfigError(f"data.workers={self.workers} must be >= 0 (0: load in the training process)")
+        if self.in_memory < 0:
+            raise ConfigError(f"data.in_memory={self.in_memory} must be >= 0 (0: read the shards)")
+        self.reserve_cores = str(self.reserve_cores)  # a YAML file may give a number
+        if self.reserve_cores != "auto" and not self.reserve_cores.isdigit():
+            raise ConfigError(f"data.reserve_cores={self.reserve_cores!r}: give auto or a count of cores, e.g. 1")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,14 +15,14 @@ def test_unbound_task_takes_its_slice_of_the_node():
 
 
 def test_bound_task_keeps_its_cpu_set_and_reserves_comm_and_data_cpus():
-    plan = plan_cpus(local_rank=1, local_size=2, comm_threads=1, data_workers=2,
+    plan = plan_cpus(local_rank=1, local_size=2, comm_threads=1, data_cores=2,
                      task_cpus=set(range(24, 48)), online_cpus=48)
     assert plan.compute_cpus == tuple(range(24, 45)) and plan.threads == 21
     assert plan.data_cpus == (45, 46) and plan.comm_cpus == (47,)
 
 
 def test_too_few_cpus_to_reserve_still_computes():
-    plan = plan_cpus(local_rank=0, local_size=1, comm_threads=1, data_workers=4, task_cpus={0, 1}, online_cpus=2)
+    plan = plan_cpus(local_rank=0, local_size=1, comm_threads=1, data_cores=4, task_cpus={0, 1}, online_cpus=2)
     assert plan.threads == 2 and "too few" in plan.source
 
 

@@ -4,8 +4,12 @@ import json
 import os
 import subprocess
 
-from conftest import PYTHON
+import pytest
+
+from conftest import PYTHON, SIMULATED_CPUS
 from hpcdl.distributed.affinity import allocator_env
+from hpcdl.train.precision import choose_precision
+from hpcdl.utils import cpu_flags
 
 
 def test_bench_step_compares_both_pairs_and_tunes_only_the_tuned_side(tmp_path):
@@ -13,7 +17,7 @@ def test_bench_step_compares_both_pairs_and_tunes_only_the_tuned_side(tmp_path):
     run = subprocess.run([PYTHON, "-m", "hpcdl", "bench", "step", "--model", "tiny_cnn", "--batch", "8", "--crop", "32",
                           "--steps", "2", "--rounds", "2", "--tuning-model", "tiny_cnn", "--tuning-batch", "8",
                           "--tuning-crop", "32", "--tuning-steps", "2", "--tuning-rounds", "1", "--curve-batches", "4,16",
-                          "--json", str(report)],
+                          "--only", "overhead,tuning", "--json", str(report)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "hpcdl / bare loop:" in run.stdout and "tuned / untuned:" in run.stdout
@@ -26,3 +30,29 @@ def test_bench_step_compares_both_pairs_and_tunes_only_the_tuned_side(tmp_path):
     curve = r["curve"]["points"]  # the node's batch: 2 ranks x the per-rank batch
     assert [b for b, _ in curve] == [8, 32] and all(v > 0 for _, v in curve)
     assert "batch     8" in run.stdout and "batch    32" in run.stdout
+
+
+@pytest.mark.parametrize("cpu", [None, "simulated Sapphire Rapids (AMX)"])
+def test_precision_table_measures_both_precisions_against_their_gemm_and_checks_auto(cpu, tmp_path):
+    """fp32 and bf16 side by side with each one's GEMM rate; torch.compile of auto's pick on the real CPU (a
+    simulated one skips it: compiling takes most of a minute). Where the flags are simulated, auto follows them
+    and the table says whether the measurement agrees: on a CPU without native bf16, it does not."""
+    report = tmp_path / "step.json"
+    env = {**os.environ, **({"HPCDL_SIMULATE_CPU_FLAGS": SIMULATED_CPUS[cpu]} if cpu else {})}
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "bench", "step", "--model", "tiny_cnn", "--batch", "8", "--crop", "32",
+                          "--steps", "1", "--precision-rounds", "1", "--only", "precision", "--json", str(report),
+                          *([] if cpu is None else ["--no-compile"])], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    p = json.loads(report.read_text())["precision"]
+    auto = "bf16" if cpu else choose_precision("auto")[0]
+    assert p["auto"] == auto and p["memory_format"] == "channels_last" and p["flops_per_step"] > 0
+    assert {"fp32", "bf16"} <= set(p["cases"]) and ((f"{auto}+compile" in p["cases"]) or "error" in p["compile"]
+                                                    if cpu is None else p["compile"] is None)
+    for name, row in p["cases"].items():
+        assert row["gemm_gflops"] > 0 and row["of_gemm"] == pytest.approx(row["gflops"] / row["gemm_gflops"])
+        assert row["gflops"] == pytest.approx(p["flops_per_step"] / row["ms_per_step"] / 1e6)
+    fastest = min(p["cases"], key=lambda n: p["cases"][n]["ms_per_step"])
+    assert p["auto_is_fastest"] == (fastest.split("+")[0] == auto)
+    assert p["bf16_emulated"] == (not {"avx512_bf16", "amx_bf16"} & cpu_flags()) if cpu is None else not p["bf16_emulated"]
+    assert f"loop.precision=auto chose {auto}" in run.stdout and "GEMM GFLOP/s" in run.stdout
+    assert ("the fastest measured" if p["auto_is_fastest"] else "NOT the fastest measured") in run.stdout

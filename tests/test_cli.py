@@ -83,7 +83,8 @@ def test_every_flag_default_is_its_fields_and_every_flag_has_help():
         for action in parser._actions:
             if not action.option_strings or action.dest in ("help",):
                 continue
-            flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
+            # the first long flag: --compile of a --compile/--no-compile pair (a field whose default is True)
+            flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
             assert action.help and not action.help.startswith("default"), f"hpcdl {' '.join(words)} {flag} has no help: comment its config field"
             assert flag in defaults, f"hpcdl {' '.join(words)} {flag} comes from no config field"
             expected = defaults[flag]

@@ -1,11 +1,15 @@
 """``hpcdl bench step``: what a training step costs through hpcdl, and what hpcdl's CPU tuning is worth.
 
-Two comparisons, each measured side by side in alternating rounds (the figure is the median):
+Three comparisons, each measured side by side in alternating rounds (the figure is the median):
 
-1. **Overhead.** In this process, on one rank: hpcdl's step (:class:`hpcdl.train.step.Stepper`, with
+1. **Precision.** A bare step of the model in fp32 and in bf16 autocast (channels_last both), and
+   ``torch.compile`` of the precision ``loop.precision=auto`` picks, with each precision's GEMM rate
+   measured in the same run and each step's achieved FLOP rate as a fraction of it
+   (:mod:`hpcdl.bench.flops`). Where bf16 is emulated (no avx512_bf16 or AMX) its step is timed once.
+2. **Overhead.** In this process, on one rank: hpcdl's step (:class:`hpcdl.train.step.Stepper`, with
    its phase timing, control exchange and lr schedule) against a bare hand-written loop
    (``zero_grad, forward, loss, backward, step``), on the same model, batch, optimizer and threads.
-2. **Tuning.** ResNet-50 training throughput of one node running ``ranks_per_node`` ranks (2 by default:
+3. **Tuning.** ResNet-50 training throughput of one node running ``ranks_per_node`` ranks (2 by default:
    one per socket, the layout the cluster profiles recommend), each a fresh process computing its own
    steps (no gradient exchange: this isolates the CPU side). Tuned: the allocator ``hpcdl tune --exports``
    selects, and each rank on its own slice of the cores with one thread per core (hpcdl's CPU plan).
@@ -29,16 +33,18 @@ from hpcdl.bench.rounds import alternate, medians, timed_ms
 from hpcdl.errors import ConfigError
 
 TUNING_VARS = ("LD_PRELOAD", "GLIBC_TUNABLES", "MALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-PARTS = ("overhead", "tuning", "curve")
+PARTS = ("precision", "overhead", "tuning", "curve")
 
 
 @dataclass(kw_only=True, slots=True)
 class Config:
-    model: str = "resnet18"  # the overhead comparison's model
-    batch: int = 32  # the overhead comparison's batch
-    crop: int = 128  # the overhead comparison's image side in px
+    model: str = "resnet18"  # the precision and overhead comparisons' model
+    batch: int = 32  # the precision and overhead comparisons' batch
+    crop: int = 128  # the precision and overhead comparisons' image side in px
     steps: int = 3  # steps per round
     rounds: int = 7  # alternating rounds; the median counts
+    precision_rounds: int = 3  # the precision comparison's alternating rounds (one where bf16 is emulated)
+    compile: bool = True  # the precision comparison also runs torch.compile of auto's precision (compiles 30-60 s)
     tuning_model: str = "resnet50"  # the tuning comparison's model
     tuning_batch: int = 8  # images per rank
     tuning_crop: int = 224  # the tuning comparison's image side in px
@@ -48,8 +54,8 @@ class Config:
     threads: int = 0  # the overhead comparison's threads (0: torch's default)
     # also the tuned node's images/s at these per-rank batches (hpcdl plan --step-json reads it)
     curve_batches: tuple[int, ...] = ()
-    # which comparisons: overhead, tuning, curve (curve whenever curve_batches is given)
-    only: tuple[str, ...] = ("overhead", "tuning")
+    # which comparisons: precision, overhead, tuning, curve (curve whenever curve_batches is given)
+    only: tuple[str, ...] = ("precision", "overhead", "tuning")
 
     def __post_init__(self):
         self.only = tuple(self.only)
@@ -73,11 +79,18 @@ def synthetic_training(model_name: str, batch: int, crop: int, seed: int = 0):
     return model, optimizer, torch.nn.CrossEntropyLoss(), x, y
 
 
-def bare_loop(model_name: str, batch: int, crop: int):
+def bare_loop(model_name: str, batch: int, crop: int, precision: str = "fp32", compiled: bool = False):
+    import contextlib
+
+    import torch
+
     model, optimizer, criterion, x, y = synthetic_training(model_name, batch, crop)
+    net = torch.compile(model) if compiled else model
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
 
     def step():  # zero_grad last, as hpcdl's step does: both hold the same memory between steps
-        loss = criterion(model(x), y)
+        with autocast():
+            loss = criterion(net(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -97,6 +110,49 @@ def hpcdl_loop(model_name: str, batch: int, crop: int):
         stepper.step(iter(((x, y),)), 1)
 
     return step
+
+
+def precision(cfg: Config) -> dict:
+    """fp32 against bf16 autocast (and torch.compile of auto's pick), each against its GEMM rate."""
+    import torch
+
+    from hpcdl.bench.flops import gemm_gflops, training_flops
+    from hpcdl.train.precision import NATIVE_BF16, choose_precision
+    from hpcdl.utils import cpu_flags
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    auto, why = choose_precision("auto")
+    emulated = not set(NATIVE_BF16) & cpu_flags()
+    model, _, criterion, x, y = synthetic_training(cfg.model, cfg.batch, cfg.crop)
+    flops = training_flops(model, x, y, criterion)
+    gemm = {p: gemm_gflops(p) for p in ("fp32", "bf16")}
+    cases = {p: bare_loop(cfg.model, cfg.batch, cfg.crop, p) for p in ("fp32", "bf16")}
+    compiled = _compiled_case(cfg, auto) if cfg.compile else None
+    if compiled and compiled.get("step"):
+        cases[f"{auto}+compile"] = compiled.pop("step")
+    rounds, steps = (1, 1) if emulated else (cfg.precision_rounds, cfg.steps)
+    times = medians(alternate({name: timed_ms(step, steps) for name, step in cases.items()}, rounds))
+    rows = {name: {"ms_per_step": ms, "images_per_s": cfg.batch / ms * 1e3, "gflops": flops / ms / 1e6,
+                   "gemm_gflops": gemm[name.split("+")[0]], "of_gemm": flops / ms / 1e6 / gemm[name.split("+")[0]]}
+            for name, ms in times.items()}
+    fastest = min(times, key=times.get)
+    return {"threads": torch.get_num_threads(), "memory_format": "channels_last", "flops_per_step": flops,
+            "cases": rows, "bf16_emulated": emulated, "rounds": rounds, "steps": steps, "auto": auto, "auto_why": why,
+            "fastest": fastest, "auto_is_fastest": fastest.split("+")[0] == auto, "compile": compiled,
+            "bf16_over_fp32": times["fp32"] / times["bf16"]}
+
+
+def _compiled_case(cfg: Config, precision: str) -> dict:
+    """torch.compile's step of ``precision``, its first (compiling) step timed; where it cannot compile here,
+    the reason instead of a step."""
+    step = bare_loop(cfg.model, cfg.batch, cfg.crop, precision, compiled=True)
+    t0 = time.perf_counter()
+    try:
+        step()
+    except Exception as exc:  # no C++ compiler, an unsupported op: the comparison goes on without it
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    return {"step": step, "first_step_s": time.perf_counter() - t0}
 
 
 def overhead(cfg: Config) -> dict:
@@ -174,6 +230,8 @@ def curve(cfg: Config) -> dict:
 
 def run(cfg: Config, job=None) -> dict:
     report = {}
+    if "precision" in cfg.only:
+        report["precision"] = precision(cfg)
     if "overhead" in cfg.only:
         report["overhead"] = overhead(cfg)
     if "tuning" in cfg.only:
@@ -186,7 +244,9 @@ def run(cfg: Config, job=None) -> dict:
 def format_report(r: dict) -> str:
     c = r["config"]
     machine = r["provenance"]["machine"]
-    lines = [f"CPU: {machine['cpu']}, {machine['logical_cpus']} logical CPUs"]
+    lines = [f"CPU: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, flags {' '.join(machine['flags'])}"]
+    if "precision" in r:
+        lines += _precision_lines(r["precision"], c)
     if "overhead" in r:
         o = r["overhead"]
         lines += [f"training step, {c['model']} batch {c['batch']} at {c['crop']} px, LARS, {o['threads']} threads, "
@@ -208,6 +268,30 @@ def format_report(r: dict) -> str:
                      f"({c['ranks_per_node']} ranks), median of {c['tuning_rounds']} alternating rounds:")
         lines += [f"  batch {b:5g}  {v:8.2f} images/s" for b, v in r["curve"]["points"]]
     return "\n".join(lines) + "\n"
+
+
+def _precision_lines(p: dict, c: dict) -> list[str]:
+    lines = [f"precision, {c['model']} batch {c['batch']} at {c['crop']} px, {p['memory_format']}, LARS, {p['threads']} "
+             f"threads, {p['flops_per_step'] / 1e9:.1f} GFLOP a step, median of {p['rounds']} alternating rounds of "
+             f"{p['steps']} steps" + (" (bf16 is emulated here: one step each)" if p["bf16_emulated"] else "") + ":",
+             f"  {'case':14s} {'ms/step':>9s} {'images/s':>9s} {'GFLOP/s':>8s} {'GEMM GFLOP/s':>13s} {'of GEMM':>8s}"]
+    for name, row in p["cases"].items():
+        lines.append(f"  {name:14s} {row['ms_per_step']:9.1f} {row['images_per_s']:9.2f} {row['gflops']:8.1f} "
+                     f"{row['gemm_gflops']:13.1f} {row['of_gemm']:8.0%}")
+    lines.append(f"  bf16 / fp32: {p['bf16_over_fp32']:.2f}x the speed")
+    comp = p["compile"]
+    if comp and "error" in comp:
+        lines.append(f"  torch.compile did not run here: {comp['error']}")
+    elif comp:
+        name = f"{p['auto']}+compile"
+        saved = p["cases"][p["auto"]]["ms_per_step"] - p["cases"][name]["ms_per_step"]
+        pays = (f"pays for its first step after {comp['first_step_s'] * 1e3 / saved:.0f} steps" if saved > 0
+                else "does not pay: it is no faster")
+        lines.append(f"  torch.compile: {p['cases'][p['auto']]['ms_per_step'] / p['cases'][name]['ms_per_step']:.2f}x "
+                     f"the speed of {p['auto']}, first step {comp['first_step_s']:.0f} s; {pays}")
+    verdict = "the fastest measured" if p["auto_is_fastest"] else f"NOT the fastest measured ({p['fastest']})"
+    lines.append(f"  loop.precision=auto chose {p['auto']} ({p['auto_why']}): {verdict}")
+    return lines
 
 
 if __name__ == "__main__":

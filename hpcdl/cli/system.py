@@ -19,7 +19,7 @@ class TuneCommand:
     # the allocator the exports preload (auto: the first that loads, in the order listed after none)
     allocator: str = field(default="auto", metadata=meta(choices=ALLOCATOR_CHOICES))
     comm_threads: int = 0  # threads kept for communication
-    data_workers: int = 0  # DataLoader workers per rank
+    data_cores: int = 0  # whole cores kept for the data loader (hpcdl train sizes them: data.reserve_cores)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,7 +60,7 @@ def tune(cmd: TuneCommand) -> int:
         return 0
     rank = discover()
     plan = plan_cpus(local_rank=rank.local_rank, local_size=rank.local_size, comm_threads=cmd.comm_threads,
-                     data_workers=cmd.data_workers)
+                     data_cores=cmd.data_cores)
     print(f"rank:      {rank.describe()}")
     print(f"cpu:       {plan.describe()}")
     print(f"allocator: this process runs with {allocator_in_use()}")

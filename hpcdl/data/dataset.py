@@ -116,6 +116,24 @@ class ShardDataset(Dataset):
         return state
 
 
+class InMemory(Dataset):
+    """``count`` samples of ``dataset``, read, decoded and transformed once, then served from memory for each of
+    its indices in turn (index ``i`` gives sample ``i % count``): the same step with no loader in it, to measure
+    what the loader costs (``data.in_memory``, ``hpcdl bench feed``). The length stays the dataset's."""
+
+    def __init__(self, dataset: Dataset, count: int):
+        n = len(dataset)
+        self.length = n
+        self.samples = [dataset[i * n // min(count, n)] for i in range(min(count, n))]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        sample, label = self.samples[int(index) % len(self.samples)]
+        return sample, (PADDING_LABEL if isinstance(index, Sample) and index.padding else label)
+
+
 def _open_shard(path: str, count: int, root: str) -> _OpenShard:
     """Read the index arrays through h5py, then read images with one pread each at their file offset."""
     fix = f"run 'hpcdl verify --full {root}', then repack or restore the shard"

@@ -6,8 +6,9 @@ Two halves, because of when they must act:
   GLIBC_TUNABLES, which only act if set before Python starts, so the generated sbatch scripts and the
   submitit setup lines ``eval`` the output of ``hpcdl tune --exports`` on the compute node.
 * :func:`plan_cpus` and :func:`apply_cpu_plan` run inside each rank at start-up: they read the CPUs
-  the task may use (``os.sched_getaffinity``), keep some for communication and data workers, and set
-  the thread count from the rest.
+  the task may use (``os.sched_getaffinity``), keep some for communication and for the data loader,
+  and set the thread count from the rest. The loader's cores are sized from measured rates
+  (:mod:`hpcdl.train.loader`), not one per worker.
 """
 
 from __future__ import annotations
@@ -113,12 +114,13 @@ class CpuPlan:
 
     def describe(self) -> str:
         return (f"{self.threads} OpenMP threads on CPUs {_ranges(self.compute_cpus)} ({self.source}); "
-                f"communication CPUs {_ranges(self.comm_cpus) or '-'}, data-worker CPUs {_ranges(self.data_cpus) or '-'}")
+                f"communication CPUs {_ranges(self.comm_cpus) or '-'}, loader CPUs kept {_ranges(self.data_cpus) or '-'}")
 
 
-def plan_cpus(*, local_rank: int, local_size: int, comm_threads: int = 0, data_workers: int = 0,
+def plan_cpus(*, local_rank: int, local_size: int, comm_threads: int = 0, data_cores: int = 0,
               task_cpus: set[int] | None = None, online_cpus: int | None = None) -> CpuPlan:
-    """Split this task's CPUs between compute, communication and data workers.
+    """Split this task's CPUs between compute, communication and the data loader (``data_cores`` whole
+    cores; its workers may also use the compute cores, at a lower priority).
 
     When the task may run on every CPU of the node although several ranks share it (no CPU binding
     by the launcher, as under ``srun`` with ``TaskPlugin=task/none`` or a plain ``mpiexec``), each
@@ -131,14 +133,14 @@ def plan_cpus(*, local_rank: int, local_size: int, comm_threads: int = 0, data_w
         per = len(cpus) // local_size
         cpus = cpus[local_rank * per:(local_rank + 1) * per]
         source = f"the node's {online} CPUs split among {local_size} local ranks"
-    reserved = comm_threads + data_workers
+    reserved = comm_threads + data_cores
     if reserved >= len(cpus):
         # Too few CPUs to reserve any: everything shares, and compute keeps at least one thread.
         return CpuPlan(task_cpus=tuple(cpus), compute_cpus=tuple(cpus), comm_cpus=(), data_cpus=(),
                        threads=len(cpus), source=source + f"; too few CPUs to reserve {reserved}")
     compute = cpus[:len(cpus) - reserved]
-    data = cpus[len(compute):len(compute) + data_workers]
-    comm = cpus[len(compute) + data_workers:]
+    data = cpus[len(compute):len(compute) + data_cores]
+    comm = cpus[len(compute) + data_cores:]
     return CpuPlan(task_cpus=tuple(cpus), compute_cpus=tuple(compute), comm_cpus=tuple(comm),
                    data_cpus=tuple(data), threads=len(compute), source=source)
 

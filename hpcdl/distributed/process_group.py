@@ -132,7 +132,7 @@ class DistContext:
 
 
 def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIMEOUT, comm_threads: int | None = None,
-                     data_workers: int = 0, heartbeat_s: float = 2.0, env: RankEnv | None = None,
+                     data_cores: int = 0, heartbeat_s: float = 2.0, env: RankEnv | None = None,
                      ccl_lib: str | None = None) -> DistContext:
     """Discover this rank, tune its CPUs, and join the default process group.
 
@@ -144,7 +144,7 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
     row, choice = choose_backend(backend, ccl_lib=ccl_lib)
     cpu = plan_cpus(local_rank=env.local_rank, local_size=env.local_size,
                     comm_threads=choice.comm_threads if comm_threads is None else comm_threads,
-                    data_workers=data_workers)
+                    data_cores=data_cores)
     apply_cpu_plan(cpu)
     _prepare_backend(row, env, cpu)
     store = _server_or_client(env, timeout)

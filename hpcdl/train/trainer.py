@@ -19,13 +19,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 from hpcdl.config import RunConfig, dump_yaml
-from hpcdl.data.dataset import ShardDataset
+from hpcdl.data.dataset import InMemory, ShardDataset
 from hpcdl.data.sampler import DistributedShardSampler
 from hpcdl.data.transforms import EvalTransform, TrainTransform, normalize_batch
-from hpcdl.distributed.affinity import allocator_in_use
+from hpcdl.distributed.affinity import allocator_in_use, apply_cpu_plan, plan_cpus
 from hpcdl.distributed.process_group import DistContext, fail_fast, init_distributed, new_subgroup, set_timeout, shutdown
 from hpcdl.distributed.hooks import ChunkSparse
 from hpcdl.distributed.sync import data_parallel
@@ -37,6 +36,7 @@ from hpcdl.overrides import flatten, to_dict
 from hpcdl.train.accel import apply_ipex
 from hpcdl.train.checkpoint import CheckpointManager, load_rank_state, save_rank_state
 from hpcdl.train.evaluate import evaluate
+from hpcdl.train.loader import loader_cost, make_loader, size_loader, step_rate
 from hpcdl.train.metrics import RunLog, phase_shares, summary_text
 from hpcdl.train.outcome import Outcome
 from hpcdl.train.precision import choose_precision
@@ -56,8 +56,7 @@ def train(cfg: RunConfig) -> dict:
     """Train ``cfg`` on this job's ranks; returns the run's summary (the same on every rank)."""
     stop = StopSignal(cfg.checkpoint.signal)  # before any worker forks: they inherit the handler
     startup = timedelta(seconds=cfg.loop.startup_timeout_s)
-    ctx = init_distributed(cfg.loop.backend, data_workers=cfg.data.workers, ccl_lib=cfg.loop.ccl_lib or None,
-                           timeout=startup)
+    ctx = init_distributed(cfg.loop.backend, ccl_lib=cfg.loop.ccl_lib or None, timeout=startup)
     with fail_fast(ctx), _data_workers_named(ctx.rank):
         set_timeout(ctx, startup)  # the job's group; the step timeout follows the first completed step
         trainer = Trainer(cfg, ctx, stop)
@@ -128,6 +127,7 @@ class Trainer:
             if ctx.rank == 0 else None
         self._build_model()
         self._build_data()
+        self._size_loader()
         self._hook_state = None  # this rank's comm hook state from the checkpoint resumed from
         self.resumed_from = self._resume()
         self._wrap()
@@ -153,13 +153,35 @@ class Trainer:
                              verify=cfg.data.verify, rank=ctx.rank, world=ctx.world_size, seed=cfg.data.seed)
         self.sampler = DistributedShardSampler(train.shard_sizes, ctx.world_size, ctx.rank, cfg.data.sampler,
                                                shuffle=True, seed=cfg.data.seed)
-        self.train_loader = _loader(train, self.sampler, micro, cfg.data.workers, ctx.cpu.data_cpus)
+        if cfg.data.in_memory:
+            train = InMemory(train, cfg.data.in_memory)
+        self.train_loader = make_loader(train, self.sampler, micro, cfg.data.workers)
         self.val_loader = None
         if cfg.data.val:
             val = ShardDataset(os.path.expandvars(cfg.data.val), EvalTransform(cfg.data.eval_resize, cfg.crop),
                                verify=cfg.data.verify, rank=ctx.rank, world=ctx.world_size)
             sampler = DistributedShardSampler(val.shard_sizes, ctx.world_size, ctx.rank, "global", shuffle=False)
-            self.val_loader = _loader(val, sampler, micro, cfg.data.workers, ctx.cpu.data_cpus)
+            self.val_loader = make_loader(val, sampler, micro, cfg.data.workers)
+
+    def _size_loader(self) -> None:
+        """Keep whole cores from compute for the loader only where its measured need fills them (see
+        :mod:`hpcdl.train.loader`), and re-plan the rank's threads around them."""
+        cfg, ctx = self.cfg, self.ctx
+        micro = cfg.per_rank_batch // cfg.loop.accum_steps
+
+        def measure() -> tuple[float, float]:
+            x = self._prepare(torch.zeros(micro, cfg.crop, cfg.crop, 3, dtype=torch.uint8))
+            y = torch.zeros(micro, dtype=torch.long)
+            autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if self.precision == "bf16" \
+                else contextlib.nullcontext
+            return loader_cost(self.train_loader.dataset), step_rate(self.model, self.criterion, x, y, autocast)
+
+        self.loader_sizing = size_loader(cfg.data.reserve_cores, cfg.data.workers, measure)
+        if self.loader_sizing.reserved != len(ctx.cpu.data_cpus):
+            ctx.cpu = plan_cpus(local_rank=ctx.env.local_rank, local_size=ctx.env.local_size,
+                                comm_threads=len(ctx.cpu.comm_cpus), data_cores=self.loader_sizing.reserved,
+                                task_cpus=set(ctx.cpu.task_cpus))
+            apply_cpu_plan(ctx.cpu)
 
     def _wrap(self) -> None:
         sync = self.cfg.sync
@@ -399,6 +421,7 @@ class Trainer:
             f"{cfg.train_images} training images: {s.steps_per_epoch} steps per epoch, {s.warmup_steps} warmup steps, "
             f"{self.last_step} steps to run of {s.total_steps}; peak lr {s.peak_lr:.5g}",
             f"backend {ctx.backend.name}; {ctx.cpu.threads} threads per rank; allocator {allocator_in_use()}",
+            self.loader_sizing.describe(), f"cpu plan: {ctx.cpu.describe()}",
             f"precision {self.precision} ({self.precision_why}); channels_last {cfg.loop.channels_last}",
             self.ipex_note, self.compile_note, f"gradient sync: DDP, buckets of {cfg.sync.bucket_cap_mb:g} MB"
             + (f" (the first {cfg.sync.first_bucket_mb:g} MB)" if cfg.sync.first_bucket_mb else "")
@@ -409,21 +432,3 @@ class Trainer:
         ]
         for line in lines:
             log.info("%s", line)
-
-
-def _loader(dataset, sampler, batch: int, workers: int, data_cpus: tuple[int, ...]) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, drop_last=False,
-                      persistent_workers=False, prefetch_factor=4 if workers else None,
-                      worker_init_fn=functools.partial(_pin_worker, data_cpus) if workers else None)
-
-
-def _pin_worker(data_cpus: tuple[int, ...], worker_id: int) -> None:
-    """A loader worker decodes on the CPUs the rank's plan keeps for data, off its compute cores."""
-    if data_cpus:
-        os.sched_setaffinity(0, data_cpus)
-    torch.set_num_threads(1)
-    # scancel's SIGTERM reaches every process of the step; the rank stops at the next step and checkpoints,
-    # which needs its workers until then (they exit with it)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
