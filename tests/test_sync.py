@@ -74,6 +74,8 @@ def test_bench_sync_reports_every_path(mpiexec, tmp_path):
     assert "fused / flat:" in run.stdout
     w = r["scaling"]
     assert w["ranks"] == 2 and w["s_per_step_1"] > 0 and w["s_per_step_n"] > 0 and "efficiency" in run.stdout
+    assert len(w["rounds_1"]) == len(w["rounds_apart"]) == len(w["rounds_n"]) == w["rounds"]
+    assert w["efficiency"] == pytest.approx(w["node_share"] * w["sync_share"]) and "the node's share" in run.stdout
     hooks = r["hooks"]
     assert set(hooks) == {"none", "fp16", "bf16", "hierarchical", "chunk_sparse"} and all(h["ms"] > 0 for h in hooks.values())
     full = r["parameters"] * 4 / 2 ** 20

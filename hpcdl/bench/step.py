@@ -64,7 +64,7 @@ class Config:
                               f"--curve-batches, e.g. --curve-batches 8,16,32")
 
 
-def synthetic_training(model_name: str, batch: int, crop: int, seed: int = 0):
+def synthetic_training(model_name: str, batch: int, crop: int, seed: int = 0, channels_last: bool = True):
     """(model, LARS, loss, images, labels): one random batch in memory, the same on every call with ``seed``."""
     import torch
 
@@ -72,19 +72,21 @@ def synthetic_training(model_name: str, batch: int, crop: int, seed: int = 0):
     from hpcdl.optim.factory import OptimConfig, build_optimizer
 
     torch.manual_seed(seed)
-    model = build_model(model_name, num_classes=1000).to(memory_format=torch.channels_last)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    model = build_model(model_name, num_classes=1000).to(memory_format=layout)
     optimizer = build_optimizer(model, OptimConfig(name="lars", lr=1.0, weight_decay=1e-4))
-    x = torch.randn(batch, 3, crop, crop).to(memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, crop, crop).to(memory_format=layout)
     y = torch.randint(0, 1000, (batch,))
     return model, optimizer, torch.nn.CrossEntropyLoss(), x, y
 
 
-def bare_loop(model_name: str, batch: int, crop: int, precision: str = "fp32", compiled: bool = False):
+def bare_loop(model_name: str, batch: int, crop: int, precision: str = "fp32", compiled: bool = False,
+              channels_last: bool = True):
     import contextlib
 
     import torch
 
-    model, optimizer, criterion, x, y = synthetic_training(model_name, batch, crop)
+    model, optimizer, criterion, x, y = synthetic_training(model_name, batch, crop, channels_last=channels_last)
     net = torch.compile(model) if compiled else model
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
 
@@ -179,37 +181,46 @@ def _child_env(tuned: bool) -> dict[str, str]:
 
 def _node_round(cfg: Config, tuned: bool) -> dict:
     """``ranks_per_node`` children at once; the node's throughput is the sum of theirs."""
-    procs = []
-    for local_rank in range(cfg.ranks_per_node):
-        spec = {"tuned": tuned, "model": cfg.tuning_model, "batch": cfg.tuning_batch, "crop": cfg.tuning_crop,
-                "steps": cfg.tuning_steps, "local_rank": local_rank, "local_size": cfg.ranks_per_node}
-        procs.append(subprocess.Popen([sys.executable, "-m", "hpcdl.bench.step", json.dumps(spec)], text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env(tuned)))
+    spec = {"tuned": tuned, "model": cfg.tuning_model, "batch": cfg.tuning_batch, "crop": cfg.tuning_crop,
+            "steps": cfg.tuning_steps}
+    return node_round(spec, cfg.ranks_per_node, _child_env(tuned))
+
+
+def node_round(spec: dict, ranks: int, env: dict[str, str]) -> dict:
+    """``ranks`` children of :func:`child` at once, each a local rank of ``spec`` started with ``env``; the node's
+    images/s is the sum of theirs, its memory the sum of their peak resident sets."""
+    procs = [subprocess.Popen([sys.executable, "-m", "hpcdl.bench.step",
+                               json.dumps({**spec, "local_rank": r, "local_size": ranks})], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for r in range(ranks)]
     results = []
     for p in procs:
         out, err = p.communicate()
         if p.returncode != 0:
-            raise RuntimeError(f"bench step child ({'tuned' if tuned else 'untuned'}) failed:\n{err}")
+            raise RuntimeError(f"bench step child ({json.dumps(spec)}) failed:\n{err[-3000:]}")
         results.append(json.loads(out.strip().splitlines()[-1]))
     return {"images_per_s": sum(r["images_per_s"] for r in results), "threads": results[0]["threads"],
-            "allocator": results[0]["allocator"]}
+            "allocator": results[0]["allocator"], "peak_rss_mb": sum(r["peak_rss_mb"] for r in results)}
 
 
 def child(spec: dict) -> dict:
     """One rank's throughput; tuned: hpcdl's CPU plan for this local rank (its cores, one thread each)."""
+    import resource
+
     import torch
 
     from hpcdl.distributed.affinity import allocator_in_use, apply_cpu_plan, plan_cpus
 
     if spec["tuned"]:
         apply_cpu_plan(plan_cpus(local_rank=spec["local_rank"], local_size=spec["local_size"]))
-    step = bare_loop(spec["model"], spec["batch"], spec["crop"])
+    step = bare_loop(spec["model"], spec["batch"], spec["crop"], spec.get("precision", "fp32"),
+                     channels_last=spec.get("channels_last", True))
     step()
     t0 = time.perf_counter()
     for _ in range(spec["steps"]):
         step()
     seconds = (time.perf_counter() - t0) / spec["steps"]
-    return {"images_per_s": spec["batch"] / seconds, "threads": torch.get_num_threads(), "allocator": allocator_in_use()}
+    return {"images_per_s": spec["batch"] / seconds, "threads": torch.get_num_threads(), "allocator": allocator_in_use(),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def tuning(cfg: Config) -> dict:

@@ -236,26 +236,39 @@ def _train_steps(cfg: Config):
 
 
 def weak_scaling(cfg: Config, env, group=None) -> dict:
-    """Seconds per step of rank 0 alone and of all ranks under hpcdl's DDP, same per-rank batch; efficiency."""
+    """Seconds per step of rank 0 alone, of every rank at once without a gradient exchange ("apart": what the
+    ranks cost each other through the node's shared memory bandwidth and caches), and of every rank under
+    hpcdl's DDP, same per-rank batch. Efficiency is alone / DDP; it splits into the node's share (alone /
+    apart) and the exchange's (apart / DDP). The three alternate for ``rounds`` rounds and each is the median
+    of its rounds: a VM's compute drifts by 10% between minutes, which one measurement of each turned into the
+    efficiency's noise."""
+    import statistics
+
     import torch
     import torch.distributed as dist
 
     from hpcdl.distributed.sync import data_parallel
 
     model, steps = _train_steps(cfg)
-    alone = None
-    if dist.get_rank(group) == 0:
-        steps(model, 1)
-        alone = steps(model, cfg.scaling_steps)
-    dist.barrier(group=group)
     ddp, _ = data_parallel(model, env, group, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb)
-    steps(ddp, 1)
-    dist.barrier(group=group)
-    together = steps(ddp, cfg.scaling_steps)
-    world = dist.get_world_size(group)
+    rank0 = dist.get_rank(group) == 0
+    alone, apart, together = [], [], []
+    for r in range(1 + cfg.rounds):  # round 0 warms all up (and lets DDP rebuild its buckets)
+        n = 1 if r == 0 else cfg.scaling_steps
+        dist.barrier(group=group)
+        if rank0:  # the other ranks wait in the barrier, on their own cores
+            alone.append(steps(model, n))
+        dist.barrier(group=group)
+        apart.append(steps(model, n))
+        dist.barrier(group=group)
+        together.append(steps(ddp, n))
+    one = statistics.median(alone[1:]) if rank0 else None
+    free, synced = statistics.median(apart[1:]), statistics.median(together[1:])
     return {"model": cfg.scaling_model, "batch_per_rank": cfg.scaling_batch, "threads": torch.get_num_threads(),
-            "s_per_step_1": alone, "s_per_step_n": together, "ranks": world,
-            "efficiency": alone / together if alone else None}
+            "s_per_step_1": one, "s_per_step_apart": free, "s_per_step_n": synced, "ranks": dist.get_world_size(group),
+            "rounds": cfg.rounds, "rounds_1": alone[1:], "rounds_apart": apart[1:], "rounds_n": together[1:],
+            "efficiency": one / synced if one else None, "node_share": one / free if one else None,
+            "sync_share": free / synced}
 
 
 def bucket_spec(spec: str) -> tuple[float | None, float]:
@@ -407,7 +420,10 @@ def _format_one(r: dict) -> str:
         w = r["scaling"]
         lines.append(f"weak scaling, {w['model']} at batch {w['batch_per_rank']} per rank, {w['threads']} threads per "
                      f"rank: 1 rank {w['s_per_step_1']:.3f} s/step, {w['ranks']} ranks {w['s_per_step_n']:.3f} s/step, "
-                     f"efficiency {100 * w['efficiency']:.1f}%")
+                     f"efficiency {100 * w['efficiency']:.1f}% (medians of {w.get('rounds', 1)} alternating rounds)")
+        if "s_per_step_apart" in w:
+            lines.append(f"  = the node's share {100 * w['node_share']:.1f}% ({w['ranks']} ranks computing apart, no "
+                         f"exchange: {w['s_per_step_apart']:.3f} s/step) x the exchange's {100 * w['sync_share']:.1f}%")
     if "bucket_sweep" in r:
         best = min(r["bucket_sweep"].values())
         lines.append(f"bucket sweep, {r['scaling']['model'] if 'scaling' in r else 'scaling model'}: s per DDP step by "

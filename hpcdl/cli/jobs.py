@@ -41,10 +41,15 @@ def add_commands(sub) -> None:
     command(sub, "profiles", profiles, ProfilesCommand, help="list the cluster profiles")
 
 
-def _argv(command: tuple[str, ...]) -> list[str]:
+def _argv(command: tuple[str, ...], req: JobRequest) -> list[str]:
+    """The hpcdl command to run; a train command gets the precision and memory format of ``--layout``."""
     argv = list(command[1:] if command[:1] == ("--",) else command)
     if not argv:
         raise HpcdlError("no command given: put the hpcdl command after --, e.g. 'hpcdl sbatch ... -- bench allreduce'")
+    if req.layout:
+        from hpcdl.launch.layout import load_layout, train_overrides
+
+        argv = train_overrides(argv, load_layout(req.layout))
     return argv
 
 
@@ -62,7 +67,7 @@ def sbatch(req: JobRequest, cmd: SbatchCommand) -> int:
     from hpcdl.launch.sbatch import render_sbatch
     from hpcdl.utils import atomic_write_text
 
-    argv = _argv(cmd.command)
+    argv = _argv(cmd.command, req)
     if argv[0] == "train":
         checked_config(_train_command(argv), req.ntasks)
     script = render_sbatch(req, argv)
@@ -80,7 +85,7 @@ def submit(req: JobRequest, cmd: SubmitCommand) -> int:
     from hpcdl.cli import exit_code
     from hpcdl.launch.executor import hpcdl_command, submit as submit_job
 
-    argv = _argv(cmd.command)
+    argv = _argv(cmd.command, req)
     params = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
     if argv[0] == "train":  # a checkpointable job object: submitit's requeue protocol reaches the trainer
         from hpcdl.cli.train import checked_config

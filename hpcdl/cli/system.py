@@ -16,6 +16,8 @@ from hpcdl.names import ALLOCATOR_CHOICES
 @dataclass(kw_only=True, slots=True)
 class TuneCommand:
     exports: bool = False  # print shell export lines only
+    # choose the node layout by short trials on this node (docs/launching.md): prints a table, writes --write
+    measure: bool = False
     # the allocator the exports preload (auto: the first that loads, in the order listed after none)
     allocator: str = field(default="auto", metadata=meta(choices=ALLOCATOR_CHOICES))
     comm_threads: int = 0  # threads kept for communication
@@ -42,8 +44,11 @@ class CclInfo:
 def add_commands(sub) -> None:
     from hpcdl.cli import command
 
-    command(sub, "tune", tune, TuneCommand,
-            help="show this rank's CPU plan and allocator, or print the exports for a job script")
+    from hpcdl.bench.layout import TuneConfig
+
+    command(sub, "tune", tune, TuneCommand, TuneConfig,
+            help="show this rank's CPU plan and allocator, print the exports for a job script, or --measure the node "
+                 "layout")
     command(sub, "env", env, EnvCommand, help="print this process's rank discovery as JSON")
     ccl = sub.add_parser("ccl", help="the oneCCL runtime of backend ccl").add_subparsers(dest="action", required=True)
     command(ccl, "install", ccl_install, CclInstall, help="assemble hpcdl's pinned oneCCL runtime from PyPI's wheels "
@@ -51,13 +56,15 @@ def add_commands(sub) -> None:
     command(ccl, "info", ccl_info, CclInfo, help="which libccl backend ccl loads, from which source, and its version")
 
 
-def tune(cmd: TuneCommand) -> int:
+def tune(cmd: TuneCommand, trials) -> int:
     from hpcdl.distributed.affinity import allocator_exports, allocator_in_use, plan_cpus
     from hpcdl.distributed.env import discover
 
     if cmd.exports:
         sys.stdout.write(allocator_exports(cmd.allocator))
         return 0
+    if cmd.measure:
+        return _measure(trials)
     rank = discover()
     plan = plan_cpus(local_rank=rank.local_rank, local_size=rank.local_size, comm_threads=cmd.comm_threads,
                      data_cores=cmd.data_cores)
@@ -67,6 +74,47 @@ def tune(cmd: TuneCommand) -> int:
     print("exports for the job script (hpcdl tune --exports):")
     sys.stdout.write("".join("  " + line + "\n" for line in allocator_exports(cmd.allocator).splitlines()))
     return 0
+
+
+def _measure(cfg) -> int:
+    import os
+    import socket
+
+    from hpcdl.bench.layout import measure
+    from hpcdl.launch.layout import NodeLayout
+    from hpcdl.utils import atomic_write_text, cpu_flags, cpu_model
+
+    print(f"hpcdl tune --measure on {socket.gethostname()}: {cpu_model()}, {len(os.sched_getaffinity(0))} cores; "
+          f"{cfg.model} at {cfg.crop} px, {cfg.steps} steps a trial", flush=True)
+    r = measure(cfg, log=lambda line: print(line, flush=True))
+    sys.stdout.write(format_layouts(r))
+    w = r["winner"]
+    layout = NodeLayout(ranks_per_node=w["ranks"], cpus_per_task=r["topology"]["cores"] // w["ranks"],
+                        precision=w["precision"], channels_last=w["channels_last"], allocator=w["allocator"],
+                        batch_per_rank=r["batch_per_rank"], images_per_s=r["winner_images_per_s"], model=cfg.model,
+                        node={"host": socket.gethostname(), "cpu": cpu_model(), "cores": r["topology"]["cores"],
+                              "sockets": r["topology"]["sockets"], "numa": r["topology"]["numa"],
+                              "flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))})
+    atomic_write_text(cfg.write, layout.to_json())
+    print(f"wrote {cfg.write}: {layout.describe()}; use it with hpcdl sbatch --layout {cfg.write} ...")
+    return 0
+
+
+def format_layouts(r: dict) -> str:
+    lines = [f"node: {r['topology']['cores']} cores, {r['topology']['sockets']} sockets, {r['topology']['numa']} NUMA "
+             f"domains, {r['memory_mb'] / 1024:.1f} GB for this job",
+             f"  {'images/s':>9s}  {'peak GB':>7s}  layout (ranks x cores each, precision, memory format, allocator, batch per rank)"]
+    lines += [f"  {t['images_per_s']:9.2f}  {t['peak_rss_mb'] / 1024:7.2f}  {t['name']}" for t in r["trials"]]
+    lines += [f"  {'refused':>9s}  {'':7s}  {name}: {why}" for name, why in r["refused"].items()]
+    lines += [f"  skipped {what}: {why}" for what, why in r["skipped"].items()]
+    c = r["confirm"]
+    if c:
+        m = c["medians"]
+        lines.append(f"confirming run, {len(c['rounds']['winner'])} alternating rounds: {c['winner']} {m['winner']:.2f} "
+                     f"images/s, {c['runner_up']} {m['runner-up']:.2f}" + ("; the runner-up was faster here and wins"
+                                                                          if c.get("swapped") else ""))
+    lines.append(f"winner: {r['winner_name']}; batch per rank within 5% of the best: {r['batch_per_rank']}")
+    return "\n".join(lines) + "\n"
 
 
 def env(_: EnvCommand) -> int:

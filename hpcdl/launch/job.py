@@ -33,8 +33,17 @@ class JobRequest:
     python: str | None = None  # the interpreter with hpcdl on the compute nodes (sbatch: python3 on PATH; submit: this one)
     # the memory allocator every rank preloads (auto: the first that loads, in the order listed after none)
     allocator: str = dataclasses.field(default="auto", metadata=meta(choices=ALLOCATOR_CHOICES))
+    # a node layout from hpcdl tune --measure: its ranks per node, cores per rank and allocator replace the three
+    # above, and a train command gets its precision and memory format
+    layout: str | None = dataclasses.field(default=None, metadata=meta(metavar="LAYOUT.json"))
 
     def __post_init__(self):
+        if self.layout:
+            from hpcdl.launch.layout import load_layout
+
+            chosen = load_layout(self.layout)
+            self.tasks_per_node, self.cpus_per_task = chosen.ranks_per_node, chosen.cpus_per_task
+            self.allocator = chosen.allocator
         prof = get_profile(self.profile)
         for name in ("nodes", "tasks_per_node"):
             if getattr(self, name) < 1:

@@ -98,6 +98,12 @@ def _header(req: JobRequest, command: list[str]) -> list[str]:
     ]
     if prof.network:
         lines.append(f"# Network: {prof.network}.")
+    if req.layout:
+        from hpcdl.launch.layout import load_layout
+
+        chosen = load_layout(req.layout)
+        lines.append(f"# Node layout from {req.layout} (hpcdl tune --measure on {chosen.node.get('host', '?')}, "
+                     f"{chosen.images_per_s:.1f} images/s of {chosen.model}): {chosen.describe()}.")
     lines += [
         "#",
         "# Knobs. Edit the #SBATCH lines, or override them when submitting (sbatch --nodes=8 THIS_FILE):",
