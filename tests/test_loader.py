@@ -104,3 +104,21 @@ def test_train_prints_the_loader_sizing_and_plans_threads_around_it(reserve, dat
     assert threads == (cpus - kept if cpus > kept else cpus)
     steps = [json.loads(x) for x in (run / "train.jsonl").read_text().splitlines() if '"kind": "step"' in x]
     assert len(steps) == 3
+
+
+def test_bench_feed_compares_jpegs_with_the_same_step_from_memory(data, tmp_path):
+    report = tmp_path / "feed.json"
+    done = hpcdl("bench", "feed", "--data", data / "train", "--model", "tiny_cnn", "--batch", "8", "--crop", "32",
+                 "--layouts", "1x2,2x1", "--precisions", "fp32", "--steps", "2", "--warmup", "1", "--rounds", "1",
+                 "--workers", "1", "--json", report, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["layout"], r["precision"]) for r in rows] == [("1x2", "fp32"), ("2x1", "fp32")]
+    for r in rows:
+        assert r["ratio"] == pytest.approx(r["images_per_s"]["jpeg"] / r["images_per_s"]["memory"])
+        assert "cores needed:" in r["loader"] and 0 <= r["data_share"] < 1
+    assert "jpeg/memory" in done.stdout and "loader sizing (rank 0)" in done.stdout
+    with pytest.raises(ConfigError, match="--layouts '2by1'"):
+        from hpcdl.bench.feed import Config
+
+        Config(layouts=("2by1",))

@@ -119,8 +119,10 @@ def run(cfg: Config, job=None) -> dict:
 
 
 def format_report(r: dict) -> str:
-    c, machine = r["config"], r["provenance"]["machine"]
-    lines = [f"CPU: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, flags {' '.join(machine.get('flags', []))}",
+    from hpcdl.bench.runner import machine_line
+
+    c = r["config"]
+    lines = [machine_line(r),
              f"hpcdl train {c['model']}, batch {c['batch']} per rank at {c['crop']} px: packed JPEGs ({c['workers']} "
              f"workers per rank) against the same step fed from memory, median of {c['rounds']} alternating rounds of "
              f"{c['steps']} steps after {c['warmup']}:",

@@ -143,6 +143,12 @@ def provenance(job: Job | None = None, argv: list[str] | None = None) -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+def machine_line(report: dict) -> str:
+    """The report's machine as a table's first line: the CPU, its logical CPUs and the ISA flags that matter."""
+    m = report["provenance"]["machine"]
+    return f"CPU: {m['cpu']}, {m['logical_cpus']} logical CPUs, flags {' '.join(m.get('flags', []))}"
+
+
 def _commit() -> str | None:
     """hpcdl's git commit (with ``-dirty`` when its tree has changes), or None outside a checkout."""
     root = Path(__file__).resolve().parents[2]

@@ -253,9 +253,10 @@ def run(cfg: Config, job=None) -> dict:
 
 
 def format_report(r: dict) -> str:
+    from hpcdl.bench.runner import machine_line
+
     c = r["config"]
-    machine = r["provenance"]["machine"]
-    lines = [f"CPU: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, flags {' '.join(machine['flags'])}"]
+    lines = [machine_line(r)]
     if "precision" in r:
         lines += _precision_lines(r["precision"], c)
     if "overhead" in r:
