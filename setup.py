@@ -26,5 +26,10 @@ setup(
         "ipex": ["intel-extension-for-pytorch==2.8.*", "torch==2.8.*"],
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn>=1.2"],  # sklearn: the digits of bench large-batch
     },
-    entry_points={"console_scripts": ["hpcdl = hpcdl.cli:main"]},
+    entry_points={
+        "console_scripts": ["hpcdl = hpcdl.cli:main"],
+        # torch.distributed finds these by name: init_process_group("oneccl") with no import of hpcdl
+        "torch.distributed.backends": ["oneccl = hpcdl.distributed.plugin:oneccl",
+                                       "mpi4py = hpcdl.distributed.plugin:mpi4py"],
+    },
 )

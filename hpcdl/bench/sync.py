@@ -363,11 +363,10 @@ def _raw_oneccl(group, x):
     """For a oneccl group: ``loop(n)`` makes n one-float onecclAllReduce calls in a row on the group's
     communication thread (oneCCL must be called from that one), so no hand-off is timed: oneCCL's own latency
     through ctypes. None for other backends."""
-    import torch.distributed as dist
-
     from hpcdl.distributed.ccl import CCLProcessGroup
+    from hpcdl.distributed.threaded import library_group
 
-    pg = group if group is not None else dist.group.WORLD
+    pg = library_group(group)
     if not isinstance(pg, CCLProcessGroup):
         return None
     args = (pg.comm, x.data_ptr(), x.data_ptr(), 1, pg.ccl.enums["onecclFloat32"], pg.ccl.enums["onecclSum"])

@@ -1,13 +1,17 @@
-"""``hpcdl tune``, ``hpcdl env`` and ``hpcdl ccl``: this rank, its CPUs and its communication runtime."""
+"""``hpcdl tune``, ``hpcdl env``, ``hpcdl exec`` and ``hpcdl ccl``: this rank, its CPUs and its communication
+runtime."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcdl.errors import ConfigError
 from hpcdl.flags import meta
 from hpcdl.names import ALLOCATOR_CHOICES
 
@@ -50,6 +54,11 @@ def add_commands(sub) -> None:
             help="show this rank's CPU plan and allocator, print the exports for a job script, or --measure the node "
                  "layout")
     command(sub, "env", env, EnvCommand, help="print this process's rank discovery as JSON")
+    run = sub.add_parser("exec", help="run COMMAND with torch's env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, "
+                         "MASTER_ADDR, MASTER_PORT...) set from this rank's launcher: srun or mpiexec, then a plain "
+                         "torch script's init_process_group() joins")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND ...")
+    run.set_defaults(fn=lambda args: exec_command(args.argv))
     ccl = sub.add_parser("ccl", help="the oneCCL runtime of backend ccl").add_subparsers(dest="action", required=True)
     command(ccl, "install", ccl_install, CclInstall, help="assemble hpcdl's pinned oneCCL runtime from PyPI's wheels "
             "(sha256-checked); run it on the login node")
@@ -125,6 +134,21 @@ def env(_: EnvCommand) -> int:
     sys.stdout.write(json.dumps(dataclasses.asdict(discover())) + "\n")
     sys.stdout.flush()
     return 0
+
+
+def exec_command(argv: list[str]) -> int:
+    """Replace this process by ``argv`` with torch's env:// variables set from rank discovery; variables the
+    launcher set already (torchrun's) stay."""
+    from hpcdl.distributed.env import discover
+
+    argv = argv[1:] if argv[:1] == ["--"] else argv
+    if not argv:
+        raise ConfigError("hpcdl exec: name the command to run, e.g. 'srun hpcdl exec python train.py'")
+    os.environ.update({k: v for k, v in discover().torch_variables().items() if k not in os.environ})
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        raise ConfigError(f"hpcdl exec: cannot run {argv[0]!r}: {exc}") from None
 
 
 def ccl_install(cmd: CclInstall) -> int:

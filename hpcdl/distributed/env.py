@@ -85,6 +85,14 @@ class RankEnv:
     job_id: str | None
     restart_count: int
 
+    def torch_variables(self) -> dict[str, str]:
+        """torch's ``env://`` variables for this rank (what torchrun sets), so that a plain script's
+        ``init_process_group()`` joins under any launcher (``hpcdl exec``)."""
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                "LOCAL_WORLD_SIZE": str(self.local_size), "GROUP_RANK": str(self.node_rank),
+                "GROUP_WORLD_SIZE": str(self.nodes), "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port)}
+
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_size}, "
                 f"node {self.node_rank}/{self.nodes}, host {self.hostname}) via {self.launcher}; "

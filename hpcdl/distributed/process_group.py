@@ -254,10 +254,11 @@ def new_subgroup(ctx: DistContext, ranks: list[int]) -> dist.ProcessGroup:
 def set_group_timeout(group, timeout: timedelta) -> None:
     """Change a group's collective timeout in place: hpcdl's own groups (MPI, oneCCL) keep it as an attribute
     their watchdog reads; torch's (gloo) through ``dist.set_timeout`` (torch 2.9+)."""
-    from hpcdl.distributed.threaded import ThreadedProcessGroup
+    from hpcdl.distributed.threaded import library_group
 
-    if isinstance(group, ThreadedProcessGroup):
-        group.timeout = timeout
+    ours = library_group(group)
+    if ours is not None:
+        ours.timeout = timeout
     elif dist.get_rank(group) >= 0:  # a member (new_group returns a placeholder to the others)
         dist.set_timeout(timeout, group)
 

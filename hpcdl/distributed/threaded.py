@@ -39,9 +39,10 @@ from torch.futures import Future
 from hpcdl.errors import ConfigError
 from hpcdl.utils import leave_now
 
-__all__ = ["CommThread", "ThreadedProcessGroup"]
+__all__ = ["CommThread", "ThreadedProcessGroup", "library_group"]
 
 _SUM, _AVG = dist.ReduceOp.RedOpType.SUM, dist.ReduceOp.RedOpType.AVG
+_PREMUL = dist.ReduceOp.RedOpType.PREMUL_SUM
 _OPS = {"SUM": dist.ReduceOp.RedOpType.SUM, "AVG": _AVG, "MAX": dist.ReduceOp.RedOpType.MAX,
         "MIN": dist.ReduceOp.RedOpType.MIN, "PRODUCT": dist.ReduceOp.RedOpType.PRODUCT}
 
@@ -216,8 +217,22 @@ class CommThread:
             leave_now(1)
 
 
-class ThreadedProcessGroup(dist.ProcessGroup):
-    """A torch process group whose collectives a library runs on a :class:`CommThread`.
+def library_group(group=None) -> "ThreadedProcessGroup | None":
+    """The hpcdl backend behind ``group`` (default: the world), or ``None`` for torch's own (gloo)."""
+    if isinstance(group, ThreadedProcessGroup):
+        return group
+    pg = dist.group.WORLD if group is None else group
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except (RuntimeError, AttributeError):  # no CPU backend, or not a member (a placeholder)
+        return None
+    return backend if isinstance(backend, ThreadedProcessGroup) else None
+
+
+class ThreadedProcessGroup(torch._C._distributed_c10d.Backend):
+    """A torch.distributed backend whose collectives a library runs on a :class:`CommThread`. torch wraps it in
+    a ``ProcessGroup`` with the CPU as its device (as it does gloo), so what asks a group for its backend by
+    device (``batch_isend_irecv``, FSDP, torch's object collectives) finds it; :func:`library_group` does too.
 
     A library subclasses it with its name (``BACKEND_NAME``, ``LIBRARY``), the dtypes it reduces
     (``NATIVE``; others are reduced in fp32 and copied back), its reduce ops (``library_op``), and six
@@ -231,6 +246,9 @@ class ThreadedProcessGroup(dist.ProcessGroup):
     LIBRARY = ""
     NATIVE: frozenset = frozenset()
     inline_bytes = 0
+    # torch's binding of the C++ property recurses forever on a Python subclass that does not override it
+    # (batch_isend_irecv reads it): no NCCL-style coalescing here.
+    supports_coalescing = False
 
     def __init__(self, rank: int, world_size: int, timeout: timedelta, thread: CommThread):
         super().__init__(rank, world_size)
@@ -282,17 +300,31 @@ class ThreadedProcessGroup(dist.ProcessGroup):
     def _sum(self):
         return self.library_op("SUM")
 
-    def _op(self, opts) -> tuple[bool, object]:
-        """(whether to divide by the size afterwards, the library's op) for ``opts.reduceOp``."""
+    def _op(self, opts) -> tuple[bool | float, object]:
+        """(what to do around the library's reduction, the library's op) for ``opts.reduceOp``: ``False``
+        nothing, ``True`` divide the result by the size (AVG), a number: multiply each input by it first
+        (PREMUL_SUM, which torch's FSDP and ``_make_nccl_premul_sum`` use)."""
         op = opts.reduceOp.op
         if op == _SUM:  # the common case, without a lookup by name (a microsecond of a small message's latency)
             return False, self._sum
+        if op == _PREMUL:
+            factor = opts.reduceOp.factor
+            if not isinstance(factor, float):
+                raise ConfigError(f"backend {self.BACKEND_NAME}: PREMUL_SUM by a tensor factor is not supported; "
+                                  "pass a number to _make_nccl_premul_sum")
+            return factor, self._sum
         name = "SUM" if op == _AVG else next((k for k, v in _OPS.items() if v == op), str(op))
         library_op = self.library_op(name)
         if library_op is None:
-            raise ConfigError(f"backend {self.BACKEND_NAME}: reduce op {op} is not supported; use SUM, AVG, MAX, MIN "
-                              "or PRODUCT")
+            raise ConfigError(f"backend {self.BACKEND_NAME}: reduce op {op} is not supported; use SUM, AVG, MAX, MIN, "
+                              "PRODUCT or PREMUL_SUM")
         return op == _AVG, library_op
+
+    def _before(self, buf: torch.Tensor, around, owned: bool) -> torch.Tensor:
+        """PREMUL_SUM's multiplication of the input (on a copy unless ``owned``: an input stays as given)."""
+        if around is True or around is False:
+            return buf
+        return buf.mul_(around) if owned else buf * around
 
     def _reducible(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(a contiguous tensor of a dtype the library reduces, whether to copy it back into ``tensor``)."""
@@ -310,13 +342,14 @@ class ThreadedProcessGroup(dist.ProcessGroup):
 
     # -- collectives ----------------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
-        avg, op = self._op(opts)
+        around, op = self._op(opts)
 
         def run(inline):
             for t in tensors:
                 buf, back = self._reducible(t)
+                buf = self._before(buf, around, owned=True)  # all-reduce overwrites it anyway
                 self._allreduce(buf, op, inline)
-                if avg:
+                if around is True:
                     self._divide(buf)
                 if back:
                     t.copy_(buf)
@@ -325,14 +358,15 @@ class ThreadedProcessGroup(dist.ProcessGroup):
         return self._submit(run, ("allreduce", tensors), _nbytes(tensors))
 
     def reduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
-        (avg, op), root = self._op(opts), opts.rootRank
+        (around, op), root = self._op(opts), opts.rootRank
 
         def run(inline):
             for t in tensors:
                 buf, back = self._reducible(t)
+                buf = self._before(buf, around, owned=True)
                 self._reduce(buf, op, root, inline)
                 if self.rank() == root:
-                    if avg:
+                    if around is True:
                         self._divide(buf)
                     if back:
                         t.copy_(buf)
@@ -375,13 +409,14 @@ class ThreadedProcessGroup(dist.ProcessGroup):
         return self._submit(run, "allgather", _nbytes([output]))
 
     def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts) -> dist.Work:
-        avg, op = self._op(opts)
+        around, op = self._op(opts)
 
         def run(inline):
-            send, _ = self._reducible(inp)
+            send, copied = self._reducible(inp)
+            send = self._before(send, around, owned=copied)
             recv = torch.empty(output.shape, dtype=send.dtype)
             self._reduce_scatter(send, recv, op, inline)
-            if avg:
+            if around is True:
                 self._divide(recv)
             output.copy_(recv)
             return [output]
@@ -402,6 +437,87 @@ class ThreadedProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None) -> dist.Work:
         return self._submit(lambda inline: self._barrier(inline), "barrier", 0)
+
+    # Built on the primitives above, as every rank's data passes through each rank: what scripts and torch's
+    # object collectives call, at the cost of moving size x the bytes (none of them is on a training step's
+    # path; DDP and the hooks use all-reduce).
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts) -> dist.Work:
+        root = opts.rootRank
+
+        def run(inline):
+            inp = inputs[0].contiguous()
+            flat = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
+            self._allgather(inp, flat, inline)
+            if self.rank() == root:
+                for r, out in enumerate(outputs[0]):
+                    out.copy_(flat[r])
+            return outputs[0] if self.rank() == root else []
+
+        return self._submit(run, f"gather to rank {root}", _nbytes(inputs) * self.size())
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts) -> dist.Work:
+        root = opts.rootRank
+
+        def run(inline):
+            out = outputs[0]
+            flat = (torch.stack([t.reshape(out.shape) for t in inputs[0]]) if self.rank() == root
+                    else torch.empty((self.size(), *out.shape), dtype=out.dtype))
+            self._broadcast(flat, root, inline)
+            out.copy_(flat[self.rank()])
+            return outputs
+
+        return self._submit(run, f"scatter from rank {root}", _nbytes(outputs) * self.size())
+
+    def alltoall_base(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts=None) -> dist.Work:
+        n = self.size()
+        if output_split_sizes or input_split_sizes:
+            if len(set(output_split_sizes)) > 1 or len(set(input_split_sizes)) > 1:
+                raise ConfigError(f"backend {self.BACKEND_NAME}: all_to_all_single with uneven split sizes is not "
+                                  "supported; pad to equal splits, or use a gloo group (dist.new_group(backend='gloo'))")
+        if inp.shape[0] % n or inp.shape != output.shape:
+            raise ConfigError(f"backend {self.BACKEND_NAME}: all_to_all_single needs input and output of one shape "
+                              f"whose first dimension divides by the group's {n} ranks; got {tuple(inp.shape)} and "
+                              f"{tuple(output.shape)}")
+
+        def run(inline):
+            every = torch.empty((n, *inp.shape), dtype=inp.dtype)  # every rank's whole input
+            self._allgather(inp.contiguous(), every, inline)
+            mine = every.reshape(n, n, -1)[:, self.rank()]  # what each rank sends to this one, in rank order
+            output.copy_(mine.reshape(output.shape))
+            return [output]
+
+        return self._submit(run, "all_to_all", _nbytes([inp]) * n)
+
+    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts=None) -> dist.Work:  # torch >= 2.10's name
+        return self.alltoall_base(output, inp, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None) -> dist.Work:
+        if len({t.shape for t in (*inputs, *outputs)}) > 1:
+            raise ConfigError(f"backend {self.BACKEND_NAME}: all_to_all with tensors of different shapes is not "
+                              "supported; use one shape, or a gloo group (dist.new_group(backend='gloo'))")
+        flat_out = torch.empty((len(outputs), *outputs[0].shape), dtype=outputs[0].dtype)
+        work = self.alltoall_base(flat_out, torch.stack(inputs), [], [], opts)
+        work.wait()
+        for out, got in zip(outputs, flat_out):
+            out.copy_(got)
+        return _DoneWork(outputs)
+
+    def _point_to_point(self, what: str):
+        raise ConfigError(f"backend {self.BACKEND_NAME}: {what} (point-to-point) is not supported: its library is "
+                          "called from one communication thread in issue order, where a receive would block the "
+                          "collectives behind it. Send through a gloo group beside it: "
+                          "dist.new_group(backend='gloo')")
+
+    def send(self, tensors, dst: int, tag: int = 0) -> dist.Work:
+        self._point_to_point("send")
+
+    def recv(self, tensors, src: int, tag: int = 0) -> dist.Work:
+        self._point_to_point("recv")
+
+    def recv_anysource(self, tensors, tag: int = 0) -> dist.Work:
+        self._point_to_point("recv from any source")
 
     # -- the library's primitives ---------------------------------------------------------------------------
     def _allreduce(self, buf: torch.Tensor, op, inline: bool) -> None:

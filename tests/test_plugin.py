@@ -1,0 +1,109 @@
+"""hpcdl's groups as torch.distributed plugins, under a script that imports torch only (tests/plain_ddp.py):
+found through the entry points under torchrun and under srun on two Slurm nodes, every collective exact,
+and DDP reaching gloo's weights."""
+
+import json
+import os
+import subprocess
+from importlib.metadata import entry_points
+
+import pytest
+
+from conftest import PYTHON, REPO, free_port, sbatch_wait
+
+SCRIPT = REPO / "tests" / "plain_ddp.py"
+BIN = os.path.dirname(PYTHON)
+POINT_TO_POINT = ("send_recv", "batch_isend_irecv")  # refused by hpcdl's groups, with the reason
+
+
+def launcher_env() -> dict[str, str]:
+    """This environment less the launcher variables pytest may run under."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PMI_", "GROUP_"))}
+
+
+def torchrun(tmp_path, backend: str, n: int = 2) -> subprocess.CompletedProcess:
+    port = free_port()
+    return subprocess.run([f"{BIN}/torchrun", "--nproc-per-node", str(n), f"--master-port={port}", str(SCRIPT), backend,
+                           str(tmp_path / f"{backend.replace(':', '-')}.json")], capture_output=True, text=True,
+                          timeout=240, env={**launcher_env(), "PATH": f"{BIN}:{os.environ['PATH']}"}, cwd=tmp_path)
+
+
+def result(tmp_path, backend: str) -> dict:
+    return json.loads((tmp_path / f"{backend.replace(':', '-')}.json").read_text())
+
+
+def check_against_gloo(found: dict, gloo: dict) -> None:
+    """Every collective exact (the script asserts values) or refused with the reason; gloo's weights."""
+    assert found["hpcdl_before_init"] is False and found["hpcdl_after_init"] is True  # only the entry point loaded it
+    assert found["world"] == gloo["world"] == 2
+    refused = {k: v for k, v in found["collectives"].items() if v != "ok"}
+    assert set(refused) == set(POINT_TO_POINT), refused
+    for name in POINT_TO_POINT:
+        assert "(point-to-point) is not supported" in refused[name] and "new_group(backend='gloo')" in refused[name]
+    assert {k for k, v in gloo["collectives"].items() if v != "ok"} == {"premul_sum"}  # gloo's own refusal, skipped
+    assert found["weights"] == gloo["weights"]
+
+
+def test_pip_install_declares_the_entry_points():
+    found = {e.name: e.value for e in entry_points(group="torch.distributed.backends")}
+    assert found["oneccl"] == "hpcdl.distributed.plugin:oneccl"
+    assert found["mpi4py"] == "hpcdl.distributed.plugin:mpi4py"
+
+
+def test_a_torch_only_script_under_torchrun(ccl, tmp_path):
+    for backend in ("gloo", "oneccl", "cpu:oneccl"):
+        run = torchrun(tmp_path, backend)
+        assert run.returncode == 0, f"{backend}: {run.stderr[-3000:]}"
+    gloo = result(tmp_path, "gloo")
+    for backend in ("oneccl", "cpu:oneccl"):
+        check_against_gloo(result(tmp_path, backend), gloo)
+
+
+def test_the_mpi_group_under_torchrun_says_to_use_an_mpi_launcher(mpiexec, tmp_path):
+    run = torchrun(tmp_path, "mpi4py")
+    assert run.returncode != 0
+    assert "start the job with mpiexec or srun --mpi" in run.stderr, run.stderr[-3000:]
+
+
+def test_a_torch_only_script_under_srun_on_two_nodes(two_nodes, mpiexec, ccl, tmp_path):
+    """``srun hpcdl exec python script.py``: torch's env:// variables from Slurm's; one job, three backends."""
+    steps = "\n".join(f"srun --mpi=pmi2 {BIN}/hpcdl exec {PYTHON} {SCRIPT} {b} {tmp_path}/{b}.json || exit 1"
+                      for b in ("gloo", "oneccl", "mpi4py"))
+    script = tmp_path / "plain.sbatch"
+    script.write_text(f"#!/bin/bash\n{steps}\n")
+    sbatch_wait(script, "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", f"--output={tmp_path}/out",
+                f"--chdir={tmp_path}", env=launcher_env(), timeout=400)
+    gloo = result(tmp_path, "gloo")
+    for backend in ("oneccl", "mpi4py"):
+        check_against_gloo(result(tmp_path, backend), gloo)
+
+
+def test_a_missing_runtime_is_a_clear_error_at_init(tmp_path):
+    env = {**launcher_env(), "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "HPCDL_CCL_LIB": str(tmp_path / "nowhere" / "libccl.so.2")}
+    run = subprocess.run([PYTHON, "-c", "import torch.distributed as d; d.init_process_group('oneccl')"],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert run.returncode != 0
+    assert "torch.distributed backend 'oneccl' (hpcdl's plugin) cannot run here" in run.stderr, run.stderr[-2000:]
+    assert "nowhere/libccl.so.2 (named by HPCDL_CCL_LIB) does not exist" in run.stderr
+
+
+@pytest.mark.parametrize("argv, message", [([], "name the command to run"),
+                                           (["no-such-program-here"], "cannot run 'no-such-program-here'")])
+def test_hpcdl_exec_refuses_a_bad_command(argv, message):
+    run = subprocess.run([f"{BIN}/hpcdl", "exec", *argv], capture_output=True, text=True, env=launcher_env(),
+                         timeout=60)
+    assert run.returncode != 0 and message in run.stderr
+
+
+def test_hpcdl_exec_sets_torchs_variables_from_the_launcher():
+    env = {**launcher_env(), "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29999"}
+    run = subprocess.run([f"{BIN}/hpcdl", "exec", "--", PYTHON, "-c",
+                          "import os; print(' '.join(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+                          "'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')))"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["1", "2", "1", "2", "127.0.0.1", "29999"]
