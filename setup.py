@@ -24,7 +24,8 @@ setup(
         "plot": ["matplotlib>=3.7"],  # hpcdl timeline render
         # IPEX is archived; its last release, 2.8, needs torch 2.8.* exactly.
         "ipex": ["intel-extension-for-pytorch==2.8.*", "torch==2.8.*"],
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn>=1.2"],  # sklearn: the digits of bench large-batch
+        # sklearn: the digits of bench large-batch; Lightning: its DDP on hpcdl's groups (tests/test_plugin.py)
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn>=1.2", "pytorch-lightning>=2.6"],
     },
     entry_points={
         "console_scripts": ["hpcdl = hpcdl.cli:main"],

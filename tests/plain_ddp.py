@@ -51,6 +51,12 @@ def collectives(rank: int, world: int) -> dict[str, str]:
         dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
         assert torch.equal(t, base * sum(r + 1 for r in range(world)) * 0.5), t
 
+    def int_avg():  # truncated toward zero, as Lightning averages its integer counters on gloo
+        t = torch.tensor([rank + 3, -(rank + 3)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        total = sum(r + 3 for r in range(world))
+        assert t.tolist() == [int(total / world), -int(total / world)], t
+
     def broadcast():
         t = base * (rank + 1)
         dist.broadcast(t, src=world - 1)
@@ -154,9 +160,10 @@ def collectives(rank: int, world: int) -> dict[str, str]:
         name = dist.get_backend()
         assert name == sys.argv[1], (name, sys.argv[1])  # what was asked for, "cpu:oneccl" included
 
-    if sys.argv[1].endswith("gloo"):  # gloo refuses it (asynchronously, failing the next collective)
-        premul_sum = None
-    for name, fn in (("all_reduce", all_reduce), ("premul_sum", premul_sum), ("broadcast", broadcast),
+    if sys.argv[1].endswith("gloo"):  # gloo refuses these (asynchronously, failing the next collective)
+        premul_sum = int_avg = None
+    for name, fn in (("all_reduce", all_reduce), ("premul_sum", premul_sum), ("int_avg", int_avg),
+                     ("broadcast", broadcast),
                      ("reduce", reduce), ("all_gather", all_gather),
                      ("all_gather_into_tensor", all_gather_into_tensor(dist.all_gather_into_tensor)),
                      ("all_gather_single", all_gather_into_tensor(getattr(dist, "all_gather_single",

@@ -335,10 +335,12 @@ class ThreadedProcessGroup(torch._C._distributed_c10d.Backend):
         return tensor.contiguous(), True
 
     def _divide(self, buf: torch.Tensor) -> None:
-        if not buf.is_floating_point():
-            raise ConfigError(f"backend {self.BACKEND_NAME}: AVG of {buf.dtype} is not supported (an integer mean); "
-                              "reduce with SUM and divide")
-        buf.div_(self.size())
+        """AVG's division; an integer mean is truncated toward zero, as Lightning's gloo path does (its
+        ``sync_dist`` averages integer counters with AVG on any other backend)."""
+        if buf.is_floating_point():
+            buf.div_(self.size())
+        else:
+            buf.copy_(buf.div(self.size(), rounding_mode="trunc"))
 
     # -- collectives ----------------------------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
