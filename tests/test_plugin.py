@@ -23,11 +23,19 @@ def launcher_env() -> dict[str, str]:
             if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PMI_", "GROUP_"))}
 
 
-def torchrun(tmp_path, backend: str, n: int = 2) -> subprocess.CompletedProcess:
+# torch 2.14's opt-in torchcomms path. torch takes it only where torchcomms imports and owns the backend
+# (distributed_c10d._torchcomms_handles_backend); on PyPI torchcomms is a placeholder (0.0.1, no module
+# content), so here the variable must change nothing.
+TORCHCOMMS = {"TORCH_DISTRIBUTED_USE_TORCHCOMMS": "1"}
+
+
+def torchrun(tmp_path, backend: str, n: int = 2, extra_env: dict | None = None,
+             tag: str = "") -> subprocess.CompletedProcess:
     port = free_port()
     return subprocess.run([f"{BIN}/torchrun", "--nproc-per-node", str(n), f"--master-port={port}", str(SCRIPT), backend,
-                           str(tmp_path / f"{backend.replace(':', '-')}.json")], capture_output=True, text=True,
-                          timeout=240, env={**launcher_env(), "PATH": f"{BIN}:{os.environ['PATH']}"}, cwd=tmp_path)
+                           str(tmp_path / f"{backend.replace(':', '-')}{tag}.json")], capture_output=True, text=True,
+                          timeout=240, env={**launcher_env(), "PATH": f"{BIN}:{os.environ['PATH']}", **(extra_env or {})},
+                          cwd=tmp_path)
 
 
 def result(tmp_path, backend: str) -> dict:
@@ -53,11 +61,12 @@ def test_pip_install_declares_the_entry_points():
 
 
 def test_a_torch_only_script_under_torchrun(ccl, tmp_path):
-    for backend in ("gloo", "oneccl", "cpu:oneccl"):
-        run = torchrun(tmp_path, backend)
-        assert run.returncode == 0, f"{backend}: {run.stderr[-3000:]}"
+    for backend, env, tag in (("gloo", None, ""), ("oneccl", None, ""), ("cpu:oneccl", None, ""),
+                              ("oneccl", TORCHCOMMS, "-torchcomms")):
+        run = torchrun(tmp_path, backend, extra_env=env, tag=tag)
+        assert run.returncode == 0, f"{backend} {env}: {run.stderr[-3000:]}"
     gloo = result(tmp_path, "gloo")
-    for backend in ("oneccl", "cpu:oneccl"):
+    for backend in ("oneccl", "cpu:oneccl", "oneccl-torchcomms"):
         check_against_gloo(result(tmp_path, backend), gloo)
 
 
@@ -85,14 +94,16 @@ def test_lightning_ddp_on_hpcdls_groups_under_srun_on_two_nodes(two_nodes, mpiex
     because the local Slurm's node names do not resolve (its nodes are all this host)."""
     steps = "\n".join(f"srun --mpi=pmi2 {PYTHON} {LIGHTNING} {b} {tmp_path}/{b}.json || exit 1"
                       for b in ("gloo", "oneccl", "mpi4py"))
+    steps += (f"\nTORCH_DISTRIBUTED_USE_TORCHCOMMS=1 srun --mpi=pmi2 {PYTHON} {LIGHTNING} oneccl "
+              f"{tmp_path}/oneccl-torchcomms.json || exit 1")
     script = tmp_path / "lightning.sbatch"
     script.write_text(f"#!/bin/bash\nexport MASTER_ADDR=127.0.0.1\n{steps}\n")
     sbatch_wait(script, "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", f"--output={tmp_path}/out",
                 f"--chdir={tmp_path}", env=launcher_env(), timeout=400)
     gloo = result(tmp_path, "gloo")
-    for backend in ("oneccl", "mpi4py"):
+    for backend in ("oneccl", "mpi4py", "oneccl-torchcomms"):
         found = result(tmp_path, backend)
-        assert (found["torch_backend"], found["world"]) == (backend, 2)
+        assert (found["torch_backend"], found["world"]) == (backend.removesuffix("-torchcomms"), 2)
         assert found["val_loss"] == gloo["val_loss"] and found["weights"] == gloo["weights"]
 
 

@@ -138,3 +138,43 @@ def test_first_bucket_mb_caps_the_first_bucket(mpiexec, tmp_path):
     # layer's 65,536 B weight joins them; a 0.005 MB first bucket closes after the last layer (10,280 B).
     assert found["None"] == [76_840]
     assert found["0.005"] == [10_280, 66_560]
+
+
+def test_a_bucket_collective_failure_is_kept_typed_for_fail_fast(monkeypatch, tmp_path):
+    """DDP re-raises a hook's failure as a plain RuntimeError; the hook-timing wrapper keeps it typed, and
+    fail_fast reports it as a collective's failure. The failing hook is a stand-in (a real collective cannot be
+    made to fail on demand in one process), and so is the bucket (DDP's GradBucket has no Python constructor)."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcdl.distributed import sync
+
+    monkeypatch.setattr(sync, "_hook_failure", None)
+    failed = torch.futures.Future()
+    failed.set_exception(dist.DistBackendError("rank 1: oneCCL allreduce of 9 elements (torch.float32) failed"))
+
+    class StandInBucket:
+        def index(self):
+            return 3
+
+    future = sync._timed(sync.CommTimer(None, lambda state, bucket: failed), StandInBucket())
+    with pytest.raises(RuntimeError) as raised:  # torch's future chain keeps the text only
+        future.wait()
+    assert not isinstance(raised.value, dist.DistError)
+    assert isinstance(sync.hook_failure(), sync.BucketCollectiveError)
+    assert str(sync.hook_failure()) == ("gradient bucket 3's collective failed: rank 1: oneCCL allreduce of 9 elements "
+                                        "(torch.float32) failed")
+
+    code = ("from hpcdl.distributed import sync\n"
+            "from hpcdl.distributed.process_group import fail_fast, init_distributed\n"
+            "ctx = init_distributed('gloo', heartbeat_s=0.2)\n"
+            "sync._hook_failure = sync.BucketCollectiveError(\"gradient bucket 0's collective failed: gone\")\n"
+            "with fail_fast(ctx):\n"
+            "    raise RuntimeError('Got the following error when running the callback: anything')\n")
+    from conftest import free_port, rank_env
+
+    run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert run.returncode != 0 and "RankLostError" in run.stderr, run.stderr
+    assert "a collective failed on rank 0 while every rank's heartbeat is alive" in run.stderr
+    assert "gradient bucket 0's collective failed: gone" in run.stderr

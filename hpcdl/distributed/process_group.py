@@ -274,19 +274,21 @@ def fail_fast(ctx: DistContext) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:
-        message = explain_failure(ctx, exc, collective=is_collective_error(exc))
+        from hpcdl.distributed.sync import hook_failure
+
+        failure = hook_failure()  # DDP re-raised a bucket's failure as text: the hook wrapper kept it typed
+        message = explain_failure(ctx, failure or exc, collective=failure is not None or is_collective_error(exc))
         if message is None:
             raise
         raise RankLostError(message) from exc
 
 
-# How a collective's failure reads once DDP's hook machinery has wrapped it in a plain RuntimeError
-# ("Got the following error when running the callback: DistBackendError: ..."), and gloo's own timeouts.
-_COLLECTIVE_MARKS = ("DistBackendError", "DistError", "DistNetworkError", "gloo/transport", "Timed out waiting")
+# gloo's own failures outside DDP's hooks (a barrier, a direct all-reduce) are plain RuntimeErrors: their text.
+_GLOO_MARKS = ("gloo/transport", "Timed out waiting")
 
 
 def is_collective_error(exc: BaseException) -> bool:
-    return isinstance(exc, dist.DistError) or any(mark in str(exc) for mark in _COLLECTIVE_MARKS)
+    return isinstance(exc, dist.DistError) or any(mark in str(exc) for mark in _GLOO_MARKS)
 
 
 def explain_failure(ctx: DistContext, exc: BaseException, collective: bool = True) -> str | None:

@@ -19,7 +19,21 @@ from torch.nn.parallel import DistributedDataParallel
 from hpcdl.distributed.env import RankEnv
 from hpcdl.distributed.hooks import make_hook
 
-__all__ = ["CommTimer", "data_parallel"]
+__all__ = ["BucketCollectiveError", "CommTimer", "data_parallel", "hook_failure"]
+
+
+class BucketCollectiveError(dist.DistError):
+    """A gradient bucket's collective failed inside the comm hook. DDP's reducer re-raises it from backward
+    as a plain RuntimeError carrying only its text ("Got the following error when running the callback");
+    the hook-timing wrapper keeps it here, typed, for :func:`hook_failure`."""
+
+
+_hook_failure: BucketCollectiveError | None = None
+
+
+def hook_failure() -> BucketCollectiveError | None:
+    """The first bucket collective that failed in this process, or ``None``."""
+    return _hook_failure
 
 
 class CommTimer:
@@ -39,13 +53,19 @@ def _timed(timer: CommTimer, bucket):
     timer.last_handover = start = time.perf_counter()
     timer.buckets += 1
     future = timer.hook(timer.hook_state, bucket)
-    if timer.on_done is None:
-        return future
     index, record = bucket.index(), timer.on_done
 
     def done(f):
-        record(index, start, time.perf_counter())
-        return f.value()
+        try:
+            value = f.value()
+        except Exception as exc:
+            global _hook_failure
+            failure = BucketCollectiveError(f"gradient bucket {index}'s collective failed: {exc}")
+            _hook_failure = _hook_failure or failure
+            raise failure from exc
+        if record is not None:
+            record(index, start, time.perf_counter())
+        return value
 
     return future.then(done)
 
