@@ -24,7 +24,6 @@ def test_replicas_stay_identical_and_sums_match_a_plain_allreduce(mpiexec, ccl, 
     ranks = _results(tmp_path, 2)
     assert ranks[0]["weights"] == ranks[1]["weights"]  # bitwise-identical replicas after 20 steps
     assert all(r["max_rel_error"] <= TOLERANCE[hook] for r in ranks), ranks
-    assert all(r["still_held"] == 0 for r in ranks), ranks  # 60 of 200 with a plain wait()
 
 
 @pytest.mark.parametrize("backend", ["gloo", "ccl"])

@@ -57,8 +57,7 @@ def find_library(allocator: Allocator, lib_dirs: tuple[str, ...] = LIB_DIRS) -> 
 
 def allocator_env(choice: str = "auto", lib_dirs: tuple[str, ...] = LIB_DIRS) -> tuple[str, dict[str, str]]:
     """The allocator to use on this node and the variables that select it."""
-    if choice not in ALLOCATOR_CHOICES:
-        raise ConfigError(f"unknown allocator {choice!r}; choose one of {', '.join(ALLOCATOR_CHOICES)}")
+    names.check("allocator", choice, ALLOCATOR_CHOICES)
     if choice == "none":
         return "none", {}
     for alloc in ALLOCATORS:

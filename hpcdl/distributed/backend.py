@@ -144,8 +144,7 @@ def choose_backend(requested: str, *, ccl_lib: str | None = None,
     """The table's row for ``requested`` (or ``auto``'s pick) and the choice to log; a ConfigError when the
     requested backend cannot run here, saying how to fix it."""
     environ = os.environ if environ is None else environ
-    if requested != "auto" and requested not in BACKENDS:
-        raise ConfigError(f"unknown backend {requested!r}; choose one of auto, {', '.join(BACKENDS)}")
+    names.check("backend", requested, ("auto", *BACKENDS))
     if requested != "auto":
         row = BACKENDS[requested]
         return row, BackendChoice(row.torch_name, f"requested: {row.check(ccl_lib)}", row.comm_threads(environ))

@@ -85,10 +85,9 @@ def loader_cost(dataset, budget_s: float = PROBE_S) -> float:
 def step_rate(model, criterion, images, labels, autocast) -> float:
     """Images/s of one forward and backward of ``model`` on this batch, on torch's current threads, after an
     untimed one; the parameters' gradients, the buffers (batch-norm statistics) and the RNG are as before."""
-    import torch
+    from hpcdl.train.step import effects_undone
 
-    buffers, rng = [b.clone() for b in model.buffers()], torch.get_rng_state()
-    try:
+    with effects_undone(model):
         for timed in (False, True):
             t0 = time.perf_counter()
             with autocast():
@@ -96,12 +95,6 @@ def step_rate(model, criterion, images, labels, autocast) -> float:
             loss.backward()
             if timed:
                 seconds = time.perf_counter() - t0
-    finally:
-        model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for b, saved in zip(model.buffers(), buffers):
-                b.copy_(saved)
-        torch.set_rng_state(rng)
     return images.shape[0] / seconds
 
 

@@ -30,6 +30,21 @@ from hpcdl.distributed.sync import CommTimer
 PHASES = ("data", "forward", "backward", "comm_wait", "optimizer")
 
 
+@contextlib.contextmanager
+def effects_undone(model: torch.nn.Module) -> Iterator[None]:
+    """For a forward and backward run only for what they tell (a timing, DDP's bucket order): on leaving,
+    the gradients are cleared and the buffers (batch-norm statistics) and torch's RNG are as they were."""
+    buffers, rng = [b.clone() for b in model.buffers()], torch.get_rng_state()
+    try:
+        yield
+    finally:
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers):
+                b.copy_(saved)
+        torch.set_rng_state(rng)
+
+
 @dataclasses.dataclass(slots=True)
 class StepResult:
     loss: float  # mean over the step's images on all ranks (nan when any rank's was not finite)

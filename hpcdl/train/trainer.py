@@ -43,7 +43,7 @@ from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal, hand_to_submitit, requeue, requeue_target
 from hpcdl.train.preflight import preflight
 from hpcdl.train.state import FORMAT, Counters, RankRng, SamplerPosition, Stateful, upgrade
-from hpcdl.train.step import Stepper
+from hpcdl.train.step import Stepper, effects_undone
 from hpcdl.train.timeline import Timeline
 from hpcdl.utils import atomic_write_text
 
@@ -167,11 +167,9 @@ class Trainer:
         """Keep whole cores from compute for the loader only where its measured need fills them (see
         :mod:`hpcdl.train.loader`), and re-plan the rank's threads around them."""
         cfg, ctx = self.cfg, self.ctx
-        micro = cfg.per_rank_batch // cfg.loop.accum_steps
 
         def measure() -> tuple[float, float]:
-            x = self._prepare(torch.zeros(micro, cfg.crop, cfg.crop, 3, dtype=torch.uint8))
-            y = torch.zeros(micro, dtype=torch.long)
+            x, y = self._blank_batch()
             autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if self.precision == "bf16" \
                 else contextlib.nullcontext
             return loader_cost(self.train_loader.dataset), step_rate(self.model, self.criterion, x, y, autocast)
@@ -213,26 +211,23 @@ class Trainer:
         the bucket layout the uninterrupted run used there. DDP builds its buckets in parameter order,
         records the order gradients become ready in its first backward and rebuilds them from it; the
         chunk_sparse hook chunks and picks per bucket, and its residuals are kept per bucket."""
-        cfg = self.cfg
-        micro = cfg.per_rank_batch // cfg.loop.accum_steps
-        x = self._prepare(torch.zeros(micro, cfg.crop, cfg.crop, 3, dtype=torch.uint8))
-        y = torch.zeros(micro, dtype=torch.long)
-        buffers, rng = [b.clone() for b in self.model.buffers()], torch.get_rng_state()
+        x, y = self._blank_batch()
         sparse.dry = True
         try:
-            with self.stepper.autocast():
-                loss = self.criterion(self.net(x), y)
-            loss.backward()
+            with effects_undone(self.model), self.stepper.autocast():
+                self.criterion(self.net(x), y).backward()
         finally:
             sparse.dry = False
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for b, saved in zip(self.model.buffers(), buffers):
-                b.copy_(saved)
-        torch.set_rng_state(rng)
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
         return normalize_batch(images, channels_last=self.cfg.loop.channels_last)
+
+    def _blank_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch of black images, class 0: for the probes that only time or order a step."""
+        cfg = self.cfg
+        micro = cfg.per_rank_batch // cfg.loop.accum_steps
+        return (self._prepare(torch.zeros(micro, cfg.crop, cfg.crop, 3, dtype=torch.uint8)),
+                torch.zeros(micro, dtype=torch.long))
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def _parts(self) -> dict[str, Stateful]:
