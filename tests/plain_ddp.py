@@ -11,6 +11,7 @@ and the final weights (as lists) to OUT.json.
 import json
 import sys
 import warnings
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -156,6 +157,10 @@ def collectives(rank: int, world: int) -> dict[str, str]:
         dist.all_reduce(t, group=mine)
         assert torch.equal(t, base * (rank + 1)), t
 
+    def set_timeout():  # torch >= 2.9's name for the deprecated _set_pg_timeout
+        dist.set_timeout(timedelta(minutes=5))
+        dist.barrier()
+
     def backend_name():
         name = dist.get_backend()
         assert name == sys.argv[1], (name, sys.argv[1])  # what was asked for, "cpu:oneccl" included
@@ -174,7 +179,8 @@ def collectives(rank: int, world: int) -> dict[str, str]:
                      ("reduce_scatter", reduce_scatter), ("gather", gather), ("scatter", scatter),
                      ("all_to_all_single", all_to_all_single), ("all_to_all", all_to_all),
                      ("send_recv", send_recv), ("batch_isend_irecv", batch_isend_irecv), ("objects", objects),
-                     ("barrier", dist.barrier), ("new_group", groups), ("backend_name", backend_name)):
+                     ("barrier", dist.barrier), ("new_group", groups), ("set_timeout", set_timeout),
+                     ("backend_name", backend_name)):
         if fn is None:
             results[name] = "skipped"
             continue

@@ -76,7 +76,8 @@ def test_every_flag_default_is_its_fields_and_every_flag_has_help():
 
     checked = 0
     for words, parser in _commands(build_parser()):
-        configs = parser.get_default("fn").__closure__  # command()'s closure holds its config classes
+        # command()'s closure holds its config classes; hpcdl exec has none (its arguments are a command line)
+        configs = parser.get_default("fn").__closure__ or ()
         classes = [c for cell in configs for c in (cell.cell_contents if isinstance(cell.cell_contents, tuple)
                                                    else ()) if dataclasses.is_dataclass(c)]
         defaults = {k: v for cls in classes for k, v in flag_defaults(cls).items()}

@@ -229,10 +229,27 @@ def library_group(group=None) -> "ThreadedProcessGroup | None":
     return backend if isinstance(backend, ThreadedProcessGroup) else None
 
 
-class ThreadedProcessGroup(torch._C._distributed_c10d.Backend):
+def _python_backend_base() -> type:
+    """torch's C++ ``Backend`` where Python may subclass it (torch 2.14 here); ``ProcessGroup`` where its
+    binding has no Python constructor (torch 2.8, which IPEX needs), as hpcdl's groups were before."""
+    base = torch._C._distributed_c10d.Backend
+
+    class Probe(base):
+        pass
+
+    try:
+        Probe(0, 1)
+    except TypeError:  # "No constructor defined!"
+        return dist.ProcessGroup
+    return base
+
+
+class ThreadedProcessGroup(_python_backend_base()):
     """A torch.distributed backend whose collectives a library runs on a :class:`CommThread`. torch wraps it in
     a ``ProcessGroup`` with the CPU as its device (as it does gloo), so what asks a group for its backend by
     device (``batch_isend_irecv``, FSDP, torch's object collectives) finds it; :func:`library_group` does too.
+    On a torch whose ``Backend`` Python cannot subclass, it is a ``ProcessGroup`` itself, and
+    ``batch_isend_irecv`` cannot find it.
 
     A library subclasses it with its name (``BACKEND_NAME``, ``LIBRARY``), the dtypes it reduces
     (``NATIVE``; others are reduced in fp32 and copied back), its reduce ops (``library_op``), and six
@@ -256,6 +273,10 @@ class ThreadedProcessGroup(torch._C._distributed_c10d.Backend):
 
     def getBackendName(self) -> str:
         return self.BACKEND_NAME
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """``dist.set_timeout(timeout, group)`` (torch >= 2.9): the watchdog reads it from the next collective."""
+        self.timeout = timeout
 
     def name(self) -> str:
         return self.BACKEND_NAME
