@@ -23,6 +23,7 @@ import os
 from hpcdl.distributed.affinity import plan_cpus
 from hpcdl.distributed.backend import BACKENDS
 from hpcdl.distributed.env import discover
+from hpcdl.distributed.process_group import _prepare_backend
 from hpcdl.errors import ConfigError
 
 __all__ = ["mpi4py", "oneccl", "register"]
@@ -33,17 +34,17 @@ log = logging.getLogger(__name__)
 def register(name: str) -> str:
     """Register the backend table's row ``name`` with torch, its environment set for this rank; what runs."""
     row = BACKENDS[name]
-    if row.environment:  # before the library starts: oneCCL reads its variables when it initializes
-        env = discover()
-        plan = plan_cpus(local_rank=env.local_rank, local_size=env.local_size,
-                         comm_threads=row.comm_threads(os.environ))
-        os.environ.update(row.environment(env, plan, os.environ))
     try:
         what = row.check(None)
     except ConfigError as exc:
         raise ConfigError(f"torch.distributed backend {row.torch_name!r} (hpcdl's plugin) cannot run here: {exc}") \
             from None
-    row.register()
+    env = plan = None
+    if row.environment:  # oneCCL reads its variables when its first communicator starts, after this
+        env = discover()
+        plan = plan_cpus(local_rank=env.local_rank, local_size=env.local_size,
+                         comm_threads=row.comm_threads(os.environ))
+    _prepare_backend(row, env, plan)  # what init_distributed does: the variables, then torch's registration
     log.info("torch.distributed backend %s registered by hpcdl's plugin: %s", row.torch_name, what)
     return what
 

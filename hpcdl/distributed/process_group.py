@@ -172,8 +172,9 @@ def _watch_peers(ctx: DistContext, heartbeat_s: float) -> None:
     CommThread.probe_after_s = max(6.0, 3 * heartbeat_s)
 
 
-def _prepare_backend(row: Backend, env: RankEnv, cpu: CpuPlan) -> None:
-    """Set the row's variables for this rank (those the user exported stay) and register it with torch."""
+def _prepare_backend(row: Backend, env: RankEnv | None, cpu: CpuPlan | None) -> None:
+    """Set the row's variables for this rank (those the user exported stay; ``env`` and ``cpu`` are needed only
+    by a row with variables) and register it with torch."""
     if row.environment:
         os.environ.update(row.environment(env, cpu, os.environ))
     if row.register:
