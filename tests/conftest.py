@@ -115,12 +115,29 @@ def start_long_sweep(tmp_path: Path, timeout_s: float, *extra: str) -> list[subp
 
 def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int = 240, args: tuple = ()) -> str:
     """Submit with sbatch options ``extra`` and script arguments ``args``, wait for the end, return the job
-    id; raise with the output on failure."""
-    run = subprocess.run(["sbatch", "--parsable", "--wait", *extra, str(script), *args], capture_output=True, text=True,
-                         timeout=timeout, env=env)
-    if run.returncode != 0:
-        raise AssertionError(f"sbatch failed ({run.returncode}): {run.stdout}\n{run.stderr}")
-    return run.stdout.strip().split(";")[0]
+    id; raise with the output on failure. A job still queued or running when the wait ends (this timeout, or
+    pytest's) is cancelled: a hung job would otherwise hold the nodes every later test waits for."""
+    tag = f"pytest-{os.getpid()}-{time.monotonic_ns()}"
+    sbatch = subprocess.Popen(["sbatch", "--parsable", "--wait", f"--comment={tag}", *extra, str(script), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = sbatch.communicate(timeout=timeout)
+    finally:
+        if sbatch.poll() is None:
+            sbatch.kill()
+            sbatch.wait()
+            _cancel_tagged(tag)
+    if sbatch.returncode != 0:
+        _cancel_tagged(tag)
+        raise AssertionError(f"sbatch failed ({sbatch.returncode}): {out}\n{err}")
+    return out.strip().split(";")[0]
+
+
+def _cancel_tagged(tag: str) -> None:
+    jobs = subprocess.run(["squeue", "-h", "-o", "%i %k"], capture_output=True, text=True, timeout=30).stdout
+    ids = [line.split()[0] for line in jobs.splitlines() if line.split()[1:] == [tag]]
+    if ids:
+        subprocess.run(["scancel", *ids], timeout=30)
 
 
 # CPUs whose features the tests make hpcdl's detection report (HPCDL_SIMULATE_CPU_FLAGS): the rules that

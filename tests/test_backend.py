@@ -4,7 +4,8 @@ import sys
 import pytest
 
 from hpcdl.distributed.affinity import plan_cpus
-from hpcdl.distributed.backend import AUTO_ORDER, BACKENDS, ccl_environment, choose_backend, interface_to
+from hpcdl.distributed.backend import (AUTO_ORDER, BACKENDS, ccl_environment, choose_backend, interface_to,
+                                      mpi_environment)
 from hpcdl.distributed.env import discover
 from hpcdl.errors import ConfigError
 
@@ -75,3 +76,13 @@ def test_ccl_workers_when_offload_is_on_are_pinned_to_the_plans_communication_cp
 
 def test_interface_to_an_unresolvable_address_is_none():
     assert interface_to("127.0.0.1") == "lo" and interface_to("no-such-host.invalid") is None
+
+
+def test_pypis_mpich_under_srun_takes_the_netmod_whose_address_fits_slurms_pmi_lines(mpiexec):
+    """The pip ``mpich`` (installed here by ``make venv``) under ``srun --mpi=pmi2``: libfabric's netmod; the
+    user's choice wins, and nothing changes outside an srun step with PMI."""
+    srun = {"PMI_FD": "11", "SLURM_STEP_ID": "0"}
+    assert mpi_environment(srun) == {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+    assert mpi_environment({**srun, "MPIR_CVAR_CH4_NETMOD": "ucx"}) == {}
+    assert mpi_environment({"PMI_FD": "11"}) == {}  # mpiexec's own PMI server reads long lines
+    assert mpi_environment({"SLURM_STEP_ID": "0"}) == {}  # srun without --mpi=pmi2

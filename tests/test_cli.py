@@ -135,10 +135,11 @@ def test_no_old_path_remains():
 
 TORCH_AT_IMPORT = {  # modules that subclass or build torch objects at import: they must import it
     "hpcdl.data.dataset", "hpcdl.data.sampler", "hpcdl.data.transforms", "hpcdl.distributed.ccl",
-    "hpcdl.distributed.hooks", "hpcdl.distributed.mpi", "hpcdl.distributed.process_group", "hpcdl.distributed.sync",
-    "hpcdl.distributed.threaded", "hpcdl.models", "hpcdl.models.alexnet_bn", "hpcdl.models.tiny", "hpcdl.optim.base",
-    "hpcdl.optim.factory", "hpcdl.optim.lamb", "hpcdl.optim.lars", "hpcdl.train.accel", "hpcdl.train.checkpoint",
-    "hpcdl.train.evaluate", "hpcdl.train.metrics", "hpcdl.train.preempt", "hpcdl.train.step", "hpcdl.train.trainer"}
+    "hpcdl.distributed.hooks", "hpcdl.distributed.mpi", "hpcdl.distributed.plugin", "hpcdl.distributed.process_group",
+    "hpcdl.distributed.sync", "hpcdl.distributed.threaded", "hpcdl.models", "hpcdl.models.alexnet_bn",
+    "hpcdl.models.tiny", "hpcdl.optim.base", "hpcdl.optim.factory", "hpcdl.optim.lamb", "hpcdl.optim.lars",
+    "hpcdl.train.accel", "hpcdl.train.checkpoint", "hpcdl.train.evaluate", "hpcdl.train.metrics",
+    "hpcdl.train.preempt", "hpcdl.train.step", "hpcdl.train.trainer"}
 
 
 def test_modules_import_without_torch_except_those_that_must():

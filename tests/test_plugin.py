@@ -83,7 +83,7 @@ def test_a_torch_only_script_under_srun_on_two_nodes(two_nodes, mpiexec, ccl, tm
     script = tmp_path / "plain.sbatch"
     script.write_text(f"#!/bin/bash\n{steps}\n")
     sbatch_wait(script, "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", f"--output={tmp_path}/out",
-                f"--chdir={tmp_path}", env=launcher_env(), timeout=400)
+                f"--chdir={tmp_path}", "--time=5", env=launcher_env(), timeout=280)
     gloo = result(tmp_path, "gloo")
     for backend in ("oneccl", "mpi4py"):
         check_against_gloo(result(tmp_path, backend), gloo)
@@ -99,7 +99,7 @@ def test_lightning_ddp_on_hpcdls_groups_under_srun_on_two_nodes(two_nodes, mpiex
     script = tmp_path / "lightning.sbatch"
     script.write_text(f"#!/bin/bash\nexport MASTER_ADDR=127.0.0.1\n{steps}\n")
     sbatch_wait(script, "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", f"--output={tmp_path}/out",
-                f"--chdir={tmp_path}", env=launcher_env(), timeout=400)
+                f"--chdir={tmp_path}", "--time=5", env=launcher_env(), timeout=280)
     gloo = result(tmp_path, "gloo")
     for backend in ("oneccl", "mpi4py", "oneccl-torchcomms"):
         found = result(tmp_path, backend)

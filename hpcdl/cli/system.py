@@ -139,12 +139,14 @@ def env(_: EnvCommand) -> int:
 def exec_command(argv: list[str]) -> int:
     """Replace this process by ``argv`` with torch's env:// variables set from rank discovery; variables the
     launcher set already (torchrun's) stay."""
+    from hpcdl.distributed.backend import mpi_environment
     from hpcdl.distributed.env import discover
 
     argv = argv[1:] if argv[:1] == ["--"] else argv
     if not argv:
         raise ConfigError("hpcdl exec: name the command to run, e.g. 'srun hpcdl exec python train.py'")
     os.environ.update({k: v for k, v in discover().torch_variables().items() if k not in os.environ})
+    os.environ.update(mpi_environment(os.environ))
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import importlib.metadata
 import os
 import socket
 import struct
@@ -20,7 +21,8 @@ from hpcdl.distributed.env import RankEnv
 from hpcdl.errors import ConfigError
 from hpcdl.names import registry
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "BackendChoice", "ccl_environment", "choose_backend"]
+__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "BackendChoice", "ccl_environment", "choose_backend",
+           "mpi_environment"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,6 +48,24 @@ def _gloo_check(lib: str | None) -> str:
     import torch
 
     return f"torch {torch.__version__}'s gloo"
+
+
+def mpi_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """Variables for PyPI's MPICH under ``srun --mpi=pmi2``, set before MPI starts; a value the user exported wins.
+
+    That MPICH (the ``mpich`` wheel) uses its UCX netmod by default. At start-up each rank publishes its UCX
+    address (about 9 KB) through Slurm's PMI in segments whose lines, run-length encoded, come close to 1,024
+    bytes; the ones that pass it are cut by Slurm's PMI server ("mpi/pmi2: value not properly terminated in
+    client request" in slurmd's log), and the job can hang at start-up. The libfabric netmod's address is one
+    line of 67 bytes. Measured on the local Slurm (docs/communication.md).
+    """
+    if "PMI_FD" not in environ or "SLURM_STEP_ID" not in environ or "MPIR_CVAR_CH4_NETMOD" in environ:
+        return {}
+    try:
+        importlib.metadata.distribution("mpich")
+    except importlib.metadata.PackageNotFoundError:  # a cluster's MPI: its own settings
+        return {}
+    return {"MPIR_CVAR_CH4_NETMOD": "ofi"}
 
 
 def _mpi_check(lib: str | None) -> str:

@@ -15,12 +15,15 @@ bf16 type everywhere: those tensors are reduced in fp32.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from hpcdl.distributed.backend import mpi_environment
 from hpcdl.distributed.threaded import CommThread, ThreadedProcessGroup
 from hpcdl.errors import ConfigError, LaunchError
 
@@ -30,6 +33,8 @@ BACKEND_NAME = "mpi4py"
 
 
 def _mpi():
+    if "mpi4py.MPI" not in sys.modules:  # MPI starts when mpi4py.MPI is first imported
+        os.environ.update(mpi_environment(os.environ))
     try:
         from mpi4py import MPI
     except ImportError as exc:
