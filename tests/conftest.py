@@ -31,13 +31,12 @@ def missing(component: str, why: str):
 @pytest.fixture(scope="session", autouse=True)
 def no_shm_left_behind():
     """A oneCCL rank that a test kills outright leaves libfabric's 64 MB /dev/shm/PID:UID:N behind (a rank
-    that exits removes its own): remove those of this session's dead processes at the end."""
-    start = time.time()
+    that exits removes its own, and the next rank's first communicator those of dead PIDs): remove what is
+    left at the end, as a rank would."""
     yield
-    for path in Path("/dev/shm").glob(f"*:{os.getuid()}:*"):
-        pid = path.name.split(":")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and path.stat().st_mtime >= start - 1:
-            path.unlink(missing_ok=True)
+    from hpcdl.distributed.ccl import remove_shm_files
+
+    remove_shm_files()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """Backend ccl's runtime and exit: the pinned runtime as installed, each way a runtime can be wrong, and a process
 that leaves with its groups alive. A rank lost in a oneCCL all-reduce: test_allreduce."""
 
+import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -88,13 +90,19 @@ def test_a_process_that_leaves_without_destroying_its_groups_exits_with_its_stat
     assert run.returncode == 3, run.stderr[-2000:]
 
 
-def test_a_stale_shm_file_named_with_the_ranks_pid_does_not_stop_it(ccl, tmp_path):
+def test_stale_shm_files_do_not_stop_a_rank_and_a_dead_ranks_is_removed(ccl, tmp_path):
     """A rank killed outright leaves libfabric's /dev/shm/PID:UID:N behind; a later process with that PID
-    failed with 'fi_enable(endpoint) fails with ret: -16' (libfabric takes it for a live one's). The stale
-    file here is planted by a stand-in (junk where a killed rank's header would be: libfabric refuses both
-    alike), since no test can choose the PID a process gets."""
+    failed with 'fi_enable(endpoint) fails with ret: -16' (libfabric takes it for a live one's), and each one
+    holds 64 MB of the node's memory until the epilog. The stale files here are planted by a stand-in (junk
+    where a killed rank's header would be: libfabric refuses both alike), since no test can choose the PID a
+    process gets: one named with the rank's PID, one with a PID that has exited, one with a live process's."""
     from conftest import free_port, rank_env
 
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    live = subprocess.Popen(["sleep", "120"])
+    dead_file = Path(f"/dev/shm/{exited.pid}:{os.getuid()}:0")
+    live_file = Path(f"/dev/shm/{live.pid}:{os.getuid()}:0")
     code = ("import os, torch, torch.distributed as dist\n"
             "from hpcdl.distributed.process_group import init_distributed\n"
             "from hpcdl.log import setup_logging\nsetup_logging(0, verbose=True)\n"
@@ -103,15 +111,24 @@ def test_a_stale_shm_file_named_with_the_ranks_pid_does_not_stop_it(ccl, tmp_pat
             "ctx = init_distributed('ccl')\n"
             "t = torch.full((3,), float(ctx.rank + 1))\ndist.all_reduce(t)\n"
             "assert t.tolist() == [3.0] * 3, t\nprint('pid', os.getpid())\n")
-    port = free_port()
-    procs = [subprocess.Popen([PYTHON, "-c", code], env={**rank_env(r, 2, port), "PYTHONPATH": str(REPO)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=90) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-        assert "removed 1 stale libfabric shm file" in err
-        pid = int(out.split()[-1])
-        assert not list(Path("/dev/shm").glob(f"{pid}:*")), "a clean exit leaves no shm file"
+    try:
+        for path in (dead_file, live_file):
+            path.write_bytes(os.urandom(4096))
+        port = free_port()
+        procs = [subprocess.Popen([PYTHON, "-c", code], env={**rank_env(r, 2, port), "PYTHONPATH": str(REPO)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        outs = [p.communicate(timeout=90) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+            pid = int(out.split()[-1])
+            assert re.search(rf"removed [12] stale libfabric shm file\(s\).*{pid}:", err), err[-3000:]
+            assert not list(Path("/dev/shm").glob(f"{pid}:*")), "a clean exit leaves no shm file"
+        assert not dead_file.exists() and live_file.exists()
+    finally:
+        live.kill()
+        live.wait()
+        for path in (dead_file, live_file):
+            path.unlink(missing_ok=True)
 
 
 def test_install_assembles_a_runtime_that_loads_and_reuses_it(ccl, tmp_path):

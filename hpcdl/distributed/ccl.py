@@ -18,7 +18,8 @@ only a clean finalize removes. A process that leaves without finalizing (above) 
 the way out; one killed outright leaves them behind, and a later process that gets the same PID then
 failed to create its communicator ("fi_enable: Device or resource busy": libfabric takes a file named
 with a live PID for one in use). Such a file is stale by construction, since its PID is now this
-process's, so a process removes the files named with its own PID before its first communicator.
+process's, and so is one whose PID no process has any longer: a process removes both kinds before its
+first communicator and on the way out (:func:`shm_files`).
 """
 
 from __future__ import annotations
@@ -58,28 +59,37 @@ def comm_thread() -> CommThread:
         if _thread is None:
             gone = remove_shm_files()
             if gone:
-                log.info("removed %d stale libfabric shm file(s) named with this PID: %s", len(gone),
-                         ", ".join(gone))
+                log.info("removed %d stale libfabric shm file(s), named with this PID or with one no process has "
+                         "any longer: %s", len(gone), ", ".join(gone))
             before_leaving(remove_shm_files)
             _thread = CommThread("hpcdl-oneccl", exit_if_stuck=True)
         return _thread
 
 
-def shm_files(pid: int | None = None, root: Path = SHM_DIR) -> list[Path]:
-    """libfabric shm's files of process ``pid`` (default: this one): ``PID:UID:N`` (libfabric 1.x's
-    ``smr_endpoint_name``, with the ``fi_shm://`` prefix that ``shm_open`` does not keep)."""
-    pid = os.getpid() if pid is None else pid
-    return sorted(p for p in root.glob(f"{pid}:{os.getuid()}:*") if p.name.rsplit(":", 1)[1].isdigit())
+def shm_files(root: Path = SHM_DIR) -> list[Path]:
+    """libfabric shm's files that are stale or about to be: ``PID:UID:N`` (libfabric 1.x's
+    ``smr_endpoint_name``, with the ``fi_shm://`` prefix that ``shm_open`` does not keep) of this user whose PID
+    is this process's or no running process's (a rank killed outright, which could not remove its own).
+
+    A process in another PID namespace on the same ``/dev/shm`` looks dead from here; ranks of one job share
+    the node's PID namespace (Slurm's tasks, and Apptainer's containers by default)."""
+    mine, uid = os.getpid(), os.getuid()
+    found = []
+    for path in root.glob(f"*:{uid}:*"):
+        pid, _, n = path.name.split(":", 2)
+        if pid.isdigit() and n.isdigit() and (int(pid) == mine or not Path(f"/proc/{pid}").exists()):
+            found.append(path)
+    return sorted(found)
 
 
-def remove_shm_files(pid: int | None = None, root: Path = SHM_DIR) -> list[str]:
+def remove_shm_files(root: Path = SHM_DIR) -> list[str]:
     """Unlink :func:`shm_files`; the names removed. A process that maps one keeps its memory until it unmaps."""
     gone = []
-    for path in shm_files(pid, root):
+    for path in shm_files(root):
         try:
             path.unlink()
             gone.append(path.name)
-        except FileNotFoundError:
+        except FileNotFoundError:  # another rank of the node removed it first
             pass
     return gone
 
