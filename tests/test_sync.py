@@ -80,6 +80,8 @@ def test_bench_sync_reports_every_path(mpiexec, tmp_path):
     full = r["parameters"] * 4 / 2 ** 20
     assert hooks["none"]["mb_sent"] == full and hooks["fp16"]["mb_sent"] == full / 2
     assert 0.05 * full < hooks["chunk_sparse"]["mb_sent"] < 0.15 * full  # keep 0.1 of the chunks, plus their norms
+    assert set(r["ddp_parts"]) == {"no exchange", "torch's all-reduce"} and all(p["ms"] > 0 for p in r["ddp_parts"].values())
+    assert "where DDP's sync (hook none" in run.stdout and "+ hpcdl's hook over torch's all-reduce" in run.stdout
     assert set(r["bucket_sweep"]) == {"25", "0.05:25"} and "bucket sweep" in run.stdout
     bad = mpi_run(mpiexec, "-m", "hpcdl", "bench", "sync", "--buckets", "1:x")
     assert bad.returncode == 2 and "--buckets item '1:x': give CAP or FIRST:CAP in MB" in bad.stderr

@@ -12,7 +12,9 @@ Run it on the ranks of a job (mpiexec, srun, torchrun). The gradients have the m
 
 Then each comm hook (``sync.hook``) through DDP on the same gradient set: a module with the model's
 parameter shapes whose backward yields random gradients at once, so that the time is the hook's sync
-(and DDP's bucketing), with the bytes each rank sends per step.
+(and DDP's bucketing), with the bytes each rank sends per step. Two references in the same alternation
+split hook ``none``'s time: DDP with a hook that returns each bucket at once (DDP's own work) and DDP with
+torch's built-in all-reduce (what hpcdl's hook adds is the rest).
 
 It also times a one-float all-reduce (small-message latency), through torch.distributed and, with
 ``--backend mpi``, through raw mpi4py and through a bare Python backend that does nothing but the MPI
@@ -136,7 +138,7 @@ def _bench(cfg: Config, env, group=None) -> dict:
               "world_size": dist.get_world_size(group), "backend": dist.get_backend(group), "ms": median,
               "rounds_ms": times, "fused_vs_flat": median["fused"] / median["flat"],
               "latency_us": _latency(cfg.latency_iters, group, mpi)}
-    report["hooks"] = hook_rows(cfg, env, group)
+    report["hooks"], report["ddp_parts"] = hook_rows(cfg, env, group)
     if cfg.scaling_steps:
         report["scaling"] = weak_scaling(cfg, env, group)
     if cfg.buckets:
@@ -177,7 +179,8 @@ def _gradient_set_class():
 
 
 def hook_rows(cfg: Config, env, group=None) -> dict:
-    """For each hook: median ms per DDP sync of the gradient set, and MB each rank sends per step."""
+    """For each hook: median ms per DDP sync of the gradient set, and MB each rank sends per step; and the
+    medians of :data:`DDP_PARTS`, timed in the same alternation."""
     import torch
     import torch.distributed as dist
 
@@ -196,20 +199,51 @@ def hook_rows(cfg: Config, env, group=None) -> dict:
                                       bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb, sparse=sparse)
         sent[hook] = sparse
 
+    parts = _ddp_parts(cfg, model, group)
+
     def sync(net):
         net().backward()
         net.zero_grad(set_to_none=False)
 
     # two warm-ups: the first builds DDP's buckets, the second the hooks' state for them (chunk_sparse's
     # residual buffers: a one-time allocation, 2x the step it falls in)
-    times = alternate({hook: _timed_ms(lambda net=net: sync(net), group) for hook, net in nets.items()}, cfg.rounds,
-                      warmup=2)
+    times = alternate({hook: _timed_ms(lambda net=net: sync(net), group) for hook, net in {**nets, **parts}.items()},
+                      cfg.rounds, warmup=2)
     rows = {}
     for hook in nets:
         elements = sent[hook].last_step_sent[0] if sent[hook] else parameters
         size = 2 if hook in ("fp16", "bf16") or (hook == "chunk_sparse" and sent[hook].fp16) else 4
         rows[hook] = {"ms": medians(times)[hook], "mb_sent": elements * size / 2 ** 20, "rounds_ms": times[hook]}
-    return rows
+    return rows, {part: {"ms": medians(times)[part], "rounds_ms": times[part]} for part in parts}
+
+
+DDP_PARTS = {"no exchange": "DDP with a hook that returns each bucket at once: its own work (autograd hooks, "
+                            "the copy of each gradient into its bucket, zero_grad)",
+             "torch's all-reduce": "DDP with no comm hook: torch's C++ all-reduce of each bucket"}
+
+
+def _ddp_parts(cfg: Config, model, group) -> dict:
+    """The references that split hook ``none``'s DDP sync (:data:`DDP_PARTS`), on the same gradient set and
+    buckets, timed in the same alternation."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hpcdl.distributed.sync import _first_bucket
+
+    def no_exchange(_, bucket):
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    nets = {}
+    for part in DDP_PARTS:
+        torch.manual_seed(dist.get_rank())
+        with _first_bucket(cfg.bucket_cap_mb, cfg.first_bucket_mb) as caps:
+            nets[part] = DistributedDataParallel(_gradient_set_class()(model), process_group=group,
+                                                 gradient_as_bucket_view=True, **caps)
+    nets["no exchange"].register_comm_hook(None, no_exchange)
+    return nets
 
 
 def _train_steps(cfg: Config):
@@ -398,6 +432,17 @@ def format_comparison(reports: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ddp_split(r: dict, none_ms: float) -> list[str]:
+    """Where hook ``none``'s DDP sync goes: DDP's own work, the exchange as torch's DDP issues it, and what
+    hpcdl's hook adds to that; the same buckets exchanged outside DDP (``fused``) for comparison."""
+    own, torchs = r["ddp_parts"]["no exchange"]["ms"], r["ddp_parts"]["torch's all-reduce"]["ms"]
+    return [f"where DDP's sync (hook none, {none_ms:.1f} ms) goes:",
+            f"  DDP's own work (a hook that returns each bucket at once)  {own:9.1f} ms",
+            f"  + the exchange, as DDP with torch's all-reduce issues it   {torchs - own:9.1f} ms  "
+            f"(the same buckets outside DDP: fused {r['ms']['fused']:.1f} ms)",
+            f"  + hpcdl's hook over torch's all-reduce                     {none_ms - torchs:9.1f} ms"]
+
+
 def format_report(report: dict) -> str:
     if "by_backend" in report:
         return "".join(_format_one(r) for r in report["by_backend"].values()) + format_comparison(report["by_backend"])
@@ -415,6 +460,8 @@ def _format_one(r: dict) -> str:
     lines.append("DDP sync of the same gradients, by comm hook (sync.hook): ms, MB sent per rank per step")
     lines += [f"  {hook:12s} {row['ms']:9.1f} ms" + (f"  ({row['ms'] / base:.2f}x none)" if base else "")
               + f"  {row['mb_sent']:8.1f} MB" for hook, row in r["hooks"].items()]
+    if base and r.get("ddp_parts"):
+        lines += _ddp_split(r, base)
     if "scaling" in r:
         w = r["scaling"]
         lines.append(f"weak scaling, {w['model']} at batch {w['batch_per_rank']} per rank, {w['threads']} threads per "
