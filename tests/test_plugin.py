@@ -135,3 +135,24 @@ def test_hpcdl_exec_sets_torchs_variables_from_the_launcher():
                          capture_output=True, text=True, env=env, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["1", "2", "1", "2", "127.0.0.1", "29999"]
+
+
+def test_bench_plugin_measures_both_paths_with_hpcdl_absent_before_init(mpiexec, ccl, tmp_path):
+    """``hpcdl bench plugin``: the plugin path's processes had no hpcdl before init_process_group, and every
+    backend's sweep on both paths reduced exactly (the figures: docs/performance.md)."""
+    env = {**launcher_env(), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "bench", "plugin", "--max-bytes", "64", "--seconds-per-size", "0.01",
+                          "--rounds", "1", "--json", str(tmp_path / "plugin.json")], capture_output=True, text=True,
+                         env=env, timeout=240, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "plugin.json").read_text())
+    assert report["plugin_imports"] == {"hpcdl_before_init": False, "hpcdl_after_init": True}
+    cells = {(r["path"], r["backend"], r["bytes"]) for r in report["rows"] if r["correct"]}
+    assert cells == {(p, b, n) for p in ("hpcdl", "plugin") for b in ("gloo", "mpi4py", "oneccl") for n in (4, 8, 16, 32, 64)}
+    assert "plugin/hpcdl time, geometric mean over sizes: gloo" in run.stdout
+
+
+def test_bench_plugin_refuses_an_unknown_launcher_before_starting_anything():
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "bench", "plugin", "--launcher", "torchrun"], capture_output=True,
+                         text=True, env=launcher_env(), timeout=60)
+    assert run.returncode == 2 and "--launcher='torchrun' is unknown; choose one of mpiexec, srun" in run.stderr

@@ -49,6 +49,8 @@ class Benchmark:
 BENCHMARKS = {b.name: b for b in (
     Benchmark("allreduce", "allreduce", "allreduce latency and bandwidth over message sizes, checked",
               on_ranks=True, compares_backends=True),
+    Benchmark("plugin", "plugin", "allreduce through torch's entry points (a torch-only script) vs hpcdl's own "
+              "start-up, launches alternated (run it outside a launcher)"),
     Benchmark("feed", "feed", "hpcdl train on packed JPEGs vs the same step fed from memory, per layout and "
               "precision: what the loader costs"),
     Benchmark("data", "data", "shard reader vs ImageFolder vs a bare decode loop, images/s per worker"),

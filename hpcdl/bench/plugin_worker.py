@@ -1,0 +1,44 @@
+"""One rank of ``hpcdl bench plugin``'s plugin path: a script that imports only torch until its groups exist.
+
+    mpiexec -n 2 hpcdl exec python plugin_worker.py BACKENDS CONFIG.json OUT.json
+
+Run as a file (importing it runs nothing): ``hpcdl exec`` sets torch's env:// variables and replaces itself by this
+script, so hpcdl is not in the process when ``init_process_group`` runs. Each torch backend name in BACKENDS
+(``gloo``: the default group; ``mpi4py``, ``oneccl``: ``new_group(backend=...)``) is found through torch's
+entry points, as in a user's script. Once the groups exist it measures them with ``hpcdl bench allreduce``'s
+own sweep, so that the two paths differ only in how the groups were made. Rank 0 writes OUT.json.
+"""
+
+import json
+import os
+import sys
+import types
+
+
+def main(backends: list[str], config: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    before = "hpcdl" in sys.modules
+    dist.init_process_group("gloo")
+    groups = {name: None if name == "gloo" else dist.new_group(backend=name) for name in backends}
+    after = "hpcdl" in sys.modules
+
+    from hpcdl.bench.allreduce import Config, _measure  # the groups exist: hpcdl may load now
+
+    with open(config) as f:
+        cfg = Config(**json.load(f))
+    ctx = types.SimpleNamespace(rank=dist.get_rank(), world_size=dist.get_world_size(), group=None)
+    rows = [{"backend": name, **_measure(ctx, cfg, nbytes, group)} for nbytes in cfg.sizes()
+            for name, group in groups.items()]
+    if ctx.rank == 0:
+        with open(out + ".tmp", "w") as f:
+            json.dump({"hpcdl_before_init": before, "hpcdl_after_init": after, "rows": rows,
+                       "threads": torch.get_num_threads()}, f)
+        os.replace(out + ".tmp", out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.pop(0)  # this file's folder: its sibling modules must not shadow top-level names (data, optim, ...)
+    main(sys.argv[1].split(","), sys.argv[2], sys.argv[3])
