@@ -9,6 +9,7 @@ and the final weights (as lists) to OUT.json.
 """
 
 import json
+import os
 import sys
 import warnings
 from datetime import timedelta
@@ -203,6 +204,21 @@ def train(steps: int = 20) -> dict[str, list]:
     return {k: v.tolist() for k, v in model.state_dict().items()}
 
 
+def second_init(backend: str, rank: int, world: int) -> str:
+    """``init_process_group`` again after ``destroy_process_group``, one all-reduce, destroyed again. Not under
+    torchrun: its agent's store does not take a second rendezvous, and hangs with gloo too."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "skipped"
+    # a new rendezvous port: the first store stays bound while anything still holds the first group (gloo too)
+    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+    dist.init_process_group(backend)
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    expected = float(world * (world + 1) // 2)
+    return "ok" if t.tolist() == [expected] * 3 else f"wrong: {t.tolist()} instead of {expected}"
+
+
 def main() -> None:
     backend, out = sys.argv[1], sys.argv[2]
     before = "hpcdl" in sys.modules
@@ -212,12 +228,11 @@ def main() -> None:
     weights = train()
     dist.barrier()
     dist.destroy_process_group()
+    results["second_init"] = second_init(backend, rank, world)
     if rank == 0:
         with open(out + ".tmp", "w") as f:
             json.dump({"backend": backend, "world": world, "hpcdl_before_init": before,
                        "hpcdl_after_init": "hpcdl" in sys.modules, "collectives": results, "weights": weights}, f)
-        import os
-
         os.replace(out + ".tmp", out)
 
 
