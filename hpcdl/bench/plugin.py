@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from hpcdl.bench import allreduce
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, LaunchError
 from hpcdl.utils import format_bytes
 
 __all__ = ["Config", "format_report", "run"]
@@ -115,7 +115,7 @@ def _launch(cmd: list[str], path: str) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if run.returncode != 0:
-        raise ConfigError(f"bench plugin: the {path} path failed ({' '.join(cmd)}, exit {run.returncode}):\n"
+        raise LaunchError(f"bench plugin: the {path} path failed ({' '.join(cmd)}, exit {run.returncode}):\n"
                           f"{run.stderr[-3000:]}")
 
 
