@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from hpcdl import names
+from hpcdl.data import recipe
 from hpcdl.errors import ConfigError
 from hpcdl.names import IMAGENET_TRAIN, check
 from hpcdl.optim.config import OptimConfig
@@ -35,12 +36,30 @@ class DataConfig:
     sampler: str = "global"  # global | shard (see hpcdl.data.sampler)
     seed: int = 0  # the shuffle and each sample's augmentation (seed, epoch, index)
     verify: str = "quick"  # none | quick | full: shard checks at start-up
-    min_scale: float = 0.08  # RandomResizedCrop's smallest area fraction
+    # the training augmentation: a recipe (imagenet, light, none) or a list of steps, e.g.
+    # [resized_crop(min_scale=0.5), rot90, mixup]; held expanded (hpcdl.data.recipe lists the steps)
+    augment: str | tuple[str, ...] = "imagenet"
     eval_resize: int = 256  # evaluation: short side, then a center crop of the run's crop
+    # the channel statistics images are normalized with: dataset (measured by hpcdl pack, in the manifest) or
+    # imagenet; data.mean and data.std, when given (0..1 units, one per channel), take precedence
+    normalize: str = "dataset"
+    decoder: str = "pillow"  # pillow (draft mode: decodes no more than the crop needs) or torchvision (decode_jpeg)
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
 
     def __post_init__(self):
         check("data.sampler", self.sampler, names.SAMPLERS)
         check("data.verify", self.verify, names.VERIFY)
+        check("data.normalize", self.normalize, names.NORMALIZE)
+        check("data.decoder", self.decoder, names.DECODERS)
+        self.augment = recipe.expand(self.augment)
+        recipe.check_stats("data.mean", self.mean)
+        recipe.check_stats("data.std", self.std, positive=True)
+        if bool(self.mean) != bool(self.std):
+            raise ConfigError(f"data.mean={list(self.mean)} and data.std={list(self.std)}: give both, or neither "
+                              f"(data.normalize={self.normalize} then chooses)")
+        if self.eval_resize < 1:
+            raise ConfigError(f"data.eval_resize={self.eval_resize} must be at least 1 (e.g. 256 for crop 224)")
         if self.workers < 0:
             raise ConfigError(f"data.workers={self.workers} must be >= 0 (0: load in the training process)")
         if self.in_memory < 0:
@@ -186,6 +205,12 @@ def preset(fn: Callable[[], RunConfig]) -> Callable[[], RunConfig]:
     return fn
 
 
+def imagenet_data() -> DataConfig:
+    """The ImageNet presets' data: the ``imagenet`` recipe (RandomResizedCrop 0.08-1 and a flip), ImageNet's
+    channel statistics."""
+    return DataConfig(augment="imagenet", normalize="imagenet")
+
+
 def imagenet_schedule(global_batch: int, epochs: float, **kw) -> ScheduleConfig:
     return ScheduleConfig(global_batch=global_batch, epochs=epochs,
                           steps_per_epoch=steps_per_epoch(IMAGENET_TRAIN, global_batch), **kw)
@@ -204,7 +229,7 @@ def alexnet_bn_b32k() -> RunConfig:
     - ``caffe`` semantics: Intel Caffe's LARS adapts every blob, biases and BN included.
     """
     return RunConfig(
-        name="alexnet_bn_b32k", model="alexnet_bn", global_batch=32768, epochs=100, crop=227,
+        name="alexnet_bn_b32k", model="alexnet_bn", global_batch=32768, epochs=100, crop=227, data=imagenet_data(),
         optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.001, eps=0.0,
                               semantics="caffe"),
         schedule=imagenet_schedule(32768, 100, base_lr=33.0, warmup_epochs=10, warmup_start_lr=1.0,
@@ -232,6 +257,7 @@ def resnet50_b32k_lars() -> RunConfig:
     lr, warmup = mlperf_lars_lr(32768)
     return RunConfig(
         name="resnet50_b32k_lars", model="resnet50", global_batch=32768, epochs=90, label_smoothing=0.1,
+        data=imagenet_data(),
         optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=1e-4, eta=0.001, eps=0.0,
                               semantics="mlperf"),
         schedule=imagenet_schedule(32768, 90, base_lr=lr, warmup_epochs=warmup, decay="poly", power=2.0, end_lr=1e-4))
@@ -247,7 +273,7 @@ def resnet50_b8k_goyal() -> RunConfig:
     - weight decay on every tensor (``caffe`` semantics; the paper states no exclusion).
     """
     return RunConfig(
-        name="resnet50_b8k_goyal", model="resnet50", global_batch=8192, epochs=90,
+        name="resnet50_b8k_goyal", model="resnet50", global_batch=8192, epochs=90, data=imagenet_data(),
         optimizer=OptimConfig(name="sgd", momentum=0.9, weight_decay=1e-4, semantics="caffe"),
         schedule=imagenet_schedule(8192, 90, base_lr=0.1, base_batch=256, warmup_epochs=5, warmup_start_lr=0.1,
                                    decay="multistep", milestones=(30, 60, 80), gamma=0.1))
@@ -263,6 +289,7 @@ def resnet50_mlperf_cpu() -> RunConfig:
     """
     return RunConfig(
         name="resnet50_mlperf_cpu", model="resnet50", global_batch=3264, epochs=37, label_smoothing=0.1,
+        data=imagenet_data(),
         optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-5, eta=0.001, eps=0.0,
                               semantics="mlperf"),
         schedule=imagenet_schedule(3264, 37, base_lr=10.5, warmup_epochs=2, decay="poly", power=2.0, end_lr=1e-4))
@@ -281,7 +308,8 @@ def demo_tiny_lars() -> RunConfig:
         train_images=1500, label_smoothing=0.1,
         optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.001, eps=0.0, semantics="mlperf"),
         schedule=ScheduleConfig(base_lr=8.0, warmup_epochs=1, decay="poly", power=2.0, end_lr=0.0),
-        data=DataConfig(workers=1, eval_resize=72, min_scale=0.25),
+        data=DataConfig(workers=1, eval_resize=72, augment=("resized_crop(min_scale=0.25)", "hflip"),
+                        normalize="imagenet"),
         loop=LoopConfig(target_top1=95.0, log_every=5),
         checkpoint=CheckpointConfig(every_minutes=2.0))
 
@@ -359,6 +387,9 @@ def load_yaml(path: str) -> RunConfig:
         raise ConfigError(f"{path}: cannot read the config ({exc})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    if isinstance(data.get("data"), dict) and "min_scale" in data["data"]:
+        raise ConfigError(f"{path}: data.min_scale is now a step of data.augment: write "
+                          f"augment: [resized_crop(min_scale={data['data']['min_scale']}), hflip]")
     try:
         if "preset" in data:
             base = get_preset(str(data.pop("preset")))

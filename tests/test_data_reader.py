@@ -18,7 +18,7 @@ from hpcdl.data.pack import PackConfig, pack
 from hpcdl.data.sampler import DistributedShardSampler, Sample
 from hpcdl.data.stage import stage
 from hpcdl.data.synthetic import generate
-from hpcdl.data.transforms import DecodeOnly, EvalTransform, TrainTransform, normalize_batch
+from hpcdl.data.transforms import Augment, DecodeOnly, EvalTransform, normalize_batch
 from hpcdl.errors import ConfigError, DataError
 
 SIZES = [7, 13, 5, 11, 9, 6, 12]  # unequal shards, 63 images: the awkward case
@@ -151,7 +151,7 @@ def test_transforms_match_torchvision_geometry():
     ref = T.Compose([T.Resize(256), T.CenterCrop(224), T.PILToTensor()])(Image.open(io.BytesIO(data)))
     assert val.shape == (224, 224, 3)
     assert (val.permute(2, 0, 1).float() - ref.float()).abs().mean() < 3
-    crops = [TrainTransform()(data) for _ in range(40)]
+    crops = [Augment.of("imagenet")(data) for _ in range(40)]
     assert all(c.shape == (224, 224, 3) and c.dtype == torch.uint8 for c in crops)
     batch = normalize_batch(torch.stack(crops), channels_last=True)
     assert batch.shape == (40, 3, 224, 224) and batch.is_contiguous(memory_format=torch.channels_last)
@@ -186,7 +186,8 @@ def test_bench_data_counts_files_opened_per_epoch(tmp_path):
     from hpcdl.bench import run
     from hpcdl.bench.data import format_report
 
-    report = run("data", images=48, classes=4, rounds=2, batch_size=8, json_path=str(tmp_path / "r.json"))
+    report = run("data", images=48, classes=4, rounds=2, batch_size=8, json_path=str(tmp_path / "r.json"),
+                 crop=64, recipes="imagenet; light, rot90", per_core_images=8)
     rows = {r["reader"]: r for r in report["rows"]}
     assert rows["ImageFolder"]["files_opened_per_epoch"] == 48 == rows["ImageFolder"]["files_opened_next_epochs"] / 1
     assert 1 <= rows["shard reader"]["files_opened_per_epoch"] <= report["shards"] * 2
@@ -194,6 +195,14 @@ def test_bench_data_counts_files_opened_per_epoch(tmp_path):
     assert rows["bare decode"]["files_opened_per_epoch"] == 0
     assert all(r["images_per_s_per_worker"] > 0 for r in rows.values())
     assert "shard reader / ImageFolder" in format_report(report)
+    # one core: every decoder, and each recipe through each decode path, side by side
+    assert {"pillow", "pillow draft", "torchvision"} <= set(report["decoders"]) and report["per_core_images"] == 8
+    assert [r["spec"] for r in report["recipes"]] == ["imagenet", "light, rot90"]
+    for r in report["recipes"]:
+        rates = r["images_per_s_per_core"]
+        assert set(rates) == {"pillow", "torchvision"} and r["fastest"] == max(rates, key=rates.get)
+        assert r["default_over_fastest"] == pytest.approx(rates[r["default"]] / rates[r["fastest"]])
+    assert "light, rot90" in format_report(report)
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["images_packed"] == 48 and written["benchmark"] == "data" and written["config"]["images"] == 48
 
@@ -210,7 +219,7 @@ def test_stage_command_prints_the_staged_root(packed, tmp_path):
 
 
 def test_seeded_augmentation_ignores_workers_and_resume_point(packed):
-    ds = ShardDataset(str(packed / "out"), TrainTransform(size=48), seed=11)
+    ds = ShardDataset(str(packed / "out"), Augment.of("imagenet", 48), seed=11)
 
     def run(workers, sampler):
         return [x for x, _ in DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers)]

@@ -10,14 +10,16 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from conftest import PYTHON, REPO, SIMULATED_CPUS, free_port, hpcdl, rank_env, sbatch_wait, start_ranks
 from hpcdl.train.precision import choose_precision
 
 BASE = ["demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
-        "--set", "data.min_scale=0.5", "--set", "epochs=4", "--set", "loop.log_every=1"]
+        "--set", "data.augment=resized_crop(min_scale=0.5), hflip", "--set", "epochs=4", "--set", "loop.log_every=1"]
 
 
 def args_for(data: Path, run: Path, *extra: str) -> list[str]:
@@ -54,6 +56,14 @@ def test_one_process_writes_the_run_folder(data, tmp_path):
     assert all(r["t_forward"] > 0 and r["t_backward"] > 0 and r["t_data"] >= 0 and r["images"] == 16 for r in steps[:14])
     evals = [r for r in records if r["kind"] == "eval"]
     assert [e["step"] for e in evals] == [15, 20] and all(e["images"] == 29 for e in evals)
+    for e in evals:  # each evaluation's per-class accuracy and confusion matrix, in the run folder
+        body = json.loads((run / "eval" / f"step-{e['step']:09d}.json").read_text())
+        assert body["classes"] == [f"n{90000000 + i}" for i in range(10)] and body["images"] == [3] * 9 + [2]
+        matrix = np.array(body["confusion"])
+        assert matrix.shape == (10, 10) and matrix.sum() == 29
+        assert 100 * np.trace(matrix) / 29 == pytest.approx(e["top1"])
+        assert Image.open(run / "eval" / body["image"]["file"]).size[0] >= 10 * body["image"]["cell"]
+    assert "most confused:" in done.stdout or "no class confused with another" in done.stdout
     summary = json.loads((run / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["steps"] == 20 and summary["best_top1"] is not None
     assert "global_batch: 16" in (run / "config.yaml").read_text()

@@ -9,6 +9,12 @@ figure is the median round. A last row runs the shard reader through a real Data
 shared-memory transfer included) for the end-to-end figure. A row with the reader's record checksum
 turned off shows what the check on every read costs.
 
+Then, in one process on one core, with the packed bytes in memory: each JPEG decoder available (Pillow,
+Pillow in draft mode at the crop, ``torchvision.io.decode_jpeg``, and simplejpeg or OpenCV when installed)
+decoding every image whole, and each augmentation recipe of ``--recipes`` through each of hpcdl's two
+decode paths (``data.decoder``): images/s per core, rounds alternating, the median counted. The report
+names the fastest decoder and the fastest path of each recipe, and whether ``data.decoder``'s default is it.
+
 Files opened per epoch are counted with a Python audit hook in every worker, so the count covers Pillow,
 h5py (the reader opens shards through Python) and anything else, from fresh processes.
 """
@@ -34,6 +40,9 @@ class Config:
     workers: int = 2  # DataLoader workers (processes) per reader
     batch_size: int = 32  # the DataLoader row's batch
     rounds: int = 3  # epochs per reader, alternating; the median counts
+    crop: int = 224  # the recipes' crop
+    recipes: str = "imagenet; light; none; imagenet, randaugment, erasing"  # data.augment specs, ';' between
+    per_core_images: int = 400  # images each round of a decoder or a recipe decodes, on one core
 
 
 _opened = None  # a shared counter of files opened under _roots, set before any process forks
@@ -42,6 +51,10 @@ _cases: dict = {}  # reader name -> function of one index; inherited by the fork
 
 
 def _count_opens(*_):
+    import torch
+
+    torch.set_num_threads(1)  # as a DataLoader worker: torch's thread pool does not survive a fork
+
     def hook(event, args):
         if event == "open" and isinstance(args[0], (str, bytes)) and os.fsdecode(args[0]).startswith(_roots):
             with _opened.get_lock():
@@ -96,19 +109,19 @@ def run(cfg: Config, job=None) -> dict:
 
     from hpcdl.data.dataset import ShardDataset
     from hpcdl.data.sampler import DistributedShardSampler
-    from hpcdl.data.transforms import TrainTransform
+    from hpcdl.data.transforms import Augment
 
     _opened = multiprocessing.get_context("fork").Value("l", 0)
     with tempfile.TemporaryDirectory(prefix="hpcdl-bench-data-") as tmp:
         src, packed = _prepare(cfg, tmp)
         _roots = (src, os.path.abspath(packed))
-        reader = ShardDataset(packed, TrainTransform())
-        unchecked = ShardDataset(packed, TrainTransform(), verify="none")
+        reader = ShardDataset(packed, Augment.of("imagenet"))
+        unchecked = ShardDataset(packed, Augment.of("imagenet"), verify="none")
         unchecked.checksums = False
         folder = ImageFolder(src, transform=T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(),
                                                        T.PILToTensor()]))
         blobs = [reader.read(s, i)[0] for s in range(len(reader.shard_sizes)) for i in range(reader.shard_sizes[s])]
-        transform = TrainTransform()
+        transform = Augment.of("imagenet")
         _cases.update({"shard reader": reader.__getitem__, "ImageFolder": folder.__getitem__,
                        "bare decode": lambda i: transform(blobs[i]), "reader, no checksum": unchecked.__getitem__})
         sampler = DistributedShardSampler(reader.shard_sizes)
@@ -124,7 +137,91 @@ def run(cfg: Config, job=None) -> dict:
                      for name, order in orders.items()}
             cases["shard reader + DataLoader"] = lambda: _dataloader_round(loader)
             rounds = alternate(cases, cfg.rounds, warmup=0, before=lambda: sampler.set_epoch(sampler.epoch + 1))
-        return _report(rounds, len(reader), len(folder), len(reader.shard_sizes))
+        report = _report(rounds, len(reader), len(folder), len(reader.shard_sizes))
+        report.update(per_core(cfg, blobs[:cfg.per_core_images]))
+        return report
+
+
+def decoders(crop: int) -> dict:
+    """Name -> a function of JPEG bytes that decodes the whole image (Pillow's draft: at least ``crop``)."""
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torchvision.io import decode_jpeg
+
+    def pillow(data):
+        return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+    def pillow_draft(data):
+        im = Image.open(io.BytesIO(data))
+        im.draft("RGB", (crop, crop))
+        return np.asarray(im.convert("RGB"))
+
+    out = {"pillow": pillow, "pillow draft": pillow_draft,
+           "torchvision": lambda data: decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))}
+    try:
+        import simplejpeg
+
+        out["simplejpeg"] = lambda data: simplejpeg.decode_jpeg(data, colorspace="RGB")
+    except ImportError:
+        pass
+    try:
+        import cv2
+
+        out["opencv"] = lambda data: cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    except ImportError:
+        pass
+    return out
+
+
+def per_core(cfg: Config, blobs: list[bytes]) -> dict:
+    """Images/s on one core of each decoder and of each recipe through each decode path."""
+    import random
+
+    import torch
+
+    from hpcdl.config import DataConfig
+    from hpcdl.data import recipe
+    from hpcdl.data.transforms import Augment
+    from hpcdl.names import DECODERS
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        specs = [s.strip() for s in cfg.recipes.split(";") if s.strip()]
+        cases = {f"decode: {name}": _images_per_s(fn, blobs) for name, fn in decoders(cfg.crop).items()}
+        for spec in specs:
+            for decoder in DECODERS:
+                t = Augment(recipe.parse(spec, "--recipes"), cfg.crop, decoder=decoder)
+                rng = random.Random(0)
+                cases[f"{spec} | {decoder}"] = _images_per_s(lambda b, t=t: t(b, rng), blobs)
+        median = medians(alternate(cases, cfg.rounds, warmup=1))
+    finally:
+        torch.set_num_threads(threads)
+    default = DataConfig.__dataclass_fields__["decoder"].default
+    recipes = []
+    for spec in specs:
+        rates = {d: median[f"{spec} | {d}"] for d in DECODERS}
+        fastest = max(rates, key=rates.get)
+        recipes.append({"recipe": ", ".join(recipe.expand(spec)), "spec": spec, "images_per_s_per_core": rates,
+                        "fastest": fastest, "default": default, "default_over_fastest": rates[default] / rates[fastest]})
+    decode = {k.removeprefix("decode: "): v for k, v in median.items() if k.startswith("decode: ")}
+    return {"decoders": decode, "fastest_decoder": max(decode, key=decode.get), "recipes": recipes,
+            "per_core_images": len(blobs)}
+
+
+def _images_per_s(fn, blobs: list[bytes]):
+    import time as _time
+
+    def case() -> float:
+        t0 = _time.perf_counter()
+        for b in blobs:
+            fn(b)
+        return len(blobs) / (_time.perf_counter() - t0)
+
+    return case
 
 
 def _report(rounds: dict, packed: int, source: int, shards: int) -> dict:
@@ -152,4 +249,14 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['reader']:26s} {r['images_per_s_per_worker']:13.1f} {r['files_opened_per_epoch']:24d} "
                      f"{r['files_opened_next_epochs']:13d}")
     lines += [f"{k}: {v:.2f}x" for k, v in report["ratios"].items()]
+    lines.append(f"one core, {report['per_core_images']} packed images in memory, whole-image decode: "
+                 + ", ".join(f"{k} {v:.0f}/s" for k, v in report["decoders"].items())
+                 + f"; fastest {report['fastest_decoder']}")
+    lines.append(f"{'recipe (crop ' + str(c['crop']) + '), images/s per core':64s} "
+                 + " ".join(f"{d:>12s}" for d in report["recipes"][0]["images_per_s_per_core"]) + "  fastest")
+    for r in report["recipes"]:
+        note = "" if r["fastest"] == r["default"] else \
+            f" (data.decoder={r['default']} is {r['default_over_fastest']:.2f}x of it)"
+        lines.append(f"{r['spec'][:64]:64s} " + " ".join(f"{v:12.0f}" for v in r["images_per_s_per_core"].values())
+                     + f"  {r['fastest']}{note}")
     return "\n".join(lines) + "\n"

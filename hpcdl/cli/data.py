@@ -15,6 +15,7 @@ class PackCommand:
     src: str | None = field(default=None, metadata=meta(positional=True))  # the images (see --layout)
     out: str = field(metadata=meta(positional=True))  # the dataset root to write
     merge: bool = False  # only merge finished parts into manifest.json
+    stats: bool = False  # only (re)measure OUT's channel statistics, class counts and sizes into its manifest
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,6 +32,19 @@ class StageCommand:
     timeout: float = 3600.0  # seconds the node's other local ranks wait
 
 
+@dataclass(kw_only=True, slots=True)
+class ShowCommand:
+    dataset: str = field(metadata=meta(positional=True))  # a packed dataset root (where manifest.json is)
+    config: str = ""  # a preset or YAML config: its data.augment, crop and data.decoder (default: a plain config's)
+    augment: str = ""  # a recipe or steps instead of the config's, e.g. "pad_crop, rot90"
+    crop: int = 0  # instead of the config's crop
+    out: str = ""  # the PNG (default: NAME-sheet.png here, NAME the dataset folder's name)
+    per_class: int = 4  # images of each class
+    draws: int = 4  # augmented draws of each image
+    max_classes: int = 20  # the first classes shown
+    seed: int = 0  # the draws' seed
+
+
 def add_commands(sub) -> None:
     from hpcdl.cli import command
 
@@ -38,6 +52,9 @@ def add_commands(sub) -> None:
             help="pack images into HDF5 shards with a manifest",
             description="Pack SRC into shards in OUT. Inside a Slurm array or an MPI/srun job, each task packs its "
                         "part and the last one merges the manifest.")
+    command(sub, "show", show, ShowCommand, help="class counts, image sizes and a contact sheet of the augmentation",
+            description="Print DATASET's class counts and stored sizes (warning on strong imbalance) and write a PNG: "
+                        "for the first images of each class, the stored image and draws of the training augmentation.")
     command(sub, "verify", verify, VerifyCommand, help="check a packed dataset's shards against its manifest")
     command(sub, "stage", stage, StageCommand, help="copy a packed dataset to node-local disk once per node; "
             "prints its path", description="Local rank 0 copies and verifies; the node's other local ranks wait.")
@@ -45,18 +62,24 @@ def add_commands(sub) -> None:
 
 def pack(cmd: PackCommand, config) -> int:
     from hpcdl.data.format import summarize
-    from hpcdl.data.pack import merge, pack as packed
+    from hpcdl.data.pack import merge, pack as packed, restat
 
-    if cmd.merge:
+    if cmd.stats:
+        manifest = restat(cmd.out)
+    elif cmd.merge:
         manifest = merge(cmd.out)
     elif not cmd.src:
-        raise HpcdlError("hpcdl pack needs SRC and OUT (or --merge OUT)")
+        raise HpcdlError("hpcdl pack needs SRC and OUT (or --merge OUT, or --stats OUT)")
     else:
         manifest = packed(config())  # built here: --merge needs no SRC
     s = summarize(manifest)
     where = "dataset" if manifest.parts == 1 else f"part {manifest.part}/{manifest.parts}"
     print(f"{cmd.out}: {where} holds {s['images']} images in {s['shards']} shards; {s['rejected']} inputs "
           f"rejected {s['rejected_by_reason'] or ''} (reasons per file in the manifest)", file=sys.stderr)
+    if manifest.stats:
+        st = manifest.stats
+        print(f"{cmd.out}: channel mean {st['mean']}, std {st['std']} (0..1, from {st['sampled']} images); "
+              f"classes {min(st['class_counts'])}-{max(st['class_counts'])} images each", file=sys.stderr)
     return 0
 
 
@@ -76,4 +99,31 @@ def stage(cmd: StageCommand) -> int:
     from hpcdl.distributed.env import discover
 
     print(staged(cmd.root, cmd.dest, discover().local_rank, timeout_s=cmd.timeout))
+    return 0
+
+
+def show(cmd: ShowCommand) -> int:
+    import os
+
+    from hpcdl.config import DataConfig, RunConfig, resolve
+    from hpcdl.data import recipe
+    from hpcdl.data.show import contact_sheet, summary
+    from hpcdl.data.verify import load_manifest
+
+    for key in ("per_class", "draws", "max_classes"):
+        if getattr(cmd, key) < (0 if key == "draws" else 1):
+            raise HpcdlError(f"--{key.replace('_', '-')} {getattr(cmd, key)} must be at least {0 if key == 'draws' else 1}")
+    manifest = load_manifest(cmd.dataset)
+    lines, warnings = summary(cmd.dataset, manifest)
+    print("\n".join(lines))
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    data: DataConfig = resolve(cmd.config).data if cmd.config else DataConfig()
+    crop = cmd.crop or (resolve(cmd.config).crop if cmd.config else RunConfig.__dataclass_fields__["crop"].default)
+    steps = recipe.parse(cmd.augment or data.augment, "--augment" if cmd.augment else "data.augment")
+    out = cmd.out or f"{os.path.basename(os.path.normpath(cmd.dataset))}-sheet.png"
+    sheet = contact_sheet(cmd.dataset, out, steps, crop, per_class=cmd.per_class, draws=cmd.draws,
+                          max_classes=cmd.max_classes, seed=cmd.seed, decoder=data.decoder)
+    print(f"contact sheet: {sheet.path}: {sheet.rows} images of {len(set(sheet.classes))} classes, the stored image "
+          f"and {cmd.draws} draws of {', '.join(map(str, steps))} at crop {crop}")
     return 0

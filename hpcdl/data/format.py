@@ -148,6 +148,7 @@ class Manifest:
     part: int = 0
     parts: int = 1
     complete: bool = False
+    stats: dict = field(default_factory=dict)  # hpcdl.data.stats: channel statistics, class counts, sizes
     format: str = MANIFEST_FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -187,7 +188,9 @@ class Manifest:
                             f"{', '.join(map(str, READABLE_VERSIONS))}: repack with it")
         try:
             shards = [ShardEntry(**s) for s in body["shards"]]
-            return cls(**{k: body[k] for k in cls.__slots__ if k != "shards"}, shards=shards)
+            optional = ("stats",)  # absent from manifests packed before hpcdl measured them
+            return cls(**{k: body[k] for k in cls.__slots__ if k != "shards" and (k in body or k not in optional)},
+                       shards=shards)
         except (KeyError, TypeError) as exc:
             raise DataError(f"{path}: manifest field missing or malformed ({exc}); repack the dataset") from None
 

@@ -28,6 +28,7 @@ from hpcdl.data.format import (MANIFEST, PARTS_DIR, TMP_SUFFIX, Manifest, ShardE
 from hpcdl.data.images import Encoding, Rejected, prepare
 from hpcdl.data.options import PackConfig
 from hpcdl.data.sources import Item, catalog
+from hpcdl.data.stats import measure
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.utils import format_duration
 
@@ -263,8 +264,17 @@ def merge(out: str) -> Manifest:
     merged = Manifest(layout=loaded[0].layout, classes=loaded[0].classes, shards=shards,
                       rejected=[r for m in loaded for r in m.rejected], options={**loaded[0].options, "parts": parts},
                       part=0, parts=1, complete=True)
+    merged.stats = measure(out, merged)
     merged.save(os.path.join(out, MANIFEST))
     return merged
+
+
+def restat(out: str) -> Manifest:
+    """Measure the stats of a dataset packed before hpcdl did (``hpcdl pack --stats OUT``)."""
+    manifest = Manifest.load(os.path.join(out, MANIFEST))
+    manifest.stats = measure(out, manifest)
+    manifest.save(os.path.join(out, MANIFEST))
+    return manifest
 
 
 class Progress:

@@ -1,4 +1,4 @@
-"""Distributed evaluation: top-1, top-5 and loss, each validation image counted exactly once.
+"""Distributed evaluation: top-1, top-5, loss and the confusion matrix, each validation image counted once.
 
 The sampler pads ranks to equal length with :class:`hpcdl.data.sampler.Sample` indices marked
 ``padding``, which the dataset labels ``PADDING_LABEL``; they are left out of every count here, and one
@@ -15,25 +15,37 @@ import torch.nn.functional as F
 
 from hpcdl.data.dataset import PADDING_LABEL
 
+CONFUSION_MAX_CLASSES = 1024  # above this the matrix (8 bytes a cell, summed over the ranks) is not kept
+
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             group=None) -> dict:
-    """-> {"images", "top1", "top5", "loss"} over all ranks (percentages; loss per image)."""
+             group=None, num_classes: int = 0) -> dict:
+    """-> {"images", "top1", "top5", "loss"} over all ranks (percentages; loss per image), and with
+    ``num_classes`` up to :data:`CONFUSION_MAX_CLASSES`, "confusion": counts[true class, predicted class]."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64)  # images, top-1 hits, top-5 hits, summed loss
+    n = num_classes if 0 < num_classes <= CONFUSION_MAX_CLASSES else 0
+    confusion = torch.zeros(n * n, dtype=torch.int64)
     for images, labels in loader:
         logits = model(prepare(images) if prepare else images)
         real = labels != PADDING_LABEL
         logits, labels = logits[real], labels[real]
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]
+        if n:
+            confusion += torch.bincount(labels * n + logits.argmax(1), minlength=n * n)
         sums += torch.tensor([len(labels), top[:, 0].sum().item(), top.any(1).sum().item(),
                               F.cross_entropy(logits.float(), labels, reduction="sum").item() if len(labels) else 0.0],
                              dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(sums, group=group)
+        if n:
+            dist.all_reduce(confusion, group=group)
     model.train(was_training)
-    n = max(sums[0].item(), 1.0)
-    return {"images": int(sums[0].item()), "top1": 100 * sums[1].item() / n, "top5": 100 * sums[2].item() / n,
-            "loss": sums[3].item() / n}
+    count = max(sums[0].item(), 1.0)
+    out = {"images": int(sums[0].item()), "top1": 100 * sums[1].item() / count, "top5": 100 * sums[2].item() / count,
+           "loss": sums[3].item() / count}
+    if n:
+        out["confusion"] = confusion.view(n, n)
+    return out

@@ -18,7 +18,7 @@ from hpcdl.train.step import PHASES, StepResult
 class RunLog:
     def __init__(self, run_dir: str, *, rank: int, total_steps: int, start_step: int, log_every: int,
                  tensorboard: bool = True):
-        self.enabled, self.log_every = rank == 0, log_every
+        self.enabled, self.log_every, self.run_dir = rank == 0, log_every, run_dir
         self._jsonl = self._tb = self._bar = None
         if not self.enabled:
             return
@@ -52,9 +52,12 @@ class RunLog:
                 for k in PHASES:
                     self._tb.add_scalar(f"time/{k}", result.times[k], step)
 
-    def evaluation(self, step: int, epoch: float, metrics: dict) -> None:
+    def evaluation(self, step: int, epoch: float, metrics: dict, classes: list[str] | None = None) -> None:
+        """One evaluation's line; with its confusion matrix, also the files of :mod:`hpcdl.train.confusion`."""
         if not self.enabled:
             return
+        metrics = dict(metrics)
+        confusion = metrics.pop("confusion", None)
         self._jsonl.write(json.dumps({"kind": "eval", "step": step, "epoch": round(epoch, 4), "time": time.time(),
                                       **metrics}) + "\n")
         self._bar.write(f"eval at step {step} (epoch {epoch:.2f}): top-1 {metrics['top1']:.2f}%, "
@@ -62,6 +65,10 @@ class RunLog:
         if self._tb is not None:
             for key in ("top1", "top5", "loss"):
                 self._tb.add_scalar(f"eval/{key}", metrics[key], step)
+        if confusion is not None and classes:
+            from hpcdl.train import confusion as cm
+
+            self._bar.write("  " + cm.describe(cm.write(self.run_dir, step, confusion.numpy(), classes, self._tb)))
 
     def close(self) -> None:
         if self._bar is not None:

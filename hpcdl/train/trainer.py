@@ -23,7 +23,8 @@ import torch.distributed as dist
 from hpcdl.config import RunConfig, dump_yaml
 from hpcdl.data.dataset import InMemory, ShardDataset
 from hpcdl.data.sampler import DistributedShardSampler
-from hpcdl.data.transforms import EvalTransform, TrainTransform, normalize_batch
+from hpcdl.data.recipe import channel_stats, parse
+from hpcdl.data.transforms import Augment, BatchMix, EvalTransform, normalize_batch
 from hpcdl.distributed.affinity import allocator_in_use, apply_cpu_plan, plan_cpus
 from hpcdl.distributed.process_group import DistContext, fail_fast, init_distributed, new_subgroup, set_timeout, shutdown
 from hpcdl.distributed.hooks import ChunkSparse
@@ -149,8 +150,16 @@ class Trainer:
     def _build_data(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         micro = cfg.per_rank_batch // cfg.loop.accum_steps
-        train = ShardDataset(os.path.expandvars(cfg.data.train), TrainTransform(cfg.crop, (cfg.data.min_scale, 1.0)),
+        steps = parse(cfg.data.augment)
+        train = ShardDataset(os.path.expandvars(cfg.data.train), Augment(steps, cfg.crop, decoder=cfg.data.decoder),
                              verify=cfg.data.verify, rank=ctx.rank, world=ctx.world_size, seed=cfg.data.seed)
+        self.mean, self.std, why = channel_stats(cfg.data, train.manifest.stats, train.root)
+        self.mix = BatchMix(steps, cfg.num_classes)
+        names = [c["name"] or c["wnid"] for c in train.manifest.classes]  # for the confusion matrix
+        self.classes = names if len(names) == cfg.num_classes else [str(i) for i in range(cfg.num_classes)]
+        if ctx.rank == 0:
+            log.info("data: %s; normalized with mean %s, std %s (%s)", ", ".join(cfg.data.augment),
+                     [round(v, 4) for v in self.mean], [round(v, 4) for v in self.std], why)
         self.sampler = DistributedShardSampler(train.shard_sizes, ctx.world_size, ctx.rank, cfg.data.sampler,
                                                shuffle=True, seed=cfg.data.seed)
         if cfg.data.in_memory:
@@ -158,7 +167,8 @@ class Trainer:
         self.train_loader = make_loader(train, self.sampler, micro, cfg.data.workers)
         self.val_loader = None
         if cfg.data.val:
-            val = ShardDataset(os.path.expandvars(cfg.data.val), EvalTransform(cfg.data.eval_resize, cfg.crop),
+            val = ShardDataset(os.path.expandvars(cfg.data.val),
+                               EvalTransform(cfg.data.eval_resize, cfg.crop, decoder=cfg.data.decoder),
                                verify=cfg.data.verify, rank=ctx.rank, world=ctx.world_size)
             sampler = DistributedShardSampler(val.shard_sizes, ctx.world_size, ctx.rank, "global", shuffle=False)
             self.val_loader = make_loader(val, sampler, micro, cfg.data.workers)
@@ -220,7 +230,7 @@ class Trainer:
             sparse.dry = False
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
-        return normalize_batch(images, channels_last=self.cfg.loop.channels_last)
+        return normalize_batch(images, self.mean, self.std, channels_last=self.cfg.loop.channels_last)
 
     def _blank_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro-batch of black images, class 0: for the probes that only time or order a step."""
@@ -340,7 +350,8 @@ class Trainer:
     def _batches(self):
         for images, labels in self.train_loader:
             self.consumed += len(labels)
-            yield self._prepare(images), labels
+            images = self._prepare(images)
+            yield self.mix(images, labels) if self.mix else (images, labels)
 
     def _wishes(self) -> tuple[bool, bool]:
         """Rank 0's (stop, checkpoint now); the step's control all-reduce hands them to every rank."""
@@ -358,8 +369,10 @@ class Trainer:
     def _evaluate(self) -> None:
         if self.val_loader is None:
             return
-        metrics = evaluate(self.net, self.val_loader, self._prepare, group=self.ctx.group)
-        self.runlog.evaluation(self.step, self._epochs(), metrics)
+        metrics = evaluate(self.net, self.val_loader, self._prepare, group=self.ctx.group,
+                           num_classes=self.cfg.num_classes)
+        self.runlog.evaluation(self.step, self._epochs(), metrics, self.classes)
+        metrics.pop("confusion", None)
         if self.best is None or metrics["top1"] > self.best["top1"]:
             self.best = {"step": self.step, **metrics}
         target = self.cfg.loop.target_top1
