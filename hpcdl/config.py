@@ -43,6 +43,7 @@ class DataConfig:
     # the channel statistics images are normalized with: dataset (measured by hpcdl pack, in the manifest) or
     # imagenet; data.mean and data.std, when given (0..1 units, one per channel), take precedence
     normalize: str = "dataset"
+    channels: int = 3  # 3 (RGB) or 1 (gray: decoded to one channel, the model's first layer takes one)
     decoder: str = "pillow"  # pillow (draft mode: decodes no more than the crop needs) or torchvision (decode_jpeg)
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
@@ -53,8 +54,9 @@ class DataConfig:
         check("data.normalize", self.normalize, names.NORMALIZE)
         check("data.decoder", self.decoder, names.DECODERS)
         self.augment = recipe.expand(self.augment)
-        recipe.check_stats("data.mean", self.mean)
-        recipe.check_stats("data.std", self.std, positive=True)
+        check("data.channels", self.channels, (1, 3))
+        recipe.check_stats("data.mean", self.mean, self.channels)
+        recipe.check_stats("data.std", self.std, self.channels, positive=True)
         if bool(self.mean) != bool(self.std):
             raise ConfigError(f"data.mean={list(self.mean)} and data.std={list(self.std)}: give both, or neither "
                               f"(data.normalize={self.normalize} then chooses)")

@@ -27,7 +27,7 @@ DECODERS = ("pillow", "torchvision")
 IPEX = ("auto", "off")
 ALLOCATORS = ("jemalloc", "tcmalloc", "glibc")
 ALLOCATOR_CHOICES = ("auto", "none", *ALLOCATORS)
-LAYOUTS = ("imagenet-train", "imagenet-val", "imagenet22k-tars", "folder")
+LAYOUTS = ("imagenet-train", "imagenet-val", "imagenet22k-tars", "folder", "csv")
 
 IMAGENET_TRAIN = 1_281_167  # ImageNet-1K (ILSVRC2012) training images: the presets' and the planner's default
 

@@ -207,3 +207,43 @@ def test_the_confusion_image_shows_the_matrix_it_claims(tmp_path):
             else:
                 assert r == 255 and g < 255, (i, j)  # red: wrong
     assert json.loads((tmp_path / "eval" / "step-000000007.json").read_text())["confusion"] == matrix.tolist()
+
+
+def test_pack_reads_a_csv_of_paths_and_labels(tmp_path):
+    from hpcdl.data.format import Manifest
+    from hpcdl.data.pack import PackConfig, pack
+
+    (tmp_path / "img").mkdir()
+    for i in range(5):
+        Image.new("RGB", (20, 20), (40 * i, 0, 0)).save(tmp_path / "img" / f"{i}.jpg")
+    rows = ["path,label", "img/0.jpg,10", "img/1.jpg,2", f"{tmp_path}/img/2.jpg,10", "img/3.jpg,2", "img/4.jpg,10",
+            "img/missing.jpg,2"]
+    (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
+    m = pack(PackConfig(src=str(tmp_path / "list.csv"), out=str(tmp_path / "out"), layout="csv", workers=1))
+    assert [c["wnid"] for c in m.classes] == ["2", "10"]  # numeric labels sort as numbers
+    assert m.stats["class_counts"] == [2, 3] and [r["path"] for r in m.rejected] == ["img/missing.jpg"]
+    assert Manifest.load(str(tmp_path / "out" / "manifest.json")).num_images == 5
+    (tmp_path / "bad.csv").write_text("img/0.jpg,1\nimg/1.jpg\n")
+    done = hpcdl("pack", str(tmp_path / "bad.csv"), str(tmp_path / "out2"), "--layout", "csv")
+    assert done.returncode != 0 and f"{tmp_path / 'bad.csv'}:2: ['img/1.jpg'] is not 'path,label'" in done.stderr
+
+
+def test_one_channel_data_trains_on_one_channel(data, tmp_path):
+    from hpcdl.models import build_model
+
+    for name in ("tiny_cnn", "resnet18", "alexnet_bn"):
+        model = build_model(name, 10, in_channels=1)
+        first = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+        assert first.in_channels == 1
+    assert build_model("tiny_cnn", 10, in_channels=1)(torch.zeros(2, 1, 32, 32)).shape == (2, 10)
+    with pytest.raises(ConfigError, match=r"data.mean=\[0.5, 0.5, 0.5\] has 3 values; give one per channel \(1\)"):
+        resolve("demo_tiny_lars", ["data.channels=1", "data.mean=[0.5, 0.5, 0.5]", "data.std=[0.2, 0.2, 0.2]"])
+    run = tmp_path / "run"
+    done = hpcdl("train", "demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
+                 "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}", "--set", f"run_dir={run}",
+                 "--set", "data.channels=1", "--set", "data.normalize=dataset", "--set", "loop.max_steps=2",
+                 "--set", "data.workers=0", "--set", "data.augment=light, rot90")
+    assert done.returncode == 0, done.stderr
+    assert "(gray)" in done.stderr and "pad_crop(pad=0.125), rot90(p=0.75)" in done.stderr
+    weights = torch.load(run / "checkpoints" / "ckpt-000000002.pt", weights_only=True)["model"]
+    assert weights["features.0.weight"].shape[1] == 1

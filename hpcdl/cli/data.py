@@ -123,7 +123,7 @@ def show(cmd: ShowCommand) -> int:
     steps = recipe.parse(cmd.augment or data.augment, "--augment" if cmd.augment else "data.augment")
     out = cmd.out or f"{os.path.basename(os.path.normpath(cmd.dataset))}-sheet.png"
     sheet = contact_sheet(cmd.dataset, out, steps, crop, per_class=cmd.per_class, draws=cmd.draws,
-                          max_classes=cmd.max_classes, seed=cmd.seed, decoder=data.decoder)
+                          max_classes=cmd.max_classes, seed=cmd.seed, decoder=data.decoder, channels=data.channels)
     print(f"contact sheet: {sheet.path}: {sheet.rows} images of {len(set(sheet.classes))} classes, the stored image "
           f"and {cmd.draws} draws of {', '.join(map(str, steps))} at crop {crop}")
     return 0

@@ -158,12 +158,18 @@ IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # ImageNet's ch
 
 def channel_stats(data, stats: dict, root: str) -> tuple[tuple, tuple, str]:
     """(mean, std, where they come from) for a run's ``data`` config and its training set's manifest stats."""
+    gray = data.channels == 1
     if data.mean:
         return tuple(data.mean), tuple(data.std), "data.mean and data.std"
     if data.normalize == "imagenet":
+        if gray:  # the three channels' averages
+            return (sum(IMAGENET_STATS[0]) / 3,), (sum(IMAGENET_STATS[1]) / 3,), "data.normalize=imagenet, averaged"
         return *IMAGENET_STATS, "data.normalize=imagenet"
     if not stats.get("mean"):
         raise ConfigError(f"{root}: its manifest has no channel statistics (packed before hpcdl measured them) "
                           f"and data.normalize=dataset asks for them; run 'hpcdl pack --stats {root}', or set "
                           "data.normalize=imagenet, or data.mean and data.std")
-    return tuple(stats["mean"]), tuple(stats["std"]), f"measured by hpcdl pack on {stats['sampled']} images"
+    why = f"measured by hpcdl pack on {stats['sampled']} images"
+    if gray:
+        return (stats["mean_gray"],), (stats["std_gray"],), why + " (gray)"
+    return tuple(stats["mean"]), tuple(stats["std"]), why

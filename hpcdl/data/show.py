@@ -75,7 +75,7 @@ def _first_of_each(root: str, manifest: Manifest, classes: list[int], per_class:
 
 
 def contact_sheet(root: str, out: str, augment, crop: int, *, per_class: int = 4, draws: int = 4,
-                  max_classes: int = 20, seed: int = 0, decoder: str = "pillow") -> Sheet:
+                  max_classes: int = 20, seed: int = 0, decoder: str = "pillow", channels: int = 3) -> Sheet:
     """Write the PNG; returns what it holds."""
     from hpcdl.data.transforms import Augment
 
@@ -83,7 +83,7 @@ def contact_sheet(root: str, out: str, augment, crop: int, *, per_class: int = 4
     names = class_names(manifest)
     shown = list(range(min(max_classes, len(names))))
     found = _first_of_each(root, manifest, shown, per_class)
-    transform = Augment(augment, crop, decoder=decoder)
+    transform = Augment(augment, crop, decoder=decoder, channels=channels)
     cell = max(64, crop) if crop >= 64 else crop * max(1, 96 // crop)  # small crops are enlarged to see them
     font = ImageFont.load_default()
     label_w = max(font.getbbox(n)[2] for n in (names[c] for c in shown)) + 12

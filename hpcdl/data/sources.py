@@ -125,6 +125,37 @@ def folder(src: str, opts: SourceOptions) -> Catalog:
     return Catalog(_classes([printable(d)[0] for d in dirs], _read_names(opts.names)), items)
 
 
+def csv_list(src: str, opts: SourceOptions) -> Catalog:
+    """A CSV file of ``path,label`` rows (a ``path,label`` header is skipped); paths are relative to the
+    file's folder unless absolute. Classes are the labels, sorted (numerically when every label is a whole
+    number), so a train and a val list with the same labels agree on the class index."""
+    import csv
+
+    base = os.path.dirname(os.path.abspath(src))
+    rows = []
+    with open(src, newline="", encoding="utf-8") as f:
+        for line, row in enumerate(csv.reader(f), start=1):
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue
+            if len(row) != 2 or not row[0].strip() or not row[1].strip():
+                raise ConfigError(f"{src}:{line}: {row!r} is not 'path,label'; --layout csv wants one image path "
+                                  "and its class per row")
+            if line == 1 and [c.strip().lower() for c in row] == ["path", "label"]:
+                continue
+            rows.append((row[0].strip(), row[1].strip()))
+    if not rows:
+        raise ConfigError(f"{src}: no 'path,label' rows; --layout csv wants one image path and its class per row")
+    labels = sorted({label for _, label in rows},
+                    key=lambda v: (0, int(v), "") if v.lstrip("-").isdigit() else (1, 0, v))
+    index = {label: i for i, label in enumerate(labels)}
+
+    def items(part: int, parts: int, seed: int) -> list[Item]:
+        found = [Item(key=path, label=index[label], path=os.path.join(base, path)) for path, label in rows]
+        return _deal_items(found, part, parts, seed)
+
+    return Catalog(_classes(labels, _read_names(opts.names)), items)
+
+
 def imagenet_train(src: str, opts: SourceOptions) -> Catalog:
     catalog = folder(src, opts)
     odd = [c["wnid"] for c in catalog.classes if not WNID.fullmatch(c["wnid"])]
@@ -212,12 +243,16 @@ LAYOUTS: dict[str, Callable[[str, SourceOptions], Catalog]] = registry("pack lay
     "imagenet-val": imagenet_val,
     "imagenet22k-tars": imagenet22k_tars,
     "folder": folder,
+    "csv": csv_list,
 }, names.LAYOUTS)
 
 
 def catalog(layout: str, src: str, opts: SourceOptions) -> Catalog:
     if layout not in LAYOUTS:
         raise ConfigError(f"--layout {layout!r} is unknown; choose one of {', '.join(LAYOUTS)}")
-    if not os.path.isdir(src):
+    if layout == "csv":
+        if not os.path.isfile(src):
+            raise ConfigError(f"SRC {src} is not a file; --layout csv wants a CSV of path,label rows")
+    elif not os.path.isdir(src):
         raise ConfigError(f"SRC {src} is not a directory")
     return LAYOUTS[layout](src, opts)

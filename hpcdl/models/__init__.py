@@ -43,7 +43,19 @@ MODELS: dict[str, ModelInfo] = registry("models", {m.name: m for m in (
 )}, names.MODELS)
 
 
-def build_model(name: str, num_classes: int = 1000) -> nn.Module:
+def build_model(name: str, num_classes: int = 1000, in_channels: int = 3) -> nn.Module:
+    """``name`` with ``num_classes`` outputs; with ``in_channels`` other than 3 (gray images: 1), its first
+    convolution takes that many channels, initialized as the model initializes it."""
     if name not in MODELS:
         raise ConfigError(f"model {name!r} is unknown; choose one of {', '.join(MODELS)}")
-    return MODELS[name].build(num_classes)
+    model = MODELS[name].build(num_classes)
+    if in_channels != 3:
+        parent, attr, conv = next((p, a, m) for p in model.modules() for a, m in p.named_children()
+                                  if isinstance(m, nn.Conv2d))
+        first = nn.Conv2d(in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                          conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode)
+        if isinstance(parent, nn.Sequential) and attr.isdigit():
+            parent[int(attr)] = first
+        else:
+            setattr(parent, attr, first)
+    return model

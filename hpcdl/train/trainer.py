@@ -138,7 +138,7 @@ class Trainer:
     def _build_model(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.loop.seed)
-        model = build_model(cfg.model, cfg.num_classes)
+        model = build_model(cfg.model, cfg.num_classes, in_channels=cfg.data.channels)
         if cfg.loop.channels_last:
             model = model.to(memory_format=torch.channels_last)
         optimizer = build_optimizer(model, cfg.optimizer)
@@ -151,7 +151,8 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         micro = cfg.per_rank_batch // cfg.loop.accum_steps
         steps = parse(cfg.data.augment)
-        train = ShardDataset(os.path.expandvars(cfg.data.train), Augment(steps, cfg.crop, decoder=cfg.data.decoder),
+        augment = Augment(steps, cfg.crop, decoder=cfg.data.decoder, channels=cfg.data.channels)
+        train = ShardDataset(os.path.expandvars(cfg.data.train), augment,
                              verify=cfg.data.verify, rank=ctx.rank, world=ctx.world_size, seed=cfg.data.seed)
         self.mean, self.std, why = channel_stats(cfg.data, train.manifest.stats, train.root)
         self.mix = BatchMix(steps, cfg.num_classes)
@@ -168,7 +169,8 @@ class Trainer:
         self.val_loader = None
         if cfg.data.val:
             val = ShardDataset(os.path.expandvars(cfg.data.val),
-                               EvalTransform(cfg.data.eval_resize, cfg.crop, decoder=cfg.data.decoder),
+                               EvalTransform(cfg.data.eval_resize, cfg.crop, decoder=cfg.data.decoder,
+                                             channels=cfg.data.channels),
                                verify=cfg.data.verify, rank=ctx.rank, world=ctx.world_size)
             sampler = DistributedShardSampler(val.shard_sizes, ctx.world_size, ctx.rank, "global", shuffle=False)
             self.val_loader = make_loader(val, sampler, micro, cfg.data.workers)
@@ -236,7 +238,7 @@ class Trainer:
         """A micro-batch of black images, class 0: for the probes that only time or order a step."""
         cfg = self.cfg
         micro = cfg.per_rank_batch // cfg.loop.accum_steps
-        return (self._prepare(torch.zeros(micro, cfg.crop, cfg.crop, 3, dtype=torch.uint8)),
+        return (self._prepare(torch.zeros(micro, cfg.crop, cfg.crop, cfg.data.channels, dtype=torch.uint8)),
                 torch.zeros(micro, dtype=torch.long))
 
     # -- checkpoints ----------------------------------------------------------------------------------
