@@ -53,7 +53,7 @@ BENCHMARKS = {b.name: b for b in (
               "start-up, launches alternated (run it outside a launcher)"),
     Benchmark("feed", "feed", "hpcdl train on packed JPEGs vs the same step fed from memory, per layout and "
               "precision: what the loader costs"),
-    Benchmark("data", "data", "shard reader vs ImageFolder vs a bare decode loop, images/s per worker"),
+    Benchmark("data", "data", "shard reader vs ImageFolder vs a bare decode loop; decoders and recipes per core"),
     Benchmark("optim", "optim", "one optimizer step: LARS and LAMB against torch SGD(foreach)"),
     Benchmark("step", "step", "a training step through hpcdl vs a bare loop; ResNet-50 tuned vs untuned"),
     Benchmark("sync", "sync", "a model's gradient set: per-tensor, fused, flat, each comm hook; latency, weak "

@@ -206,7 +206,8 @@ def per_core(cfg: Config, blobs: list[bytes]) -> dict:
         rates = {d: median[f"{spec} | {d}"] for d in DECODERS}
         fastest = max(rates, key=rates.get)
         recipes.append({"recipe": ", ".join(recipe.expand(spec)), "spec": spec, "images_per_s_per_core": rates,
-                        "fastest": fastest, "default": default, "default_over_fastest": rates[default] / rates[fastest]})
+                        "fastest": fastest, "default": default,
+                        "default_over_fastest": rates[default] / rates[fastest]})
     decode = {k.removeprefix("decode: "): v for k, v in median.items() if k.startswith("decode: ")}
     return {"decoders": decode, "fastest_decoder": max(decode, key=decode.get), "recipes": recipes,
             "per_core_images": len(blobs)}

@@ -110,9 +110,9 @@ def show(cmd: ShowCommand) -> int:
     from hpcdl.data.show import contact_sheet, summary
     from hpcdl.data.verify import load_manifest
 
-    for key in ("per_class", "draws", "max_classes"):
-        if getattr(cmd, key) < (0 if key == "draws" else 1):
-            raise HpcdlError(f"--{key.replace('_', '-')} {getattr(cmd, key)} must be at least {0 if key == 'draws' else 1}")
+    for key, least in (("per_class", 1), ("draws", 0), ("max_classes", 1)):
+        if getattr(cmd, key) < least:
+            raise HpcdlError(f"--{key.replace('_', '-')} {getattr(cmd, key)} must be at least {least}")
     manifest = load_manifest(cmd.dataset)
     lines, warnings = summary(cmd.dataset, manifest)
     print("\n".join(lines))

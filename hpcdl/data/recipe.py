@@ -31,7 +31,8 @@ STEPS: dict[str, tuple[str, dict[str, tuple]]] = {
     "center_crop": ("size", {}),
     "hflip": ("pixel", {"p": (0.5, 0.0, 1.0)}),
     "vflip": ("pixel", {"p": (0.5, 0.0, 1.0)}),
-    "rot90": ("pixel", {"p": (0.75, 0.0, 1.0)}),  # with probability p a turn of 90, 180 or 270 degrees: 0.75 makes the 4 equally likely
+    # with probability p, a turn of 90, 180 or 270 degrees: 0.75 makes the four orientations equally likely
+    "rot90": ("pixel", {"p": (0.75, 0.0, 1.0)}),
     "color_jitter": ("pixel", {"brightness": (0.4, 0.0, 1.0), "contrast": (0.4, 0.0, 1.0),
                                "saturation": (0.4, 0.0, 1.0), "hue": (0.0, 0.0, 0.5)}),
     "grayscale": ("pixel", {"p": (0.1, 0.0, 1.0)}),

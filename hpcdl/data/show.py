@@ -98,8 +98,8 @@ def contact_sheet(root: str, out: str, augment, crop: int, *, per_class: int = 4
         y = 20 + r * (cell + 4)
         draw.text((4, y + cell // 2 - 5), names[c], fill="black", font=font)
         stored = Image.open(io.BytesIO(data)).convert("RGB")
-        stored.thumbnail((cell, cell), Image.Resampling.BILINEAR if max(stored.size) > cell else Image.Resampling.NEAREST)
-        if max(stored.size) < cell:
+        stored.thumbnail((cell, cell), Image.Resampling.BILINEAR)
+        if max(stored.size) < cell:  # a small image is enlarged pixel for pixel
             k = cell / max(stored.size)
             stored = stored.resize((max(1, round(stored.width * k)), max(1, round(stored.height * k))),
                                    Image.Resampling.NEAREST)

@@ -53,7 +53,9 @@ def measure(root: str, manifest: Manifest, sample: int = SAMPLE, seed: int = SEE
     measured = bool(pixels)
     return {"sampled": len(picks), "seed": seed, "mean": [round(float(v), 6) for v in mean] if measured else [],
             "std": [round(float(v), 6) for v in std] if measured else [],
-            "mean_gray": round(float(gmean), 6) if measured else None, "std_gray": round(gstd, 6) if measured else None, "class_counts": np.bincount(labels, minlength=manifest.num_classes).tolist(),
+            "mean_gray": round(float(gmean), 6) if measured else None,
+            "std_gray": round(gstd, 6) if measured else None,
+            "class_counts": np.bincount(labels, minlength=manifest.num_classes).tolist(),
             "size": size}
 
 

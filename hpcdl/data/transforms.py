@@ -87,7 +87,8 @@ class Augment:
         s = self.sizing
         if s.name == "resized_crop":
             p = s.params
-            top, left, ch, cw = crop_params(w, h, (p["min_scale"], p["max_scale"]), (p["min_ratio"], p["max_ratio"]), rng)
+            scale, ratio = (p["min_scale"], p["max_scale"]), (p["min_ratio"], p["max_ratio"])
+            top, left, ch, cw = crop_params(w, h, scale, ratio, rng)
             return (left, top, left + cw, top + ch), (0, 0)
         side = min(w, h)  # center_crop and pad_crop: the central square, resized to the crop
         left, top = (w - side) / 2, (h - side) / 2
