@@ -80,7 +80,7 @@ class Augment:
         x = self._sized(data, rng)
         for step in self.pixel:
             x = step(x, rng)
-        return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+        return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.require(x, requirements=("C", "W")))
 
     def _box(self, w: int, h: int, rng) -> tuple[tuple[float, float, float, float], tuple[int, int]]:
         """The source box (left, top, right, bottom) that becomes the crop, and the shift (dx, dy) of pad_crop."""
@@ -164,7 +164,7 @@ def _seeded(t, x, rng) -> torch.Tensor:
     """torchvision's transform ``t`` on HWC ``x``, drawing from torch's RNG seeded from ``rng``; torch's own
     RNG (dropout, the sampler) is left as it was."""
     if not isinstance(x, torch.Tensor):
-        x = torch.from_numpy(np.ascontiguousarray(x))
+        x = torch.from_numpy(np.require(x, requirements=("C", "W")))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(rng.getrandbits(63))
         return t(x.permute(2, 0, 1)).permute(1, 2, 0)
