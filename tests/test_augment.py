@@ -242,7 +242,7 @@ def test_one_channel_data_trains_on_one_channel(data, tmp_path):
     done = hpcdl("train", "demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
                  "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}", "--set", f"run_dir={run}",
                  "--set", "data.channels=1", "--set", "data.normalize=dataset", "--set", "loop.max_steps=2",
-                 "--set", "data.workers=0", "--set", "data.augment=light, rot90")
+                 "--set", "data.workers=0", "--set", "data.augment=light, rot90", "--set", "data.decoder=torchvision")
     assert done.returncode == 0, done.stderr
     assert "(gray)" in done.stderr and "pad_crop(pad=0.125), rot90(p=0.75)" in done.stderr
     weights = torch.load(run / "checkpoints" / "ckpt-000000002.pt", weights_only=True)["model"]

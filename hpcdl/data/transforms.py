@@ -49,6 +49,11 @@ def _decode_tv(data: bytes, channels: int) -> torch.Tensor:
     return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=mode)
 
 
+def _steps(steps) -> list[Step]:
+    """Parsed steps as given, or a recipe spec (a string or a list of strings) parsed."""
+    return steps if isinstance(steps, list) and all(isinstance(s, Step) for s in steps) else parse(steps)
+
+
 class DecodeOnly:
     """The whole image at full resolution, as stored."""
 
@@ -65,8 +70,7 @@ class Augment:
     def __init__(self, steps, size: int = 224, decoder: str = "pillow", channels: int = 3):
         if decoder not in DECODERS:
             raise ValueError(f"decoder {decoder!r}: choose one of {', '.join(DECODERS)}")
-        self.steps = parse(steps) if not (isinstance(steps, list) and all(isinstance(s, Step) for s in steps)) \
-            else steps
+        self.steps = _steps(steps)
         self.size, self.decoder, self.channels = size, decoder, channels
         self.sizing = self.steps[0]
         self.pixel = [_pixel_step(s) for s in self.steps[1:] if s.kind == "pixel"]
@@ -175,12 +179,14 @@ class BatchMix:
     each batch takes one of them at random (torch's RNG, a part of every checkpoint)."""
 
     def __init__(self, steps, num_classes: int):
-        import torchvision.transforms.v2 as v2
+        steps = _steps(steps)
+        self.mixes = []
+        batch = [s for s in steps if s.kind == "batch"]
+        if batch:  # torchvision only when asked for: an environment without it trains the other recipes
+            import torchvision.transforms.v2 as v2
 
-        steps = parse(steps) if not (isinstance(steps, list) and all(isinstance(s, Step) for s in steps)) else steps
-        kinds = {"mixup": v2.MixUp, "cutmix": v2.CutMix}
-        self.mixes = [kinds[s.name](alpha=s.params["alpha"], num_classes=num_classes) for s in steps
-                      if s.kind == "batch"]
+            kinds = {"mixup": v2.MixUp, "cutmix": v2.CutMix}
+            self.mixes = [kinds[s.name](alpha=s.params["alpha"], num_classes=num_classes) for s in batch]
 
     def __bool__(self) -> bool:
         return bool(self.mixes)
