@@ -228,7 +228,7 @@ def test_pack_reads_a_csv_of_paths_and_labels(tmp_path):
     assert done.returncode != 0 and f"{tmp_path / 'bad.csv'}:2: ['img/1.jpg'] is not 'path,label'" in done.stderr
 
 
-def test_one_channel_data_trains_on_one_channel(data, tmp_path):
+def test_one_channel_data_trains_on_one_channel_with_mixed_batches(data, tmp_path):
     from hpcdl.models import build_model
 
     for name in ("tiny_cnn", "resnet18", "alexnet_bn"):
@@ -242,8 +242,11 @@ def test_one_channel_data_trains_on_one_channel(data, tmp_path):
     done = hpcdl("train", "demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
                  "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}", "--set", f"run_dir={run}",
                  "--set", "data.channels=1", "--set", "data.normalize=dataset", "--set", "loop.max_steps=2",
-                 "--set", "data.workers=0", "--set", "data.augment=light, rot90", "--set", "data.decoder=torchvision")
+                 "--set", "data.workers=0", "--set", "data.augment=light, rot90, mixup, cutmix",
+                 "--set", "data.decoder=torchvision")
     assert done.returncode == 0, done.stderr
-    assert "(gray)" in done.stderr and "pad_crop(pad=0.125), rot90(p=0.75)" in done.stderr
+    assert "(gray)" in done.stderr and "pad_crop(pad=0.125), rot90(p=0.75), mixup(alpha=0.2), cutmix(alpha=1)" in done.stderr
+    losses = [r["loss"] for r in map(json.loads, (run / "train.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)  # soft labels through the criterion
     weights = torch.load(run / "checkpoints" / "ckpt-000000002.pt", weights_only=True)["model"]
     assert weights["features.0.weight"].shape[1] == 1
