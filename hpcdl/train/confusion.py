@@ -40,7 +40,7 @@ def geometry(classes: list[str]) -> dict:
     n = len(classes)
     font = ImageFont.load_default()
     margin = (max(font.getbbox(c)[2] for c in classes) + 8) if n <= LABELS_UP_TO else 4
-    return {"origin": [margin, margin], "cell": max(4, min(40, 800 // max(n, 1)))}
+    return {"origin": [margin, margin], "cell": max(1, min(40, 2000 // max(n, 1)))}  # at most ~2,000 pixels
 
 
 def render(confusion: np.ndarray, classes: list[str]) -> Image.Image:
@@ -52,19 +52,23 @@ def render(confusion: np.ndarray, classes: list[str]) -> Image.Image:
     cell, margin = g["cell"], g["origin"][0]
     font = ImageFont.load_default()
     labels = n <= LABELS_UP_TO
+    share = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)
+    v = np.where(confusion > 0, np.maximum(share, 0.08), 0.0)  # a single error stays visible
+    right = np.eye(n, dtype=bool)[:, :, None]
+    colors = np.where(right, np.stack([1 - v, 1 - 0.8 * v, np.ones_like(v)], -1),
+                      np.stack([np.ones_like(v), 1 - v, 1 - v], -1))
+    cells = np.repeat(np.repeat((255 * colors).astype(np.uint8), cell, 0), cell, 1)
+    if cell >= 8:  # grid lines
+        cells[cell - 1::cell, :] = 200
+        cells[:, cell - 1::cell] = 200
     size = margin + n * cell + 4
     im = Image.new("RGB", (size, size), "white")
+    im.paste(Image.fromarray(cells), (margin, margin))
     draw = ImageDraw.Draw(im)
-    share = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)
-    for i in range(n):
-        for j in range(n):
-            v = max(float(share[i, j]), 0.08) if confusion[i, j] else 0.0  # a single error stays visible
-            fill = (int(255 * (1 - v)), int(255 * (1 - 0.8 * v)), 255) if i == j else \
-                (255, int(255 * (1 - v)), int(255 * (1 - v)))
-            x, y = margin + j * cell, margin + i * cell
-            draw.rectangle((x, y, x + cell - 1, y + cell - 1), fill=fill, outline=(200, 200, 200))
-            if n <= COUNTS_UP_TO and confusion[i, j]:
-                draw.text((x + 2, y + 2), str(int(confusion[i, j])), fill="black" if v < 0.6 else "white", font=font)
+    if n <= COUNTS_UP_TO:
+        for i, j in zip(*np.nonzero(confusion)):
+            draw.text((margin + j * cell + 2, margin + i * cell + 2), str(int(confusion[i, j])),
+                      fill="black" if v[i, j] < 0.6 else "white", font=font)
     if labels:
         for k, name in enumerate(classes):
             draw.text((2, margin + k * cell + max(0, cell // 2 - 5)), name, fill="black", font=font)

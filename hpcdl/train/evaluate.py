@@ -27,17 +27,18 @@ def evaluate(model: torch.nn.Module, loader, prepare: Callable[[torch.Tensor], t
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64)  # images, top-1 hits, top-5 hits, summed loss
     n = num_classes if 0 < num_classes <= CONFUSION_MAX_CLASSES else 0
-    confusion = torch.zeros(n * n, dtype=torch.int64)
+    cells = [torch.zeros(0, dtype=torch.int64)]  # true class * n + predicted class, per image
     for images, labels in loader:
         logits = model(prepare(images) if prepare else images)
         real = labels != PADDING_LABEL
         logits, labels = logits[real], labels[real]
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]
         if n:
-            confusion += torch.bincount(labels * n + logits.argmax(1), minlength=n * n)
+            cells.append(labels * n + logits.argmax(1))
         sums += torch.tensor([len(labels), top[:, 0].sum().item(), top.any(1).sum().item(),
                               F.cross_entropy(logits.float(), labels, reduction="sum").item() if len(labels) else 0.0],
                              dtype=torch.float64)
+    confusion = torch.bincount(torch.cat(cells), minlength=n * n) if n else None
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(sums, group=group)
         if n:
