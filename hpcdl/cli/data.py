@@ -118,8 +118,9 @@ def show(cmd: ShowCommand) -> int:
     print("\n".join(lines))
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
-    data: DataConfig = resolve(cmd.config).data if cmd.config else DataConfig()
-    crop = cmd.crop or (resolve(cmd.config).crop if cmd.config else RunConfig.__dataclass_fields__["crop"].default)
+    cfg = resolve(cmd.config) if cmd.config else None
+    data: DataConfig = cfg.data if cfg else DataConfig()
+    crop = cmd.crop or (cfg.crop if cfg else RunConfig.__dataclass_fields__["crop"].default)
     steps = recipe.parse(cmd.augment or data.augment, "--augment" if cmd.augment else "data.augment")
     out = cmd.out or f"{os.path.basename(os.path.normpath(cmd.dataset))}-sheet.png"
     sheet = contact_sheet(cmd.dataset, out, steps, crop, per_class=cmd.per_class, draws=cmd.draws,
