@@ -15,7 +15,7 @@ from hpcdl.data.transforms import Augment
 root, mode, out = sys.argv[1:4]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-ds = ShardDataset(root, Augment.of("imagenet", 32))
+ds = ShardDataset(root, Augment("imagenet", 32))
 sampler = DistributedShardSampler(ds.shard_sizes, num_replicas=world, rank=rank, mode=mode, seed=7)
 loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2)
 epochs = []

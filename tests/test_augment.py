@@ -85,33 +85,33 @@ def test_the_imagenet_recipe_is_the_former_transform_pixel_for_pixel():
         data = jpeg(w, h, i)
         for k in range(12):
             for spec, size, scale in (("imagenet", 224, (0.08, 1.0)), ("resized_crop(min_scale=0.25), hflip", 64, (0.25, 1.0))):
-                new = Augment.of(spec, size)(data, random.Random(f"0:{k}:{i}"))
+                new = Augment(spec, size)(data, random.Random(f"0:{k}:{i}"))
                 assert torch.equal(new, reference_train_transform(data, random.Random(f"0:{k}:{i}"), size, scale))
 
 
 @pytest.mark.parametrize("decoder", ["pillow", "torchvision"])
 def test_each_step_draws_from_the_samples_rng_and_keeps_the_shape(decoder):
     data = jpeg(80, 60)
-    plain = Augment.of("none", 48, decoder=decoder)(data)
+    plain = Augment("none", 48, decoder=decoder)(data)
     assert plain.shape == (48, 48, 3) and plain.dtype == torch.uint8
     every = "light, hflip, vflip, rot90, color_jitter, grayscale, randaugment, trivialaugment, erasing"
-    t = Augment.of(every, 48, decoder=decoder)
+    t = Augment(every, 48, decoder=decoder)
     draws = [t(data, random.Random(seed)) for seed in range(6)]
     assert all(d.shape == (48, 48, 3) for d in draws)
     assert torch.equal(draws[0], t(data, random.Random(0)))  # the same (seed, epoch, index): the same image
     assert len({d.numpy().tobytes() for d in draws}) == 6
-    assert torch.equal(Augment.of("none, hflip(p=1)", 48, decoder=decoder)(data), plain.flip(1))
-    assert torch.equal(Augment.of("none, vflip(p=1)", 48, decoder=decoder)(data), plain.flip(0))
-    turned = [Augment.of("none, rot90(p=1)", 48, decoder=decoder)(data, random.Random(s)) for s in range(12)]
+    assert torch.equal(Augment("none, hflip(p=1)", 48, decoder=decoder)(data), plain.flip(1))
+    assert torch.equal(Augment("none, vflip(p=1)", 48, decoder=decoder)(data), plain.flip(0))
+    turned = [Augment("none, rot90(p=1)", 48, decoder=decoder)(data, random.Random(s)) for s in range(12)]
     assert {t.numpy().tobytes() for t in turned} == {plain.rot90(k).numpy().tobytes() for k in (1, 2, 3)}
-    shifted = [Augment.of("light", 48, decoder=decoder)(data, random.Random(s)) for s in range(8)]
+    shifted = [Augment("light", 48, decoder=decoder)(data, random.Random(s)) for s in range(8)]
     pad = round(0.125 * 48)
     for s in shifted:  # a shifted copy of the plain crop, zeros where it moved in from the padding
         matches = [(dx, dy) for dx in range(-pad, pad + 1) for dy in range(-pad, pad + 1)
                    if torch.equal(s[max(dy, 0):48 + min(dy, 0), max(dx, 0):48 + min(dx, 0)],
                                   plain[max(-dy, 0):48 - max(dy, 0), max(-dx, 0):48 - max(dx, 0)])]
         assert matches
-    gray = Augment.of("imagenet", 32, decoder=decoder, channels=1)(data, random.Random(0))
+    gray = Augment("imagenet", 32, decoder=decoder, channels=1)(data, random.Random(0))
     assert gray.shape == (32, 32, 1)
     assert EvalTransform(56, 48, decoder=decoder)(data).shape == (48, 48, 3)
 

@@ -151,7 +151,7 @@ def test_transforms_match_torchvision_geometry():
     ref = T.Compose([T.Resize(256), T.CenterCrop(224), T.PILToTensor()])(Image.open(io.BytesIO(data)))
     assert val.shape == (224, 224, 3)
     assert (val.permute(2, 0, 1).float() - ref.float()).abs().mean() < 3
-    crops = [Augment.of("imagenet")(data) for _ in range(40)]
+    crops = [Augment("imagenet")(data) for _ in range(40)]
     assert all(c.shape == (224, 224, 3) and c.dtype == torch.uint8 for c in crops)
     batch = normalize_batch(torch.stack(crops), channels_last=True)
     assert batch.shape == (40, 3, 224, 224) and batch.is_contiguous(memory_format=torch.channels_last)
@@ -219,7 +219,7 @@ def test_stage_command_prints_the_staged_root(packed, tmp_path):
 
 
 def test_seeded_augmentation_ignores_workers_and_resume_point(packed):
-    ds = ShardDataset(str(packed / "out"), Augment.of("imagenet", 48), seed=11)
+    ds = ShardDataset(str(packed / "out"), Augment("imagenet", 48), seed=11)
 
     def run(workers, sampler):
         return [x for x, _ in DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers)]

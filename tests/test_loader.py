@@ -61,7 +61,7 @@ def test_step_probe_leaves_the_model_as_it_was():
 
 
 def test_loader_probe_reads_the_shards_on_a_copy(data):
-    ds = ShardDataset(str(data / "train"), Augment.of("resized_crop(min_scale=0.5), hflip", 32))
+    ds = ShardDataset(str(data / "train"), Augment("resized_crop(min_scale=0.5), hflip", 32))
     cost = loader_cost(ds, budget_s=0.05)
     assert 0 < cost < 1 and ds.files_opened == 0 and not ds._open
     memory = InMemory(ds, 8)

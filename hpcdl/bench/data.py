@@ -115,13 +115,13 @@ def run(cfg: Config, job=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="hpcdl-bench-data-") as tmp:
         src, packed = _prepare(cfg, tmp)
         _roots = (src, os.path.abspath(packed))
-        reader = ShardDataset(packed, Augment.of("imagenet"))
-        unchecked = ShardDataset(packed, Augment.of("imagenet"), verify="none")
+        reader = ShardDataset(packed, Augment("imagenet"))
+        unchecked = ShardDataset(packed, Augment("imagenet"), verify="none")
         unchecked.checksums = False
         folder = ImageFolder(src, transform=T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(),
                                                        T.PILToTensor()]))
         blobs = [reader.read(s, i)[0] for s in range(len(reader.shard_sizes)) for i in range(reader.shard_sizes[s])]
-        transform = Augment.of("imagenet")
+        transform = Augment("imagenet")
         _cases.update({"shard reader": reader.__getitem__, "ImageFolder": folder.__getitem__,
                        "bare decode": lambda i: transform(blobs[i]), "reader, no checksum": unchecked.__getitem__})
         sampler = DistributedShardSampler(reader.shard_sizes)
@@ -214,13 +214,11 @@ def per_core(cfg: Config, blobs: list[bytes]) -> dict:
 
 
 def _images_per_s(fn, blobs: list[bytes]):
-    import time as _time
-
     def case() -> float:
-        t0 = _time.perf_counter()
+        t0 = time.perf_counter()
         for b in blobs:
             fn(b)
-        return len(blobs) / (_time.perf_counter() - t0)
+        return len(blobs) / (time.perf_counter() - t0)
 
     return case
 

@@ -20,31 +20,27 @@ SEED = 0
 
 def measure(root: str, manifest: Manifest, sample: int = SAMPLE, seed: int = SEED) -> dict:
     """The ``stats`` entry of ``root``'s manifest (JSON-ready; channel values in 0..1 units)."""
-    labels, sizes = [], []
-    for s in manifest.shards:
-        with open_h5(os.path.join(root, s.file)) as h5:
-            labels.append(h5["labels"][:])
-            sizes.append(h5["sizes"][:] if "sizes" in h5 else np.zeros((0, 2), np.int32))
-    labels, sizes = np.concatenate(labels or [np.zeros(0, np.int64)]), np.concatenate(sizes or [np.zeros((0, 2))])
-    n = len(labels)
+    n = manifest.num_images
     picks = sorted(random.Random(seed).sample(range(n), min(sample, n)))
+    starts = np.cumsum([0] + [s.count for s in manifest.shards])
+    labels, sizes = [np.zeros(0, np.int64)], [np.zeros((0, 2), np.int32)]
     sums = np.zeros((2, 3))  # RGB: sum, sum of squares
     gray = np.zeros(2)
     pixels = 0
-    starts = np.cumsum([0] + [s.count for s in manifest.shards])
-    for shard in range(len(manifest.shards)):
-        mine = [i - starts[shard] for i in picks if starts[shard] <= i < starts[shard + 1]]
-        if not mine:
-            continue
-        with open_h5(os.path.join(root, manifest.shards[shard].file)) as h5:
+    for shard, entry in enumerate(manifest.shards):  # one pass: each shard opened once
+        with open_h5(os.path.join(root, entry.file)) as h5:
+            labels.append(h5["labels"][:])
+            if "sizes" in h5:
+                sizes.append(h5["sizes"][:])
             offsets, images = h5["offsets"][:], h5["images"]
-            for i in mine:
+            for i in (i - starts[shard] for i in picks if starts[shard] <= i < starts[shard + 1]):
                 im = Image.open(io.BytesIO(images[offsets[i]:offsets[i + 1]].tobytes()))
                 rgb = np.asarray(im.convert("RGB"), dtype=np.float64).reshape(-1, 3) / 255
                 g = np.asarray(im.convert("L"), dtype=np.float64).ravel() / 255
                 sums += (rgb.sum(0), (rgb * rgb).sum(0))
                 gray += (g.sum(), (g * g).sum())
                 pixels += len(g)
+    labels, sizes = np.concatenate(labels), np.concatenate(sizes)
     mean, gmean = sums[0] / max(pixels, 1), gray[0] / max(pixels, 1)
     std = np.sqrt(np.maximum(sums[1] / max(pixels, 1) - mean ** 2, 0))
     gstd = float(np.sqrt(max(gray[1] / max(pixels, 1) - gmean ** 2, 0)))

@@ -62,7 +62,8 @@ class DecodeOnly:
 
 
 class Augment:
-    """The training transform of a list of :class:`hpcdl.data.recipe.Step` (or a recipe spec), at crop ``size``.
+    """The training transform of a list of :class:`hpcdl.data.recipe.Step` or a recipe spec (``"imagenet"``,
+    ``"light, rot90"``, a list of strings), at crop ``size``.
 
     The batch steps (mixup, cutmix) are left to :class:`BatchMix`.
     """
@@ -74,10 +75,6 @@ class Augment:
         self.size, self.decoder, self.channels = size, decoder, channels
         self.sizing = self.steps[0]
         self.pixel = [_pixel_step(s) for s in self.steps[1:] if s.kind == "pixel"]
-
-    @classmethod
-    def of(cls, spec, size: int = 224, **kw) -> "Augment":
-        return cls(parse(spec), size, **kw)
 
     def __call__(self, data: bytes, rng: random.Random | None = None) -> torch.Tensor:
         rng = rng or random  # the module's functions: the RNG DataLoader seeds in each worker
