@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -19,6 +20,77 @@ IN_CI = os.environ.get("CI") == "true"
 # Values that must reach Slurm and bash literally. A newline, and a backslash in an output path, are
 # refused instead (see test_sbatch): Slurm cannot carry them.
 HOSTILE = ["a 0", 'a"=0"', "a'; echo foo", "$HOME `x` $(id)"]
+
+
+# The tiers: what a test needs, read off the fixtures it asks for (pytest.ini declares the marks). A test
+# that starts ranks of its own without one of these fixtures carries @pytest.mark.ranks in its file.
+NEEDS = {"slurm": "slurm", "two_nodes": "slurm", "fabric": "slurm", "mpiexec": "mpi", "ccl": "ccl"}
+# Tests that share a finite resource run one after another on one xdist worker (--dist loadgroup): the
+# local Slurm's nodes n1 n2 (partition debug) and n3 n4 (the shaped partition fabric, whose rate a test
+# measures). The rest spread over the workers.
+GROUPS = {"fabric": "fabric", "slurm": "slurm", "two_nodes": "slurm"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        for fixture in names & NEEDS.keys():
+            item.add_marker(NEEDS[fixture])
+        group = next((GROUPS[f] for f in GROUPS if f in names), None)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+        if not any(item.get_closest_marker(m) for m in ("slurm", "mpi", "ccl", "ranks", "slow", "alone")):
+            item.add_marker("unit")
+
+
+class _Usage:
+    """The machine's busy cores while pytest ran (from /proc/stat: Slurm's job steps are not pytest's
+    children, so pytest's own rusage misses them), and each test's wall time and its process's CPU time, for
+    --cpu-log FILE (one JSON line a test, appended by every xdist worker)."""
+
+    def __init__(self):
+        self.start = (time.monotonic(), self.cpu_seconds())
+
+    @staticmethod
+    def cpu_seconds() -> float:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+    def line(self) -> str:
+        wall, cpu = time.monotonic() - self.start[0], self.cpu_seconds() - self.start[1]
+        return f"{wall / 60:.1f} min, the machine's {os.cpu_count()} CPUs busy {cpu / wall:.2f} on average"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-log", default=None, help="append each test's wall and CPU seconds to this JSONL file")
+
+
+def pytest_configure(config):
+    config._hpcdl_usage = _Usage()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    log = item.config.getoption("--cpu-log")
+    if not log:
+        yield
+        return
+    t0, r0 = time.monotonic(), _rusage()
+    yield
+    cpu = _rusage() - r0
+    with open(log, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - t0, 2), "cpu": round(cpu, 2),
+                            "marks": sorted({m.name for m in item.iter_markers()} - {"parametrize"})}) + "\n")
+
+
+def _rusage() -> float:
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not hasattr(config, "workerinput"):
+        terminalreporter.write_line(f"pytest took {config._hpcdl_usage.line()}")
 
 
 def missing(component: str, why: str):
@@ -68,8 +140,10 @@ def mpiexec():
 
 
 def mpi_run(mpiexec: str, *args, n: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``mpiexec -n N PYTHON ARGS...`` as a job of its own: without the launcher variables pytest runs under."""
+    """``mpiexec -n N PYTHON ARGS...`` as a job of its own: without the launcher variables pytest runs under, and
+    with a port of its own (plain mpiexec gives its ranks nothing to derive one from; tests run side by side)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_", "PMI_"))}
+    env["MASTER_PORT"] = str(free_port())
     return subprocess.run([mpiexec, "-n", str(n), PYTHON, *map(str, args)], capture_output=True, text=True, env=env,
                           timeout=timeout)
 

@@ -13,6 +13,7 @@ from conftest import PYTHON, REPO, free_port, mpi_run, rank_env, start_long_swee
 QUICK = ["bench", "allreduce", "--max-bytes", "64K", "--seconds-per-size", "0.02", "--heartbeat", "0.5"]
 
 
+@pytest.mark.ranks
 def test_two_ranks_reduce_correctly_and_report(tmp_path):
     procs = start_ranks(2, QUICK + ["--json", "out-%j.json"], tmp_path)
     assert [p.wait(timeout=120) for p in procs] == [0, 0], (tmp_path / "rank0.log").read_text()
@@ -25,6 +26,7 @@ def test_two_ranks_reduce_correctly_and_report(tmp_path):
     assert "busbw(GB/s)" in log and "reduced values: all correct" in log
 
 
+@pytest.mark.ranks
 def test_torchrun_launch(tmp_path):
     run = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "hpcdl", *QUICK,
                           "--dtype", "int64", "--json", "tr.json"], capture_output=True, text=True, cwd=tmp_path,
@@ -35,6 +37,7 @@ def test_torchrun_launch(tmp_path):
     assert all(r["correct"] for r in report["rows"])
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("backend", ["gloo", "ccl"])
 @pytest.mark.parametrize("victim,how", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)])
 def test_lost_rank_is_named_and_the_survivor_exits_within_the_timeout(request, tmp_path, backend, victim, how):
@@ -73,6 +76,7 @@ def test_bad_arguments_exit_2_with_the_flag_named(tmp_path):
     assert run.returncode == 2 and "--min-bytes" in run.stderr and "Traceback" not in run.stderr
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("raised, expected", [
     ("RuntimeError('mat1 and mat2 shapes cannot be multiplied')", "RuntimeError: mat1 and mat2 shapes"),
     ("torch.distributed.DistBackendError('timed out')", "a collective failed on rank 0 while every rank's heartbeat"),

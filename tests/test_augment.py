@@ -89,6 +89,7 @@ def test_the_imagenet_recipe_is_the_former_transform_pixel_for_pixel():
                 assert torch.equal(new, reference_train_transform(data, random.Random(f"0:{k}:{i}"), size, scale))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decoder", ["pillow", "torchvision"])
 def test_each_step_draws_from_the_samples_rng_and_keeps_the_shape(decoder):
     data = jpeg(80, 60)
@@ -165,6 +166,7 @@ def test_pack_measures_the_channel_statistics_and_class_counts(tmp_path):
     assert Manifest.load(str(path)).stats == m.stats
 
 
+@pytest.mark.slow
 def test_show_prints_the_counts_and_draws_every_class(data, tmp_path):
     from hpcdl.data.show import contact_sheet
 
@@ -228,6 +230,7 @@ def test_pack_reads_a_csv_of_paths_and_labels(tmp_path):
     assert done.returncode != 0 and f"{tmp_path / 'bad.csv'}:2: ['img/1.jpg'] is not 'path,label'" in done.stderr
 
 
+@pytest.mark.slow
 def test_one_channel_data_trains_on_one_channel_with_mixed_batches(data, tmp_path):
     from hpcdl.models import build_model
 

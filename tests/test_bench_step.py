@@ -12,6 +12,7 @@ from hpcdl.train.precision import choose_precision
 from hpcdl.utils import cpu_flags
 
 
+@pytest.mark.slow
 def test_bench_step_compares_both_pairs_and_tunes_only_the_tuned_side(tmp_path):
     report = tmp_path / "step.json"
     run = subprocess.run([PYTHON, "-m", "hpcdl", "bench", "step", "--model", "tiny_cnn", "--batch", "8", "--crop", "32",
@@ -32,6 +33,7 @@ def test_bench_step_compares_both_pairs_and_tunes_only_the_tuned_side(tmp_path):
     assert "batch     8" in run.stdout and "batch    32" in run.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu", [None, "simulated Sapphire Rapids (AMX)"])
 def test_precision_table_measures_both_precisions_against_their_gemm_and_checks_auto(cpu, tmp_path):
     """fp32 and bf16 side by side with each one's GEMM rate; torch.compile of auto's pick on the real CPU (a

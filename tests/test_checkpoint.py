@@ -70,6 +70,7 @@ mgr.save(2, {"step": 2, "w": torch.ones(150_000_000)})  # 600 MB: long enough to
 """
 
 
+@pytest.mark.ranks
 def test_sigkill_during_a_write_leaves_the_previous_checkpoint(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "saved 1"

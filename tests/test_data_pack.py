@@ -121,6 +121,7 @@ def test_every_quirk_is_packed_or_rejected_with_its_reason(tmp_path):
     assert verify(str(tmp_path / "out"), full=True) == []
 
 
+@pytest.mark.ranks
 def test_killed_pack_resumes_to_a_complete_dataset(tmp_path):
     gen = generate(str(tmp_path / "src"), classes=4, per_class=30, quirks=True)
     out = tmp_path / "out"

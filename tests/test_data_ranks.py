@@ -21,6 +21,7 @@ def unequal_shards(tmp_path_factory):
     return root / "out"
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("mode", ["global", "shard"])
 def test_two_gloo_ranks_read_disjoint_equal_epochs(unequal_shards, mode, tmp_path):
     port = free_port()

@@ -182,6 +182,7 @@ def test_staging_copies_once_and_the_other_local_rank_waits(packed, tmp_path):
     assert os.stat(tmp_path / "out" / staged.manifest.shards[0].file).st_mtime_ns == first
 
 
+@pytest.mark.slow
 def test_bench_data_counts_files_opened_per_epoch(tmp_path):
     from hpcdl.bench import run
     from hpcdl.bench.data import format_report

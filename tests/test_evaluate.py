@@ -29,6 +29,7 @@ def run(root, mode, out, world):
     assert [p.wait(timeout=120) for p in procs] == [0] * world
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("mode", ["global", "shard"])
 def test_two_ranks_count_each_image_once(odd_set, mode, tmp_path):
     run(odd_set, mode, tmp_path / "one.json", 1)

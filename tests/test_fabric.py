@@ -6,6 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from conftest import PYTHON, REPO, hpcdl, load_json, missing, sbatch_wait
 from hpcdl.launch import job_request
 from hpcdl.launch.sbatch import render_sbatch
@@ -13,6 +15,7 @@ from hpcdl.launch.sbatch import render_sbatch
 FABRIC_SH = REPO / "slurm" / "local" / "fabric.sh"
 
 
+@pytest.mark.slurm  # root: slurm/local/fabric.sh makes namespaces, a bridge and shaped links
 def test_a_second_fabric_comes_up_shaped_and_goes_down_leaving_nothing(tmp_path):
     if os.geteuid() != 0:
         missing("root", "network namespaces and tc need it")

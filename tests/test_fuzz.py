@@ -13,6 +13,8 @@ from PIL import Image
 
 import yaml
 
+import pytest
+
 from conftest import PYTHON
 from fuzz_inputs import CONFIG_DOCS, CONFIG_VALUES, config_mutants, corpus, mutants
 from hpcdl.config import PRESETS, dump_yaml, get_preset, load_yaml, resolve
@@ -86,6 +88,7 @@ def test_a_pack_of_fuzzed_and_hostile_files_finishes_lists_every_input_and_verif
     assert verify.returncode == 0 and ": OK (sha256 of every shard checked)" in verify.stderr, verify.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_an_input_slower_than_the_image_timeout_is_rejected_and_the_pack_goes_on(tmp_path):
     src, out = tmp_path / "src" / "n00000000", tmp_path / "out"
     src.mkdir(parents=True)
@@ -101,6 +104,7 @@ def test_an_input_slower_than_the_image_timeout_is_rejected_and_the_pack_goes_on
     assert sum(s["count"] for s in manifest["shards"]) == 1
 
 
+@pytest.mark.slow
 def test_every_mutated_preset_yaml_builds_or_names_the_key():
     """Each preset's YAML with one key deleted, retyped, renamed, moved or nested: a config, or a
     ConfigError naming the file; never another exception. 50 x HPCDL_FUZZ_N mutants, spread over the
@@ -129,6 +133,7 @@ def test_every_mutated_preset_yaml_builds_or_names_the_key():
     assert not crashed, crashed[:10]
 
 
+@pytest.mark.slow
 def test_every_set_override_builds_or_names_the_key():
     """--set KEY=VALUE for every key of two presets and awkward values, and malformed --set items."""
     tried, crashed = 0, []

@@ -68,6 +68,7 @@ def plain_ranks(tmp_path, backend: str) -> tuple[list[dict], list[str]]:
     return check_ranks(tmp_path, backend), outs
 
 
+@pytest.mark.slow
 def test_a_backend_of_one_file_and_one_table_row_passes_every_check(tmp_path):
     """tests/store_backend.py: the threaded base plus six primitives over the rendezvous store."""
     plain_ranks(tmp_path, "store")

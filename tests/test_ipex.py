@@ -34,6 +34,7 @@ def ipex_python() -> str:
     return str(python)
 
 
+@pytest.mark.slow
 def test_training_goes_through_ipex_optimize(ipex_python, data, tmp_path):
     run = tmp_path / "run"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))},

@@ -84,6 +84,7 @@ def test_a_worker_runs_below_computes_priority_on_one_thread():
     assert nice == os.nice(0) + LOADER_NICE and threads == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reserve", ["auto", "1"])
 def test_train_prints_the_loader_sizing_and_plans_threads_around_it(reserve, data, tmp_path):
     run = tmp_path / "run"
@@ -106,6 +107,7 @@ def test_train_prints_the_loader_sizing_and_plans_threads_around_it(reserve, dat
     assert len(steps) == 3
 
 
+@pytest.mark.slow
 def test_bench_feed_compares_jpegs_with_the_same_step_from_memory(data, tmp_path):
     report = tmp_path / "feed.json"
     done = hpcdl("bench", "feed", "--data", data / "train", "--model", "tiny_cnn", "--batch", "8", "--crop", "32",

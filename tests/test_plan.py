@@ -215,6 +215,7 @@ def test_plan_cli_names_a_missing_report(tmp_path):
     assert run.returncode == 2 and f"{tmp_path / 'nope.json'}: cannot read it as an hpcdl bench step report" in run.stderr
 
 
+@pytest.mark.alone  # compares a prediction with timings: nothing else may run beside it
 def test_plan_from_bench_step_and_allreduce_predicts_what_bench_scaling_measures(slurm, tmp_path):
     """This machine as one node of 2 ranks, ResNet-50 at 8 images a rank (docs/scaling.md): the plan from the
     node's compute (bench step) and the link (bench allreduce on the node's 2 ranks) against bench scaling's
@@ -245,6 +246,7 @@ def test_plan_from_bench_step_and_allreduce_predicts_what_bench_scaling_measures
     assert predicted == pytest.approx(measured["images_per_s"], rel=0.20), (predicted, measured["images_per_s"])
 
 
+@pytest.mark.slow
 def test_a_foreign_or_incomplete_report_is_named_with_its_missing_field(tmp_path):
     step = tmp_path / "step.json"
     step.write_text(json.dumps({"benchmark": "step", "config": {"tuning_batch": 8, "ranks_per_node": 2}}))

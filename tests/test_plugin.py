@@ -109,6 +109,7 @@ def test_lightning_ddp_on_hpcdls_groups_under_srun_on_two_nodes(two_nodes, mpiex
         assert found["val_loss"] == gloo["val_loss"] and found["weights"] == gloo["weights"]
 
 
+@pytest.mark.slow
 def test_a_missing_runtime_is_a_clear_error_at_init(tmp_path):
     env = {**launcher_env(), "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "HPCDL_CCL_LIB": str(tmp_path / "nowhere" / "libccl.so.2")}

@@ -13,6 +13,7 @@ from hpcdl.errors import ConfigError
 from hpcdl.train.preempt import StopSignal, requeue, requeue_target
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("signalled", [0, 1])
 def test_ranks_stop_together_whichever_rank_is_signalled(tmp_path, signalled):
     port = free_port()

@@ -51,6 +51,7 @@ def test_cli_submit_waits_and_prints_rank_0_output(slurm, tmp_path):
     assert "allreduce on 2 ranks" in run.stdout and "reduced values: all correct" in run.stdout
 
 
+@pytest.mark.slow
 def test_submitit_local_executor_without_slurm(tmp_path):
     job = submit(run_benchmark, args=("allreduce",), kwargs=QUICK, cluster="local", tasks_per_node=2, time="10", folder=str(tmp_path / "%j"))
     report = job.results()[0]

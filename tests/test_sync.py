@@ -44,6 +44,7 @@ def test_hierarchical_on_two_nodes_matches_flat(two_nodes, ccl, tmp_path, backen
     assert all(r["max_rel_error"] <= 1e-6 for r in hier + flat)
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("wire", ["fp32", "fp16"])
 def test_chunk_sparse_conserves_the_gradient(tmp_path, wire):
     from conftest import free_port, rank_env
@@ -141,6 +142,7 @@ def test_first_bucket_mb_caps_the_first_bucket(mpiexec, tmp_path):
     assert found["0.005"] == [10_280, 66_560]
 
 
+@pytest.mark.ranks
 def test_a_bucket_collective_failure_is_kept_typed_for_fail_fast(monkeypatch, tmp_path):
     """DDP re-raises a hook's failure as a plain RuntimeError; the hook-timing wrapper keeps it typed, and
     fail_fast reports it as a collective's failure. The failing hook is a stand-in (a real collective cannot be

@@ -40,6 +40,7 @@ def wait_all(procs, timeout=240) -> list[int]:
     return [p.wait(timeout=timeout) for p in procs]
 
 
+@pytest.mark.ranks
 def test_one_process_writes_the_run_folder(data, tmp_path):
     run = tmp_path / "run"
     done = hpcdl(*args_for(data, run, "--set", "loop.max_steps=20", "--set", "checkpoint.every_steps=5",
@@ -74,6 +75,7 @@ def test_one_process_writes_the_run_folder(data, tmp_path):
     assert again.returncode == 0 and again.stdout == (run / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_resume_skips_a_damaged_newest_checkpoint_and_a_killed_write(data, tmp_path):
     run = tmp_path / "run"
     first = hpcdl(*args_for(data, run, "--set", "loop.max_steps=10", "--set", "checkpoint.every_steps=5",
@@ -91,6 +93,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_a_killed_write(data, tmp_p
     assert not (ckpts / ".ckpt-000000015.pt.4242.tmp").exists() and "summary: 12 steps" in again.stderr
 
 
+@pytest.mark.ranks
 def test_two_ranks_resume_exactly_after_the_requeue_signal(data, tmp_path):
     """Reference and interrupted runs side by side; the interrupted one stops on USR2 mid-epoch, then resumes."""
     extra = ("--set", "checkpoint.every_minutes=0", "--set", "data.workers=1")
@@ -120,6 +123,7 @@ def test_two_ranks_resume_exactly_after_the_requeue_signal(data, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("hook", ["none", "fp16", "bf16", "hierarchical", "chunk_sparse"])
 def test_a_resumed_run_is_bitwise_the_uninterrupted_one_with_every_hook(data, tmp_path, hook):
     """12 steps straight against 6, then a resume to 12 (mid-epoch; chunk_sparse is sparse from step 3, so
@@ -159,6 +163,7 @@ def same(a, b) -> bool:
     return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data, tmp_path):
     run = tmp_path / "run"
     done = hpcdl(*args_for(data, run, "--set", "optimizer.name=sgd", "--set", "schedule.base_lr=1e30",
@@ -173,6 +178,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data, tmp_pat
     assert f"Last good checkpoint: {kept[-1]}" in done.stderr
 
 
+@pytest.mark.ranks
 def test_a_killed_rank_ends_the_job_and_is_named(data, tmp_path):
     run = tmp_path / "run"
     procs = start_ranks(2, args_for(data, run, "--set", "loop.timeout_s=30", "--set", "data.workers=0"), tmp_path)
@@ -186,6 +192,7 @@ def test_a_killed_rank_ends_the_job_and_is_named(data, tmp_path):
     assert "lost rank 1" in (tmp_path / "rank0.log").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
     (["--set", "global_batch=18"], "does not split over 4 ranks"),  # the job's 4 ranks, not the preset's 2
     (["--set", "data.train=/nonexistent/train"], "/nonexistent/train"),
@@ -268,6 +275,7 @@ def test_submitit_job_checkpoints_through_its_protocol_and_resumes(slurm, data, 
     assert "resuming from" in logs, logs
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
 def test_other_launchers_run_the_same_command(launcher, request, data, tmp_path):
     run = tmp_path / "run"
@@ -277,12 +285,14 @@ def test_other_launchers_run_the_same_command(launcher, request, data, tmp_path)
     else:
         argv = [str(Path(PYTHON).parent / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "hpcdl", *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "MPI_", "OMPI_"))}
+    env["MASTER_PORT"] = str(free_port())  # plain mpiexec's ranks have nothing to derive a port from
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"via {'mpi-hydra' if launcher == 'mpiexec' else 'torchrun'}" in done.stderr
     assert "world size 2" in done.stderr and json.loads((run / "summary.json").read_text())["steps"] == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option, line", [
     ("loop.accum_steps=2", "batch per rank 16 = 2 x 8"),
     ("loop.precision=bf16", "precision bf16 (requested"),
@@ -299,6 +309,7 @@ def test_loop_options_train(option, line, data, tmp_path):
     assert [s["images"] for s in steps] == [16, 16, 16] and all(s["loss"] == s["loss"] for s in steps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu, expected", [("simulated Sapphire Rapids (AMX)", "bf16"),
                                             ("simulated EPYC Zen 3 (AVX2 only)", "fp32")])
 def test_auto_precision_trains_with_what_the_simulated_cpu_has(cpu, expected, data, tmp_path):
@@ -311,6 +322,7 @@ def test_auto_precision_trains_with_what_the_simulated_cpu_has(cpu, expected, da
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
 
 
+@pytest.mark.ranks
 def test_timeline_of_two_ranks_shows_communication_inside_backward(data, tmp_path):
     run = tmp_path / "run"
     procs = start_ranks(2, args_for(data, run, "--set", "loop.max_steps=4", "--set", "loop.timeline=true",
@@ -357,6 +369,7 @@ def wait_for_stall(tmp_path, procs) -> float:
     return time.time()
 
 
+@pytest.mark.ranks
 def test_start_up_runs_under_its_own_timeout_and_steps_under_theirs(data, tmp_path):
     """Rank 1 stalls 5 s in each start-up phase (rendezvous, checkpoint resume, DDP construction, the first
     step) under a 2 s step timeout: start-up allows 60 s, so the run trains; the step timeout applied there
@@ -381,6 +394,7 @@ def test_start_up_runs_under_its_own_timeout_and_steps_under_theirs(data, tmp_pa
     assert elapsed < 2 + 10, elapsed  # the step timeout, and the way out
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("stall, extra, within", [
     ("ddp:120:1", ["--set", "loop.startup_timeout_s=4"], 4),  # start-up past its own timeout
     ("step3:120:1", ["--set", "sync.hook=hierarchical"], 2),  # the hook's groups take the step timeout too
@@ -400,6 +414,7 @@ def test_a_stall_past_its_phase_timeout_stops_the_other_rank_within_it(data, tmp
     assert elapsed < within + 10, (elapsed, text[-2000:])  # the phase's timeout, not 30 minutes
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("phase, victim", [
     ("ddp", 1), ("data", 1), ("forward", 1), ("allreduce", 1), ("allreduce", 0), ("save", 0), ("eval", 1)])
 def test_fault_matrix_a_rank_killed_in_each_phase(data, tmp_path, phase, victim):
@@ -434,6 +449,7 @@ def test_fault_matrix_a_rank_killed_in_each_phase(data, tmp_path, phase, victim)
             assert newest[0].endswith("ckpt-000000002.pt") and half_written
 
 
+@pytest.mark.ranks
 def test_fault_matrix_a_full_disk_during_a_checkpoint_keeps_the_previous_one(data, tmp_path):
     """The run folder's filesystem fills up (another job's file) after the first checkpoint: the next write
     fails, rank 0 names the path, the bytes and the checkpoint kept, both ranks exit non-zero, and the
@@ -471,6 +487,7 @@ def test_fault_matrix_a_full_disk_during_a_checkpoint_keeps_the_previous_one(dat
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+@pytest.mark.ranks
 def test_fault_matrix_a_run_folder_that_is_not_writable_is_refused_before_the_queue(data, tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -486,6 +503,7 @@ def test_fault_matrix_a_run_folder_that_is_not_writable_is_refused_before_the_qu
         assert "Traceback" not in run.stderr
 
 
+@pytest.mark.ranks
 def test_fault_matrix_a_killed_data_loader_worker_is_named(data, tmp_path):
     run = tmp_path / "run"
     procs = start_ranks(2, args_for(data, run, "--set", "loop.max_steps=200", "--set", "data.workers=1",

@@ -26,6 +26,7 @@ def _rows(stdout: str) -> list[tuple[float, str]]:
     return [(float(m.group(1)), m.group(2)) for m in re.finditer(r"^\s+([\d.]+)\s+[\d.]+\s+(\d+ x .+)$", table, re.M)]
 
 
+@pytest.mark.slow
 def test_measure_prints_every_trial_and_writes_the_fastest(tmp_path):
     out = tmp_path / "layout.json"
     done = hpcdl("tune", "--measure", *TRIALS, "--write", out, timeout=600)

@@ -10,6 +10,7 @@ script itself ``SLURM_PROCID=0`` and ``SLURM_NTASKS=N`` describe the allocation,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -65,7 +66,7 @@ LAUNCHERS: tuple[Launcher, ...] = (
 # Slurm's node list for the step first: a step may run on fewer nodes than the job holds.
 SLURM_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 PORT_BASE, PORT_SPAN = 15000, 15000  # below Linux's ephemeral range (32768-60999)
-DEFAULT_PORT = 29500
+DEFAULT_PORT = 29500  # ranks outside a job that agree on nothing else (plain mpiexec): set MASTER_PORT
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,10 +133,19 @@ def _rank_and_world(environ: Mapping[str, str], launcher: Launcher) -> tuple[int
 
 
 def _single_process(environ: Mapping[str, str]) -> RankEnv:
+    port = int(environ["MASTER_PORT"]) if "MASTER_PORT" in environ else _own_port()
     return RankEnv(launcher="single", rank=0, world_size=1, local_rank=0, local_size=1, node_rank=0,
-                   nodes=1, master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-                   master_port=int(environ.get("MASTER_PORT", DEFAULT_PORT)), hostname=socket.gethostname(),
-                   job_id=_job_id(environ), restart_count=_restart_count(environ))
+                   nodes=1, master_addr=environ.get("MASTER_ADDR", "127.0.0.1"), master_port=port,
+                   hostname=socket.gethostname(), job_id=_job_id(environ), restart_count=_restart_count(environ))
+
+
+@functools.cache
+def _own_port() -> int:
+    """A free port for a process that is the whole job: no other rank has to agree on it, and two such runs
+    on one node (a login node, a notebook beside a job) do not meet on one fixed port. One per process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _warn_if_batch_step(environ: Mapping[str, str]) -> None:
