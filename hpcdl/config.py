@@ -13,13 +13,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+import yaml
+
 from hpcdl import names
 from hpcdl.data import recipe
 from hpcdl.errors import ConfigError
 from hpcdl.names import IMAGENET_TRAIN, check
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.schedule import ScheduleConfig, steps_per_epoch
-
+from hpcdl.overrides import apply_overrides, flatten, from_dict, to_dict
 
 
 @dataclass(kw_only=True, slots=True)
@@ -179,14 +181,6 @@ class RunConfig:
                               f"loop.accum_steps={self.loop.accum_steps} micro-batches; choose a divisor of it")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"{self.name}: label_smoothing {self.label_smoothing} must lie in [0, 1)")
-
-    def criterion(self):
-        """Cross entropy with this run's label smoothing; evaluation padding (label -1) counts for nothing."""
-        import torch.nn as nn
-
-        from hpcdl.data.dataset import PADDING_LABEL
-
-        return nn.CrossEntropyLoss(label_smoothing=self.label_smoothing, ignore_index=PADDING_LABEL)
 
     @property
     def per_rank_batch(self) -> int:
@@ -373,18 +367,12 @@ def resolve(name: str, overrides: list[str] = ()) -> RunConfig:
     A YAML file holds either a whole config (as ``config.yaml`` in a run folder) or ``preset: NAME`` and
     the keys that change it, nested as in ``hpcdl presets show NAME --yaml``.
     """
-    from hpcdl.overrides import apply_overrides
-
     if name.endswith((".yaml", ".yml")):
         return apply_overrides(load_yaml(name), list(overrides), frozen=DERIVED)
     return apply_overrides(get_preset(name), list(overrides), frozen=DERIVED)
 
 
 def load_yaml(path: str) -> RunConfig:
-    import yaml
-
-    from hpcdl.overrides import apply_overrides, flatten, from_dict
-
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
@@ -405,10 +393,6 @@ def load_yaml(path: str) -> RunConfig:
 
 
 def dump_yaml(cfg: RunConfig) -> str:
-    import yaml
-
-    from hpcdl.overrides import to_dict
-
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False, width=120)
 
 

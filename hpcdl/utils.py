@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import sys
 import tempfile
 from datetime import timedelta
 
@@ -127,9 +129,6 @@ def leave_now(status: int) -> None:
     """End the process at once with ``status``, skipping interpreter shutdown and library destructors (a
     broken process group or a library stuck in a call can hang them): run what :func:`before_leaving`
     registered, flush the logs, ``os._exit``."""
-    import logging
-    import sys
-
     for fn in _last_words:
         try:
             fn()

@@ -4,9 +4,9 @@ import sys
 import pytest
 
 from hpcdl.distributed.affinity import plan_cpus
-from hpcdl.distributed.backend import (AUTO_ORDER, BACKENDS, ccl_environment, choose_backend, interface_to,
-                                      mpi_environment)
+from hpcdl.distributed.backend import AUTO_ORDER, BACKENDS, ccl_environment, choose_backend, interface_to
 from hpcdl.distributed.env import discover
+from hpcdl.distributed.mpi_runtime import mpi_environment
 from hpcdl.errors import ConfigError
 
 

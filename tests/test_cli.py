@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import dataclasses
-import pathlib
 import re
 import shlex
 import subprocess
@@ -133,26 +132,6 @@ def test_no_old_path_remains():
     assert not hits, hits
 
 
-TORCH_AT_IMPORT = {  # modules that subclass or build torch objects at import: they must import it
-    "hpcdl.data.dataset", "hpcdl.data.sampler", "hpcdl.data.transforms", "hpcdl.distributed.ccl",
-    "hpcdl.distributed.hooks", "hpcdl.distributed.mpi", "hpcdl.distributed.plugin", "hpcdl.distributed.process_group",
-    "hpcdl.distributed.sync", "hpcdl.distributed.threaded", "hpcdl.models", "hpcdl.models.alexnet_bn",
-    "hpcdl.models.tiny", "hpcdl.optim.base", "hpcdl.optim.factory", "hpcdl.optim.lamb", "hpcdl.optim.lars",
-    "hpcdl.train.accel", "hpcdl.train.checkpoint", "hpcdl.train.evaluate", "hpcdl.train.metrics",
-    "hpcdl.train.preempt", "hpcdl.train.step", "hpcdl.train.trainer"}
-
-
-def test_modules_import_without_torch_except_those_that_must():
-    modules = sorted(str(p.relative_to(REPO).with_suffix("")).replace("/", ".").removesuffix(".__init__")
-                     for p in (REPO / "hpcdl").rglob("*.py") if p.name != "__main__.py")
-    code = ("import importlib, sys\nsys.modules['torch'] = sys.modules['torchvision'] = None\nfor m in sys.argv[1:]:\n"
-            "    try:\n        importlib.import_module(m)\n    except ImportError:\n        print(m)\n")
-    needs = set(subprocess.run([PYTHON, "-c", code, *modules], capture_output=True, text=True, check=True,
-                               cwd=REPO).stdout.split())
-    assert needs == TORCH_AT_IMPORT, (f"import torch where it is used: {sorted(needs - TORCH_AT_IMPORT)}; "
-                                      f"no longer need it: {sorted(TORCH_AT_IMPORT - needs)}")
-
-
 def test_every_outcome_has_one_exit_status():
     from hpcdl.cli import Exit, exit_code
     from hpcdl.train.outcome import Outcome
@@ -170,15 +149,23 @@ def test_the_contributing_example_benchmark_is_one_module_and_one_row(tmp_path, 
     import hpcdl.bench as bench
 
     text = (REPO / "docs" / "contributing.md").read_text()
+    config = re.search(r"```python\n# hpcdl/bench/configs.py\n(.*?)```", text, re.S).group(1)
     source = re.search(r"```python\n# hpcdl/bench/matmul.py\n(.*?)```", text, re.S).group(1)
     row = re.search(r"```python\n\s+(Benchmark\(.*?\)),\n```", text, re.S).group(1)
-    path = tmp_path / "matmul.py"  # a file, as in the package: the flags' help is read from its source
+    configs = tmp_path / "matmul_configs.py"  # files, as in the package: the flags' help is read from the source
+    configs.write_text("from dataclasses import dataclass\n\n\n" + config)
+    spec = importlib.util.spec_from_file_location("matmul_configs", configs)
+    config_module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "matmul_configs", config_module)
+    spec.loader.exec_module(config_module)
+    monkeypatch.setattr(bench.configs, "MatmulBench", config_module.MatmulBench, raising=False)
+    path = tmp_path / "matmul.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("hpcdl.bench.matmul", path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "hpcdl.bench.matmul", module)
     spec.loader.exec_module(module)
-    monkeypatch.setitem(bench.BENCHMARKS, "matmul", eval(row, {"Benchmark": bench.Benchmark}))
+    monkeypatch.setitem(bench.BENCHMARKS, "matmul", eval(row, {"Benchmark": bench.Benchmark, "configs": bench.configs}))
     parser = build_parser()
     args = parser.parse_args(["bench", "matmul", "--sizes", "32,64", "--rounds", "1", "--json", str(tmp_path / "mm.json")])
     assert args.fn(args) == 0

@@ -1,11 +1,10 @@
 """What a login node checks, without torch: every name field, and the commands that submit or plan."""
 
 import subprocess
-import sys
 
 import pytest
-
 from conftest import PYTHON
+
 from hpcdl import names
 from hpcdl.config import resolve
 from hpcdl.errors import ConfigError
@@ -58,10 +57,12 @@ def test_the_implementations_are_the_tables():
         names.registry("models", {"resnet50": None}, names.MODELS)
 
 
+@pytest.mark.slow
 def test_the_planners_model_facts_are_the_counted_ones():
-    from hpcdl.plan.facts import MODEL_FACTS, model_facts
+    from hpcdl.bench.flops import count_model_facts
+    from hpcdl.plan.facts import MODEL_FACTS
 
-    assert {n: model_facts(n, count=True) for n in names.MODELS} == MODEL_FACTS
+    assert {n: count_model_facts(n) for n in names.MODELS} == MODEL_FACTS
 
 
 def test_sbatch_refuses_a_bad_model_before_torch_is_imported(data):

@@ -55,10 +55,10 @@ def test_one_rank_costs_nothing_and_bad_input_is_named():
 def test_cluster_profiles_carry_their_fabric():
     from hpcdl.launch.profiles import get_profile
 
-    skx = get_profile("stampede2-skx").network_link()
+    skx = Link.of(get_profile("stampede2-skx"))
     assert skx == Link(latency_s=1e-6, bandwidth_bytes_s=12.5e9)  # Omni-Path 100 Gb/s
     with pytest.raises(ConfigError, match="profile generic has no network latency and bandwidth"):
-        get_profile("generic").network_link()
+        Link.of(get_profile("generic"))
 
 
 def test_published_rows_count_nodes_from_processors():

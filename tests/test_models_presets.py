@@ -80,6 +80,7 @@ def test_mlperf_lr_rule_and_stampede2_variants():
         get_preset("nope")
 
 
+@pytest.mark.slow
 def test_bench_optim_times_each_optimizer_on_the_same_model():
     from hpcdl.bench import run
     from hpcdl.bench.optim import CASES, format_report
@@ -90,6 +91,7 @@ def test_bench_optim_times_each_optimizer_on_the_same_model():
     assert "vs sgd" in format_report(report)
 
 
+@pytest.mark.slow
 def test_bench_large_batch_trains_the_three_recipes():
     from hpcdl.bench import run
 
@@ -102,8 +104,10 @@ def test_bench_large_batch_trains_the_three_recipes():
 
 
 def test_criterion_smooths_labels_and_ignores_evaluation_padding():
+    from hpcdl.train.step import criterion
+
     cfg = get_preset("resnet50_b32k_lars")
-    loss = cfg.criterion()
+    loss = criterion(cfg.label_smoothing)
     logits = torch.tensor([[4.0, 0.0, 0.0], [0.0, 4.0, 0.0]])
     smoothed = loss(logits, torch.tensor([0, 1]))
     plain = nn.functional.cross_entropy(logits, torch.tensor([0, 1]))

@@ -3,72 +3,42 @@
 Bandwidths follow nccl-tests: ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n``, the data
 each rank's link carries in a ring allreduce, comparable across rank counts and with link speed.
 Every size is also checked: an untimed allreduce of a known pattern must give the exact sum. Each
-backend's times are fitted to a ring's alpha-beta cost (:func:`fit_ring`): the fitted bus bandwidth is
+backend's times are fitted to a ring's alpha-beta cost (:func:`hpcdl.plan.model.fit_ring`): the fitted bus bandwidth is
 the link's achieved rate, to compare with its nominal one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import time
 
-from hpcdl.errors import ConfigError, DataError
-from hpcdl.utils import format_bytes, parse_bytes
+import torch
+import torch.distributed as dist
 
-__all__ = ["Config", "fit_ring", "format_report", "run"]
+from hpcdl.bench.configs import ITEMSIZE
+from hpcdl.bench.configs import AllreduceBench as Config
+from hpcdl.distributed.affinity import allocator_in_use
+from hpcdl.distributed.process_group import fail_fast
+from hpcdl.errors import DataError
+from hpcdl.plan.model import fit_ring
+from hpcdl.utils import format_bytes
+
+__all__ = ["Config", "format_report", "run"]
 
 log = logging.getLogger(__name__)
-
-ITEMSIZE = {"float32": 4, "float64": 8, "int64": 8}  # the dtypes it sweeps, by name
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class Config:
-    min_bytes: int | str | None = None  # smallest message, e.g. 4 or 64K (default: one element of dtype)
-    max_bytes: int | str = "256M"  # largest message; sizes double from the smallest
-    dtype: str = "float32"  # float32 | float64 | int64
-    warmup: int = 2  # untimed all-reduces per size
-    seconds_per_size: float = 0.5  # each size repeats until about this long, at least once
-    max_iters: int = 1000  # at most this many timed all-reduces per size
-
-    def __post_init__(self):
-        if self.dtype not in ITEMSIZE:
-            raise ConfigError(f"--dtype {self.dtype!r} is not supported; choose one of {', '.join(ITEMSIZE)}")
-        itemsize = ITEMSIZE[self.dtype]
-        if self.min_bytes is None:
-            self.min_bytes = itemsize
-        if isinstance(self.min_bytes, str):
-            self.min_bytes = parse_bytes(self.min_bytes, "--min-bytes")
-        if isinstance(self.max_bytes, str):
-            self.max_bytes = parse_bytes(self.max_bytes, "--max-bytes")
-        if self.min_bytes < itemsize or self.max_bytes < self.min_bytes:
-            raise ConfigError(f"--min-bytes {self.min_bytes} and --max-bytes {self.max_bytes}: need "
-                              f"{itemsize} <= min <= max (one {self.dtype} is {itemsize} bytes)")
-        if self.warmup < 0 or self.max_iters < 1 or self.seconds_per_size <= 0:
-            raise ConfigError("--warmup must be >= 0, --max-iters >= 1 and --seconds-per-size > 0")
-
-    def sizes(self) -> list[int]:
-        out, size = [], self.min_bytes
-        while size <= self.max_bytes:
-            out.append(size)
-            size *= 2
-        return out
 
 
 def run(cfg: Config, job) -> dict | None:
     """The sweep on every rank of ``job``, each size on each of its groups in turn (``--backends``: side by
     side); rank 0 returns the figures."""
-    from hpcdl.distributed.process_group import fail_fast
-
     ctx = job.ctx
     layout = _layout(ctx)
     with fail_fast(ctx):
         rows = []
         for nbytes in cfg.sizes():
             for name, group in job.groups.items():
-                row = {"backend": name, **_measure(ctx, cfg, nbytes, group)}
+                row = {"backend": name, **measure(ctx, cfg, nbytes, group)}
                 rows.append(row)
                 if ctx.rank == 0:
                     log.debug("%s", row)
@@ -88,33 +58,7 @@ def run(cfg: Config, job) -> dict | None:
     return report
 
 
-def fit_ring(world_size: int, points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(alpha, beta) of a ring all-reduce of ``world_size`` ranks that best explain ``points`` (bytes, seconds):
-    ``t = 2(p-1) alpha + 2(p-1)/p n beta``, least squares on the relative error, so that every size counts.
-    ``1 / beta`` is the bus bandwidth: the rate each rank's link achieved."""
-    p = world_size
-    points = [(n, t) for n, t in points if t > 0]
-    if p < 2 or len(points) < 2:
-        raise DataError(f"an all-reduce report of {p} rank(s) and {len(points)} sizes cannot give a link; run "
-                        f"hpcdl bench allreduce on 2 or more ranks")
-    # t / t = 1 = a * x1 + b * x2 with x1 = 2(p-1)/t, x2 = 2(p-1)/p * n / t: solve the 2x2 normal equations
-    x1 = [2 * (p - 1) / t for _, t in points]
-    x2 = [2 * (p - 1) / p * n / t for n, t in points]
-    s11, s12, s22 = sum(a * a for a in x1), sum(a * b for a, b in zip(x1, x2)), sum(b * b for b in x2)
-    det = s11 * s22 - s12 * s12
-    alpha = (s22 * sum(x1) - s12 * sum(x2)) / det
-    beta = (s11 * sum(x2) - s12 * sum(x1)) / det
-    if beta <= 0:
-        raise DataError("the all-reduce report's times do not grow with size; measure up to larger --max-bytes")
-    return max(alpha, 0.0), beta
-
-
 def _layout(ctx) -> list[dict]:
-    import torch.distributed as dist
-
-    from hpcdl.distributed.affinity import allocator_in_use
-    from hpcdl.distributed.process_group import fail_fast
-
     env = ctx.env
     mine = {"rank": env.rank, "local_rank": env.local_rank, "node_rank": env.node_rank, "host": socket.gethostname(),
             "launcher": env.launcher, "master_addr": env.master_addr, "master_port": env.master_port,
@@ -125,11 +69,8 @@ def _layout(ctx) -> list[dict]:
     return gathered
 
 
-def _measure(ctx, cfg: Config, nbytes: int, group) -> dict:
+def measure(ctx, cfg: Config, nbytes: int, group) -> dict:
     """Time ``group``'s all-reduce of ``nbytes``; agreement (check, iterations, times) goes over the default group."""
-    import torch
-    import torch.distributed as dist
-
     dtype, n = getattr(torch, cfg.dtype), nbytes // ITEMSIZE[cfg.dtype]
     ok = _check(ctx, dtype, n, group)
     buf = torch.zeros(n, dtype=dtype)
@@ -150,9 +91,6 @@ def _measure(ctx, cfg: Config, nbytes: int, group) -> dict:
 
 def _check(ctx, dtype, n: int, group) -> bool:
     """Allreduce ``(rank+1) + i % 7`` and compare with the exact sum; True only if every rank agrees."""
-    import torch
-    import torch.distributed as dist
-
     w = ctx.world_size
     pattern = torch.arange(n, dtype=torch.int64) % 7
     buf = (pattern + ctx.rank + 1).to(dtype)
@@ -164,9 +102,6 @@ def _check(ctx, dtype, n: int, group) -> bool:
 
 
 def _agree_on_iters(ctx, cfg: Config, buf, group) -> int:
-    import torch
-    import torch.distributed as dist
-
     start = time.perf_counter()
     dist.all_reduce(buf, group=group)
     probe = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
@@ -175,17 +110,12 @@ def _agree_on_iters(ctx, cfg: Config, buf, group) -> int:
 
 
 def _max_min(ctx, value: float) -> tuple[float, float]:
-    import torch
-    import torch.distributed as dist
-
     t = torch.tensor([value, -value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
     return t[0].item(), -t[1].item()
 
 
 def _meta(ctx, cfg: Config) -> dict:
-    import torch
-
     return {"benchmark": "allreduce", "backend": ctx.backend.name, "world_size": ctx.world_size,
             "nodes": ctx.env.nodes, "dtype": cfg.dtype, "torch": torch.__version__,
             "job_id": ctx.env.job_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -21,29 +21,29 @@ h5py (the reader opens shards through Python) and anything else, from fresh proc
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
+import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
+import numpy as np
+import torch
+from PIL import Image
+
+from hpcdl.bench.configs import DataBench as Config
 from hpcdl.bench.rounds import alternate, medians
-
-
-@dataclass(kw_only=True, slots=True)
-class Config:
-    src: str | None = None  # a class-folder tree of JPEGs (default: synthetic ImageNet-sized JPEGs)
-    images: int = 3200  # synthetic images to generate
-    classes: int = 16  # synthetic classes
-    short_side: int = 256  # pack with this short side
-    workers: int = 2  # DataLoader workers (processes) per reader
-    batch_size: int = 32  # the DataLoader row's batch
-    rounds: int = 3  # epochs per reader, alternating; the median counts
-    crop: int = 224  # the recipes' crop
-    recipes: str = "imagenet; light; none; imagenet, randaugment, erasing"  # data.augment specs, ';' between
-    per_core_images: int = 400  # images each round of a decoder or a recipe decodes, on one core
-
+from hpcdl.config import DataConfig
+from hpcdl.data import recipe
+from hpcdl.data.dataset import ShardDataset
+from hpcdl.data.images import Encoding
+from hpcdl.data.pack import PackConfig, pack
+from hpcdl.data.sampler import DistributedShardSampler
+from hpcdl.data.synthetic import generate
+from hpcdl.data.transforms import Augment
+from hpcdl.names import DECODERS
 
 _opened = None  # a shared counter of files opened under _roots, set before any process forks
 _roots: tuple[str, ...] = ()
@@ -51,8 +51,6 @@ _cases: dict = {}  # reader name -> function of one index; inherited by the fork
 
 
 def _count_opens(*_):
-    import torch
-
     torch.set_num_threads(1)  # as a DataLoader worker: torch's thread pool does not survive a fork
 
     def hook(event, args):
@@ -88,10 +86,6 @@ def _dataloader_round(loader) -> tuple[float, int]:
 
 
 def _prepare(cfg: Config, tmp: str) -> tuple[str, str]:
-    from hpcdl.data.pack import PackConfig, pack
-    from hpcdl.data.images import Encoding
-    from hpcdl.data.synthetic import generate
-
     src = cfg.src
     if src is None:
         src = os.path.join(tmp, "jpeg")
@@ -103,13 +97,9 @@ def _prepare(cfg: Config, tmp: str) -> tuple[str, str]:
 
 def run(cfg: Config, job=None) -> dict:
     global _opened, _roots
-    import torch
     import torchvision.transforms as T
     from torchvision.datasets import ImageFolder
 
-    from hpcdl.data.dataset import ShardDataset
-    from hpcdl.data.sampler import DistributedShardSampler
-    from hpcdl.data.transforms import Augment
 
     _opened = multiprocessing.get_context("fork").Value("l", 0)
     with tempfile.TemporaryDirectory(prefix="hpcdl-bench-data-") as tmp:
@@ -144,11 +134,6 @@ def run(cfg: Config, job=None) -> dict:
 
 def decoders(crop: int) -> dict:
     """Name -> a function of JPEG bytes that decodes the whole image (Pillow's draft: at least ``crop``)."""
-    import io
-
-    import numpy as np
-    import torch
-    from PIL import Image
     from torchvision.io import decode_jpeg
 
     def pillow(data):
@@ -178,14 +163,7 @@ def decoders(crop: int) -> dict:
 
 def per_core(cfg: Config, blobs: list[bytes]) -> dict:
     """Images/s on one core of each decoder and of each recipe through each decode path."""
-    import random
 
-    import torch
-
-    from hpcdl.config import DataConfig
-    from hpcdl.data import recipe
-    from hpcdl.data.transforms import Augment
-    from hpcdl.names import DECODERS
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -23,37 +23,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 
+from hpcdl.bench.configs import FeedBench as Config
 from hpcdl.bench.rounds import alternate, medians
-from hpcdl.errors import ConfigError
-
-
-@dataclass(kw_only=True, slots=True)
-class Config:
-    data: str | None = None  # a packed training set (default: synthetic JPEGs packed at short side 256)
-    model: str = "resnet50"  # the model trained
-    batch: int = 32  # images per rank per step
-    crop: int = 224  # the training crop in px
-    layouts: tuple[str, ...] = ("1x2", "2x1")  # RANKSxTHREADS per rank on this node
-    precisions: tuple[str, ...] = ("fp32", "bf16")  # each layout is measured in each precision
-    workers: int = 2  # DataLoader workers per rank in the jpeg case
-    steps: int = 8  # timed steps per run, after the warm-up ones
-    warmup: int = 2  # steps per run left out of the figure
-    rounds: int = 2  # alternating rounds per layout and precision; the median counts
-
-    def __post_init__(self):
-        for layout in self.layouts:
-            ranks, _, threads = layout.partition("x")
-            if not (ranks.isdigit() and threads.isdigit() and int(ranks) and int(threads)):
-                raise ConfigError(f"--layouts {layout!r}: give RANKSxTHREADS, e.g. 1x2 or 2x1")
+from hpcdl.bench.runner import machine_line
+from hpcdl.data.images import Encoding
+from hpcdl.data.pack import PackConfig, pack
+from hpcdl.data.synthetic import generate
 
 
 def _packed(cfg: Config, tmp: str) -> str:
-    from hpcdl.data.images import Encoding
-    from hpcdl.data.pack import PackConfig, pack
-    from hpcdl.data.synthetic import generate
-
     if cfg.data:
         return cfg.data
     src, out = os.path.join(tmp, "jpeg"), os.path.join(tmp, "packed")
@@ -119,8 +98,6 @@ def run(cfg: Config, job=None) -> dict:
 
 
 def format_report(r: dict) -> str:
-    from hpcdl.bench.runner import machine_line
-
     c = r["config"]
     lines = [machine_line(r),
              f"hpcdl train {c['model']}, batch {c['batch']} per rank at {c['crop']} px: packed JPEGs ({c['workers']} "

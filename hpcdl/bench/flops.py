@@ -4,9 +4,17 @@ a training step's floating-point operations, counted by torch. ``bench step`` di
 
 from __future__ import annotations
 
+import math
 import time
 
-__all__ = ["gemm_gflops", "training_flops"]
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hpcdl.config import SyncConfig
+from hpcdl.models import MODELS, build_model
+from hpcdl.plan.facts import ModelFacts
+
+__all__ = ["count_model_facts", "gemm_gflops", "training_flops"]
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -16,8 +24,6 @@ def gemm_gflops(precision: str, *, largest: int = 2048, min_seconds: float = 0.5
     first gauges the rate (after one untimed); then the side is the largest power of two up to ``largest`` whose product takes
     at most a quarter of ``min_seconds`` (an emulated bf16 runs 100x slower than fp32), and as many products
     as fill ``min_seconds`` (at least two) are timed after one that sets their count."""
-    import torch
-
     dtype = getattr(torch, DTYPES[precision])
     n = 256
     small = torch.randn(n, n).to(dtype)
@@ -41,10 +47,23 @@ def _timed_products(a, repeat: int) -> float:
 def training_flops(model, images, labels, criterion) -> float:
     """Floating-point operations of one forward and backward of ``model`` on this batch, as torch's
     FlopCounterMode counts them (convolutions and matrix products: the work a GEMM rate measures)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     counter = FlopCounterMode(display=False)
     with counter:
         criterion(model(images), labels).backward()
     model.zero_grad(set_to_none=True)
     return float(counter.get_total_flops())
+
+
+def count_model_facts(name: str) -> ModelFacts:
+    """The model's gradient bytes, training flops and buckets, counted on the meta device (no memory, no
+    arithmetic): what :data:`hpcdl.plan.facts.MODEL_FACTS` holds for a login node."""
+    with torch.device("meta"):
+        net = build_model(name)
+        x = torch.empty(2, 3, MODELS[name].crop, MODELS[name].crop)
+    with FlopCounterMode(display=False) as counter:
+        net(x).sum().backward()
+    grad = sum(p.numel() for p in net.parameters()) * 4
+    sync = SyncConfig()
+    first = min(sync.first_bucket_mb or sync.bucket_cap_mb, sync.bucket_cap_mb) * 2 ** 20
+    buckets = 1 + math.ceil(max(0.0, grad - first) / (sync.bucket_cap_mb * 2 ** 20))
+    return ModelFacts(name, grad, counter.get_total_flops() / 2, buckets, sum(1 for _ in net.parameters()))

@@ -15,22 +15,15 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+import torch
+import torch.nn as nn
+
+from hpcdl.bench.configs import LargeBatchBench as Config
 from hpcdl.errors import ConfigError
+from hpcdl.models.tiny import TinyCNN
 from hpcdl.optim.config import OptimConfig
-from hpcdl.optim.schedule import ScheduleConfig, steps_per_epoch
-
-
-@dataclass(kw_only=True, slots=True)
-class Config:
-    epochs: int = 15  # epochs every recipe trains
-    seeds: int = 5  # seeds per recipe: the report gives the mean and its spread
-    small_batch: int = 4  # the baseline's batch
-    small_lr: float = 0.02  # the baseline's lr (the linear-scaled SGD's base)
-    lars_lr: float = 1.0  # the global lr at the large batch: BN and bias tensors take it as it is (mlperf)
-    lars_eta: float = 0.03  # the weights' local lr is lr * eta * ||w|| / ||g||
-    lars_warmup_epochs: float = 2.0  # LARS's linear warmup
-    weight_decay: float = 5e-4  # every recipe's
-    threads: int = 1  # torch threads
+from hpcdl.optim.factory import build_optimizer
+from hpcdl.optim.schedule import LRSchedule, ScheduleConfig, steps_per_epoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +38,6 @@ class Recipe:
 
 def load_digits() -> tuple:
     """(train images, train labels, val images, val labels) as tensors."""
-    import torch
-
     try:
         from sklearn.datasets import load_digits as sk_digits
     except ImportError:
@@ -72,12 +63,6 @@ def recipes(cfg: Config, n_train: int) -> list[Recipe]:
 
 def train_one(recipe: Recipe, data, epochs: int, seed: int) -> float:
     """Validation accuracy (%) after ``epochs`` epochs of ``recipe``."""
-    import torch
-    import torch.nn as nn
-
-    from hpcdl.models.tiny import TinyCNN
-    from hpcdl.optim.factory import build_optimizer
-    from hpcdl.optim.schedule import LRSchedule
 
     xt, yt, xv, yv = data
     torch.manual_seed(seed)
@@ -102,8 +87,6 @@ def train_one(recipe: Recipe, data, epochs: int, seed: int) -> float:
 
 
 def run(cfg: Config, job=None) -> dict:
-    import torch
-
     torch.set_num_threads(cfg.threads)
     data = load_digits()
     rows = []

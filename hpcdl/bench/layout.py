@@ -28,21 +28,17 @@ import os
 import statistics
 import time
 
+from hpcdl.bench.configs import TuneConfig
+from hpcdl.bench.rounds import alternate
+from hpcdl.bench.step import node_round
+from hpcdl.distributed.affinity import ALLOCATORS, allocator_env, find_library
 from hpcdl.errors import ConfigError
+from hpcdl.train.precision import NATIVE_BF16
+from hpcdl.utils import cpu_flags
 
 __all__ = ["TuneConfig", "measure", "node_topology"]
 
 MEMORY_HEADROOM = 0.85  # of the node's memory a layout may use
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class TuneConfig:
-    model: str = "resnet50"  # the model the trials train
-    batch: int = 32  # images per rank of the trials (the batch step tries half and twice it too)
-    crop: int = 224  # the trials' image side in px
-    steps: int = 2  # timed steps per trial, after one warm-up step
-    confirm_rounds: int = 2  # the winner against the runner-up, alternating
-    write: str = "hpcdl-layout.json"  # where the winner goes (hpcdl sbatch --layout reads it)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,11 +121,6 @@ def refusal(trial: Trial, topology: dict, memory_mb: float, rss_per_image_mb: di
 
 def measure(cfg: TuneConfig, log=print) -> dict:
     """Every trial's images/s, the refused ones with their reasons, the confirming run, and the winner."""
-    from hpcdl.bench.step import node_round
-    from hpcdl.distributed.affinity import ALLOCATORS, allocator_env, find_library
-    from hpcdl.train.precision import NATIVE_BF16
-    from hpcdl.utils import cpu_flags
-
     topology, memory_mb = node_topology(), node_memory_mb()
     results: dict[Trial, dict] = {}
     refused: dict[str, str] = {}
@@ -189,8 +180,6 @@ def _fit_rss(trials: list[Trial], results: dict) -> tuple[float, float]:
 
 
 def _decide(cfg: TuneConfig, results: dict, refused: dict, skipped: dict, run, topology: dict, memory_mb: float) -> dict:
-    from hpcdl.bench.rounds import alternate
-
     ranked = sorted(results, key=lambda t: -results[t]["images_per_s"])
     # the batch is advice: the layout is judged at the trials' batch, then the smallest batch within 5% is named
     same_batch = [t for t in ranked if t.batch == cfg.batch] or ranked

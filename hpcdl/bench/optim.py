@@ -4,10 +4,13 @@ median. Gradients are fixed random tensors, so the step is all that is timed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import torch
 
+from hpcdl.bench.configs import OptimBench as Config
 from hpcdl.bench.rounds import alternate, medians, timed_ms
+from hpcdl.models import build_model
 from hpcdl.optim.config import OptimConfig
+from hpcdl.optim.factory import build_optimizer
 
 CASES = {  # name -> optimizer config; "sgd" is the baseline of the ratios
     "sgd": OptimConfig(name="sgd", lr=0.1, weight_decay=1e-4),
@@ -17,19 +20,7 @@ CASES = {  # name -> optimizer config; "sgd" is the baseline of the ratios
 }
 
 
-@dataclass(kw_only=True, slots=True)
-class Config:
-    model: str = "resnet50"  # whose parameters the step updates
-    steps: int = 10  # steps per round
-    rounds: int = 5  # rounds per optimizer, alternating; the median counts
-    threads: int = 0  # torch threads (0: torch's default)
-
-
 def run(cfg: Config, job=None) -> dict:
-    import torch
-
-    from hpcdl.models import build_model
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     times = alternate({name: timed_ms(_stepper(cfg.model, oc), cfg.steps) for name, oc in CASES.items()}, cfg.rounds)
@@ -40,11 +31,6 @@ def run(cfg: Config, job=None) -> dict:
 
 
 def _stepper(model_name: str, oc: OptimConfig):
-    import torch
-
-    from hpcdl.models import build_model
-    from hpcdl.optim.factory import build_optimizer
-
     torch.manual_seed(0)
     model = build_model(model_name)
     for p in model.parameters():

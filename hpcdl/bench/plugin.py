@@ -17,7 +17,6 @@ Each row keeps the best of its rounds; the table gives the plugin path's time ov
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -27,52 +26,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hpcdl.bench import allreduce
+from hpcdl.bench.configs import LAUNCHERS
+from hpcdl.bench.configs import PluginBench as Config
+from hpcdl.distributed.backend import BACKENDS
 from hpcdl.errors import ConfigError, LaunchError
 from hpcdl.utils import format_bytes
 
 __all__ = ["Config", "format_report", "run"]
 
-LAUNCHERS = {"mpiexec": ["mpiexec", "-n"], "srun": ["srun", "--mpi=pmi2", "-n"]}
 WORKER = Path(__file__).with_name("plugin_worker.py")
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class Config:
-    ranks: int = 2  # processes each path starts
-    launcher: str = "mpiexec"  # mpiexec | srun (inside an allocation)
-    backends: str = "gloo,mpi,ccl"  # rows of the backend table, comma-separated
-    min_bytes: int | str = "4"  # smallest message of the sweep (as hpcdl bench allreduce's)
-    max_bytes: int | str = "16M"  # largest message; sizes double from the smallest
-    seconds_per_size: float = 0.3  # each size repeats until about this long, on each path
-    rounds: int = 2  # launches of each path, alternated; each row keeps its best
-
-    def __post_init__(self):
-        from hpcdl import names
-
-        names.check("--launcher", self.launcher, tuple(LAUNCHERS))
-        for name in self.wanted():
-            names.check("--backends", name, names.BACKENDS)
-        if self.ranks < 2 or self.rounds < 1:
-            raise ConfigError(f"--ranks {self.ranks} and --rounds {self.rounds}: need at least 2 ranks and 1 round")
-        self.sweep()  # its own checks, with the flags named
-
-    def wanted(self) -> list[str]:
-        """The backends in the table's order (a process that loaded oneCCL could not load the mpich wheel's MPI)."""
-        from hpcdl.names import BACKENDS
-
-        listed = [n.strip() for n in self.backends.split(",") if n.strip()]
-        return [n for n in BACKENDS if n in listed] + [n for n in listed if n not in BACKENDS]
-
-    def sweep(self) -> allreduce.Config:
-        return allreduce.Config(min_bytes=self.min_bytes, max_bytes=self.max_bytes,
-                                seconds_per_size=self.seconds_per_size)
 
 
 def run(cfg: Config, job) -> dict:
     """Both paths, alternated ``cfg.rounds`` times; the best time of each (path, backend, size)."""
-    from hpcdl.distributed.backend import BACKENDS
-
     launch = [*LAUNCHERS[cfg.launcher], str(cfg.ranks)]
     if not shutil.which(launch[0]):
         raise ConfigError(f"--launcher {cfg.launcher}: {launch[0]} is not on PATH")

@@ -14,22 +14,23 @@ import os
 import sys
 import types
 
+import torch
+import torch.distributed as dist
+
+from hpcdl.bench.allreduce import Config, measure  # the groups exist: hpcdl may load now
+
 
 def main(backends: list[str], config: str, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
     before = "hpcdl" in sys.modules
     dist.init_process_group("gloo")
     groups = {name: None if name == "gloo" else dist.new_group(backend=name) for name in backends}
     after = "hpcdl" in sys.modules
 
-    from hpcdl.bench.allreduce import Config, _measure  # the groups exist: hpcdl may load now
 
     with open(config) as f:
         cfg = Config(**json.load(f))
     ctx = types.SimpleNamespace(rank=dist.get_rank(), world_size=dist.get_world_size(), group=None)
-    rows = [{"backend": name, **_measure(ctx, cfg, nbytes, group)} for nbytes in cfg.sizes()
+    rows = [{"backend": name, **measure(ctx, cfg, nbytes, group)} for nbytes in cfg.sizes()
             for name, group in groups.items()]
     if ctx.rank == 0:
         with open(out + ".tmp", "w") as f:

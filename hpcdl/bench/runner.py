@@ -13,8 +13,12 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from hpcdl import names
+from hpcdl import __version__, names
+from hpcdl.deferred import deferred
+from hpcdl.distributed.env import discover
+from hpcdl.errors import ConfigError
 from hpcdl.flags import meta
+from hpcdl.utils import atomic_write_text, cpu_flags, cpu_model
 
 __all__ = ["Job", "Output", "RankOptions", "provenance", "run_benchmark", "write_report"]
 
@@ -36,8 +40,6 @@ class RankOptions:
     def __post_init__(self):
         names.check("--backend", self.backend, ("auto", *names.BACKENDS))
         if min(self.timeout, self.startup_timeout, self.heartbeat) <= 0:
-            from hpcdl.errors import ConfigError
-
             raise ConfigError(f"--timeout {self.timeout}, --startup-timeout {self.startup_timeout} and --heartbeat "
                               f"{self.heartbeat} must be more than 0 seconds")
 
@@ -77,25 +79,17 @@ def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | N
                   argv: list[str] | None = None) -> dict | None:
     """Run ``row`` (a :class:`hpcdl.bench.Benchmark`) with ``cfg``; rank 0 prints and writes the report and
     returns it, the other ranks return None."""
-    from hpcdl.distributed.env import discover
-
     ranks, output = ranks or RankOptions(), output or Output()
     if ranks.backends and not row.compares_backends:
-        from hpcdl.errors import ConfigError
-
         raise ConfigError(f"bench {row.name} measures one backend at a time; give --backend, not --backends")
     if output.plot_path and not row.plots:
-        from hpcdl.errors import ConfigError
-
         raise ConfigError(f"bench {row.name} draws no plot; drop --plot")
     job = _join(ranks) if row.on_ranks else Job(env=discover())
     try:
         figures = row.run(cfg, job)
     finally:
         if job.ctx is not None:  # not reached after a RankLostError: a broken group cannot be torn down cleanly
-            from hpcdl.distributed.process_group import shutdown
-
-            shutdown(job.ctx)
+            deferred("hpcdl.distributed.process_group:shutdown")(job.ctx)
     if figures is None:
         return None
     report = {"benchmark": row.name, "config": _plain(cfg), **figures, "provenance": provenance(job, argv)}
@@ -108,14 +102,13 @@ def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | N
 
 
 def _join(ranks: RankOptions) -> Job:
-    from hpcdl.distributed.process_group import backend_groups, fail_fast, init_distributed, set_timeout
-
-    ctx = init_distributed("gloo" if ranks.backends else ranks.backend,
+    pg = deferred("hpcdl.distributed.process_group")  # torch: only a benchmark that runs on ranks needs it
+    ctx = pg.init_distributed("gloo" if ranks.backends else ranks.backend,
                            timeout=timedelta(seconds=ranks.startup_timeout), heartbeat_s=ranks.heartbeat)
     timeout = timedelta(seconds=ranks.timeout)
-    set_timeout(ctx, timeout)
-    with fail_fast(ctx):
-        groups = backend_groups(ctx, ranks.backends, timeout) if ranks.backends else {ctx.backend.name: ctx.group}
+    pg.set_timeout(ctx, timeout)
+    with pg.fail_fast(ctx):
+        groups = pg.backend_groups(ctx, ranks.backends, timeout) if ranks.backends else {ctx.backend.name: ctx.group}
     return Job(env=ctx.env, ctx=ctx, groups=groups, timeout=timeout)
 
 
@@ -124,17 +117,12 @@ def _plain(cfg) -> dict:
 
 
 def write_report(path: str, report: dict) -> None:
-    from hpcdl.utils import atomic_write_text
-
     atomic_write_text(path, json.dumps(report, indent=1) + "\n")
     log.info("wrote %s", path)
 
 
 def provenance(job: Job | None = None, argv: list[str] | None = None) -> dict:
     """Where and how a report was measured: the machine, the command line, hpcdl's version and commit."""
-    from hpcdl import __version__
-    from hpcdl.utils import cpu_flags, cpu_model
-
     flags = cpu_flags()
     return {"command": list(sys.argv if argv is None else argv), "hpcdl": __version__, "commit": _commit(),
             "machine": {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "logical_cpus": os.cpu_count(),

@@ -23,77 +23,30 @@ import logging
 import statistics
 import time
 
-from hpcdl import names
-from hpcdl.errors import ConfigError
+import torch
+import torch.distributed as dist
+
+from hpcdl.bench.configs import MODES
+from hpcdl.bench.configs import ScalingBench as Config
+from hpcdl.bench.rounds import alternate
+from hpcdl.bench.step import synthetic_training
+from hpcdl.config import SyncConfig
+from hpcdl.distributed.hooks import ChunkSparse
+from hpcdl.distributed.process_group import fail_fast
+from hpcdl.distributed.sync import data_parallel
+from hpcdl.models import MODELS
+from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
+from hpcdl.plan.facts import model_facts
+from hpcdl.plot import counts_axis, pyplot, save_png
+from hpcdl.train.step import PHASES, Stepper
 
 __all__ = ["Config", "figure", "format_report", "plot", "run"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("weak", "strong")
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class Config:
-    model: str = "resnet50"  # the model trained at every point
-    batch: int = 8  # weak scaling: images per rank
-    global_batch: int | None = None  # strong scaling: images per step (default: batch x the largest rank count)
-    crop: int | None = None  # image side in px (default: the model's training crop)
-    steps: int = 5  # timed steps per point and round
-    warmup: int = 1  # untimed steps first, each round (DDP rebuilds its buckets after the first)
-    rounds: int = 2  # alternating rounds over the points
-    ranks: tuple[int, ...] = ()  # rank counts, e.g. 1,2,4 (default: 1, 2, 4 ... and the job's size)
-    modes: tuple[str, ...] = MODES  # weak, strong or both
-    # compute threads per rank (default 0: hpcdl's CPU plan; give 1 when simulated nodes share cores)
-    threads: int = 0
-    # the comm hook (sync.hook) of every multi-rank point; hierarchical is bench sync's (a point's first k ranks
-    # do not split by node)
-    hook: str = "none"
-
-    def __post_init__(self):
-        bad = [m for m in self.modes if m not in MODES]
-        if bad or not self.modes:
-            raise ConfigError(f"--modes {','.join(self.modes)}: choose from {', '.join(MODES)}")
-        if min(self.batch, self.steps, self.rounds) < 1 or self.warmup < 0 or self.threads < 0:
-            raise ConfigError("--batch, --steps and --rounds must be >= 1, --warmup and --threads >= 0")
-        names.check("--hook", self.hook, tuple(h for h in names.HOOKS if h != "hierarchical"))
-        if any(k < 1 for k in self.ranks):
-            raise ConfigError(f"--ranks {','.join(map(str, self.ranks))}: rank counts are >= 1")
-
-    def counts(self, world: int) -> list[int]:
-        if self.ranks:
-            too_many = [k for k in self.ranks if k > world]
-            if too_many:
-                raise ConfigError(f"--ranks asks for {too_many} ranks but the job has {world}; "
-                                  f"start more tasks or drop those counts")
-            return sorted(set(self.ranks))
-        counts, k = [], 1
-        while k < world:
-            counts.append(k)
-            k *= 2
-        return counts + [world]
-
-    def points(self, world: int) -> list[tuple[str, int, int]]:
-        """(mode, ranks, images per rank) for every measurement."""
-        counts = self.counts(world)
-        total = self.global_batch or self.batch * counts[-1]
-        out = []
-        for mode in self.modes:
-            for k in counts:
-                if mode == "strong" and total % k:
-                    raise ConfigError(f"strong scaling: a global batch of {total} does not split over {k} ranks; "
-                                      f"give --global-batch a multiple of every rank count")
-                out.append((mode, k, self.batch if mode == "weak" else total // k))
-        return out
-
 
 def run(cfg: Config, job) -> dict | None:
     """Measure every point on the job's ranks; rank 0 gets the figures."""
-    import torch
-    import torch.distributed as dist
-
-    from hpcdl.bench.rounds import alternate
-    from hpcdl.distributed.process_group import fail_fast
 
     ctx = job.ctx
     points = cfg.points(ctx.world_size)
@@ -113,9 +66,6 @@ def run(cfg: Config, job) -> dict | None:
 
 
 def _node_ranks(ctx) -> list[int]:
-    import torch
-    import torch.distributed as dist
-
     mine = torch.tensor([ctx.env.node_rank], dtype=torch.int64)
     every = [torch.zeros(1, dtype=torch.int64) for _ in range(ctx.world_size)]
     dist.all_gather(every, mine, group=ctx.group)
@@ -124,10 +74,6 @@ def _node_ranks(ctx) -> list[int]:
 
 def _measure(ctx, cfg: Config, point: tuple[str, int, int], group) -> list[dict]:
     """This rank's part of one round of ``point``: per timed step, the slowest rank's wall and phase times."""
-    import torch
-    import torch.distributed as dist
-
-    from hpcdl.train.step import PHASES
 
     stepper = _stepper(ctx, cfg, point[2], group)
     for _ in range(cfg.warmup):
@@ -143,15 +89,6 @@ def _measure(ctx, cfg: Config, point: tuple[str, int, int], group) -> list[dict]
 def _stepper(ctx, cfg: Config, batch: int, group):
     """A fresh model on ``group`` (DDP with hpcdl's defaults; the model alone on one rank) and a function that
     runs one timed step of it."""
-    import torch.distributed as dist
-
-    from hpcdl.config import SyncConfig
-    from hpcdl.distributed.hooks import ChunkSparse
-    from hpcdl.distributed.sync import data_parallel
-    from hpcdl.models import MODELS
-    from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
-    from hpcdl.bench.step import synthetic_training
-    from hpcdl.train.step import Stepper
 
     model, optimizer, criterion, x, y = synthetic_training(cfg.model, batch, cfg.crop or MODELS[cfg.model].crop)
     schedule = LRSchedule(optimizer, ScheduleConfig(base_lr=1.0, steps_per_epoch=1000, epochs=10, warmup_epochs=1))
@@ -172,8 +109,6 @@ def _stepper(ctx, cfg: Config, batch: int, group):
 
 
 def _summaries(steps: dict[tuple, list[dict]], nodes: list[int]) -> list[dict]:
-    from hpcdl.train.step import PHASES
-
     out = []
     for (mode, k, batch), rows in steps.items():
         walls = sorted(r["wall"] for r in rows)
@@ -199,11 +134,6 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 def _meta(ctx, cfg: Config, nodes: list[int]) -> dict:
-    import torch
-
-    from hpcdl.models import MODELS
-    from hpcdl.plan.facts import model_facts
-
     return {"benchmark": "scaling", "model": cfg.model, "crop": cfg.crop or MODELS[cfg.model].crop,
             "gradient_bytes": model_facts(cfg.model).gradient_bytes, "backend": ctx.backend.name, "hook": cfg.hook,
             "world_size": ctx.world_size, "nodes": len(set(nodes)), "ranks_per_node": ctx.env.local_size, "threads": torch.get_num_threads(),
@@ -227,15 +157,11 @@ def format_report(report: dict) -> str:
 
 def plot(report: dict, out: str) -> str:
     """Write :func:`figure` of ``report`` as a PNG at ``out``."""
-    from hpcdl.plot import save_png
-
     return save_png(figure(report), out)
 
 
 def figure(report: dict):
     """Throughput and efficiency against rank count, each mode with its ideal (linear) line."""
-    from hpcdl.plot import counts_axis, pyplot
-
     plt = pyplot("hpcdl bench scaling --plot")
     m = report["meta"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))

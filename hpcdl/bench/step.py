@@ -22,54 +22,35 @@ throughput-vs-batch curve that ``hpcdl plan --step-json`` reads as the node's co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+import torch
+
+from hpcdl.bench.configs import StepBench as Config
+from hpcdl.bench.flops import gemm_gflops, training_flops
 from hpcdl.bench.rounds import alternate, medians, timed_ms
-from hpcdl.errors import ConfigError
+from hpcdl.bench.runner import machine_line
+from hpcdl.distributed.affinity import allocator_env, allocator_in_use, plan_cpus
+from hpcdl.distributed.process_group import apply_cpu_plan
+from hpcdl.models import build_model
+from hpcdl.optim.factory import OptimConfig, build_optimizer
+from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
+from hpcdl.train.precision import NATIVE_BF16, choose_precision
+from hpcdl.train.step import Stepper
+from hpcdl.utils import cpu_flags
 
 TUNING_VARS = ("LD_PRELOAD", "GLIBC_TUNABLES", "MALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-PARTS = ("precision", "overhead", "tuning", "curve")
-
-
-@dataclass(kw_only=True, slots=True)
-class Config:
-    model: str = "resnet18"  # the precision and overhead comparisons' model
-    batch: int = 32  # the precision and overhead comparisons' batch
-    crop: int = 128  # the precision and overhead comparisons' image side in px
-    steps: int = 3  # steps per round
-    rounds: int = 7  # alternating rounds; the median counts
-    precision_rounds: int = 3  # the precision comparison's alternating rounds (one where bf16 is emulated)
-    compile: bool = True  # the precision comparison also runs torch.compile of auto's precision (compiles 30-60 s)
-    tuning_model: str = "resnet50"  # the tuning comparison's model
-    tuning_batch: int = 8  # images per rank
-    tuning_crop: int = 224  # the tuning comparison's image side in px
-    tuning_steps: int = 2  # steps per rank process, after one warm-up step
-    tuning_rounds: int = 3  # the tuning comparison's alternating rounds
-    ranks_per_node: int = 2  # ranks the tuning comparison runs at once
-    threads: int = 0  # the overhead comparison's threads (0: torch's default)
-    # also the tuned node's images/s at these per-rank batches (hpcdl plan --step-json reads it)
-    curve_batches: tuple[int, ...] = ()
-    # which comparisons: precision, overhead, tuning, curve (curve whenever curve_batches is given)
-    only: tuple[str, ...] = ("precision", "overhead", "tuning")
-
-    def __post_init__(self):
-        self.only = tuple(self.only)
-        if set(self.only) - set(PARTS) or ("curve" in self.only and not self.curve_batches):
-            raise ConfigError(f"--only {','.join(self.only)}: choose from {', '.join(PARTS)}; curve needs "
-                              f"--curve-batches, e.g. --curve-batches 8,16,32")
 
 
 def synthetic_training(model_name: str, batch: int, crop: int, seed: int = 0, channels_last: bool = True):
     """(model, LARS, loss, images, labels): one random batch in memory, the same on every call with ``seed``."""
-    import torch
-
-    from hpcdl.models import build_model
-    from hpcdl.optim.factory import OptimConfig, build_optimizer
 
     torch.manual_seed(seed)
     layout = torch.channels_last if channels_last else torch.contiguous_format
@@ -82,9 +63,6 @@ def synthetic_training(model_name: str, batch: int, crop: int, seed: int = 0, ch
 
 def bare_loop(model_name: str, batch: int, crop: int, precision: str = "fp32", compiled: bool = False,
               channels_last: bool = True):
-    import contextlib
-
-    import torch
 
     model, optimizer, criterion, x, y = synthetic_training(model_name, batch, crop, channels_last=channels_last)
     net = torch.compile(model) if compiled else model
@@ -101,9 +79,6 @@ def bare_loop(model_name: str, batch: int, crop: int, precision: str = "fp32", c
 
 
 def hpcdl_loop(model_name: str, batch: int, crop: int):
-    from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
-    from hpcdl.train.step import Stepper
-
     model, optimizer, criterion, x, y = synthetic_training(model_name, batch, crop)
     schedule = LRSchedule(optimizer, ScheduleConfig(base_lr=1.0, steps_per_epoch=1000, epochs=10, warmup_epochs=1))
     stepper = Stepper(model, criterion, optimizer, schedule, distributed=False)
@@ -116,11 +91,6 @@ def hpcdl_loop(model_name: str, batch: int, crop: int):
 
 def precision(cfg: Config) -> dict:
     """fp32 against bf16 autocast (and torch.compile of auto's pick), each against its GEMM rate."""
-    import torch
-
-    from hpcdl.bench.flops import gemm_gflops, training_flops
-    from hpcdl.train.precision import NATIVE_BF16, choose_precision
-    from hpcdl.utils import cpu_flags
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -158,8 +128,6 @@ def _compiled_case(cfg: Config, precision: str) -> dict:
 
 
 def overhead(cfg: Config) -> dict:
-    import torch
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cases = {"bare loop": bare_loop(cfg.model, cfg.batch, cfg.crop), "hpcdl": hpcdl_loop(cfg.model, cfg.batch, cfg.crop)}
@@ -171,8 +139,6 @@ def overhead(cfg: Config) -> dict:
 
 
 def _child_env(tuned: bool) -> dict[str, str]:
-    from hpcdl.distributed.affinity import allocator_env
-
     env = {k: v for k, v in os.environ.items() if k not in TUNING_VARS}
     if tuned:
         env.update(allocator_env("auto")[1])
@@ -204,11 +170,7 @@ def node_round(spec: dict, ranks: int, env: dict[str, str]) -> dict:
 
 def child(spec: dict) -> dict:
     """One rank's throughput; tuned: hpcdl's CPU plan for this local rank (its cores, one thread each)."""
-    import resource
 
-    import torch
-
-    from hpcdl.distributed.affinity import allocator_in_use, apply_cpu_plan, plan_cpus
 
     if spec["tuned"]:
         apply_cpu_plan(plan_cpus(local_rank=spec["local_rank"], local_size=spec["local_size"]))
@@ -253,8 +215,6 @@ def run(cfg: Config, job=None) -> dict:
 
 
 def format_report(r: dict) -> str:
-    from hpcdl.bench.runner import machine_line
-
     c = r["config"]
     lines = [machine_line(r)]
     if "precision" in r:

@@ -29,42 +29,24 @@ CPU plan.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import statistics
 import time
-from dataclasses import dataclass
 
-from hpcdl import names
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from hpcdl.bench.configs import SyncBench as Config
+from hpcdl.bench.configs import bucket_spec
 from hpcdl.bench.rounds import alternate, medians
 from hpcdl.config import SyncConfig
-from hpcdl.errors import ConfigError
-
-
-def _training_default(name: str):
-    """A field whose default is the training default ``sync.NAME``."""
-    return dataclasses.field(default_factory=lambda: SyncConfig.__dataclass_fields__[name].default)
-
-
-@dataclass(kw_only=True, slots=True)
-class Config:
-    model: str = "resnet50"  # whose gradient set is synchronized
-    bucket_cap_mb: float = _training_default("bucket_cap_mb")  # hpcdl's DDP: the bucket cap in MB
-    first_bucket_mb: float | None = _training_default("first_bucket_mb")  # hpcdl's DDP: the first bucket's cap in MB
-    rounds: int = 5  # alternating rounds; the median counts
-    latency_iters: int = 2000  # one-float all-reduces per latency figure
-    scaling_model: str = "alexnet_bn"  # weak scaling: this model, 1 rank vs all
-    scaling_batch: int = 32  # weak scaling: images per rank
-    scaling_steps: int = 3  # weak scaling: steps per measurement, after one warm-up step (0: skip)
-    hooks: tuple[str, ...] = names.HOOKS  # the comm hooks to time through DDP
-    # bucket sweep of the scaling model's DDP step: FIRST:CAP or CAP in MB, e.g. 25,1:25,5,100 (default: skip)
-    buckets: tuple[str, ...] = ()
-    sweep_rounds: int = 3  # the bucket sweep's alternating rounds
-
-    def __post_init__(self):
-        for hook in self.hooks:
-            names.check("--hooks", hook, names.HOOKS)
-        for spec in self.buckets:  # before any rank starts
-            bucket_spec(spec)
+from hpcdl.distributed.ccl import CCLProcessGroup
+from hpcdl.distributed.hooks import ChunkSparse
+from hpcdl.distributed.mpi import MPIProcessGroup
+from hpcdl.distributed.sync import _first_bucket, data_parallel
+from hpcdl.distributed.threaded import _DoneWork, library_group
+from hpcdl.models import MODELS, build_model
 
 
 def _buckets(grads: list, cap_bytes: int) -> list[list]:
@@ -79,8 +61,6 @@ def _buckets(grads: list, cap_bytes: int) -> list[list]:
 
 
 def _fused(buckets: list, dtype, group) -> None:
-    import torch.distributed as dist
-
     sent = [b.to(dtype) if dtype != b.dtype else b for b in buckets]
     works = [dist.all_reduce(t, group=group, async_op=True) for t in sent]
     for w, t, b in zip(works, sent, buckets):
@@ -91,8 +71,6 @@ def _fused(buckets: list, dtype, group) -> None:
 
 def _timed_ms(fn, group):
     """A case for :func:`alternate`: the ranks line up at a barrier, then ``fn`` is timed, in ms."""
-    import torch.distributed as dist
-
     def case() -> float:
         dist.barrier(group=group)
         t0 = time.perf_counter()
@@ -112,11 +90,6 @@ def run(cfg: Config, job) -> dict | None:
 
 
 def _bench(cfg: Config, env, group=None) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from hpcdl.models import build_model
-
     torch.manual_seed(dist.get_rank())
     grads = [torch.randn_like(p) for p in build_model(cfg.model).parameters()]
     flat = torch.cat([g.view(-1) for g in grads])
@@ -149,8 +122,6 @@ def _bench(cfg: Config, env, group=None) -> dict:
 @functools.cache
 def _gradient_set_class():
     """The module class below, made on first use (it subclasses torch's classes: no torch at import)."""
-    import torch
-
     class _Emit(torch.autograd.Function):
         """Backward hands each parameter its fixed gradient: no arithmetic, so DDP's sync is all there is."""
 
@@ -181,12 +152,6 @@ def _gradient_set_class():
 def hook_rows(cfg: Config, env, group=None) -> dict:
     """For each hook: median ms per DDP sync of the gradient set, and MB each rank sends per step; and the
     medians of :data:`DDP_PARTS`, timed in the same alternation."""
-    import torch
-    import torch.distributed as dist
-
-    from hpcdl.distributed.hooks import ChunkSparse
-    from hpcdl.distributed.sync import data_parallel
-    from hpcdl.models import build_model
 
     training = SyncConfig()
     model = build_model(cfg.model)
@@ -225,11 +190,6 @@ DDP_PARTS = {"no exchange": "DDP with a hook that returns each bucket at once: i
 def _ddp_parts(cfg: Config, model, group) -> dict:
     """The references that split hook ``none``'s DDP sync (:data:`DDP_PARTS`), on the same gradient set and
     buckets, timed in the same alternation."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from hpcdl.distributed.sync import _first_bucket
 
     def no_exchange(_, bucket):
         done = torch.futures.Future()
@@ -248,9 +208,6 @@ def _ddp_parts(cfg: Config, model, group) -> dict:
 
 def _train_steps(cfg: Config):
     """(a fresh ``scaling_model``, a function timing n training steps of a net over it)."""
-    import torch
-
-    from hpcdl.models import MODELS, build_model
 
     torch.manual_seed(0)
     model = build_model(cfg.scaling_model)
@@ -276,12 +233,7 @@ def weak_scaling(cfg: Config, env, group=None) -> dict:
     apart) and the exchange's (apart / DDP). The three alternate for ``rounds`` rounds and each is the median
     of its rounds: a VM's compute drifts by 10% between minutes, which one measurement of each turned into the
     efficiency's noise."""
-    import statistics
 
-    import torch
-    import torch.distributed as dist
-
-    from hpcdl.distributed.sync import data_parallel
 
     model, steps = _train_steps(cfg)
     ddp, _ = data_parallel(model, env, group, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb)
@@ -305,23 +257,8 @@ def weak_scaling(cfg: Config, env, group=None) -> dict:
             "sync_share": free / synced}
 
 
-def bucket_spec(spec: str) -> tuple[float | None, float]:
-    """``CAP`` or ``FIRST:CAP`` (MB) -> (first, cap)."""
-    first, _, cap = spec.rpartition(":")
-    try:
-        sizes = (float(first) if first else None, float(cap))
-    except ValueError:
-        sizes = None
-    if sizes is None or sizes[1] <= 0 or (sizes[0] is not None and sizes[0] <= 0):
-        raise ConfigError(f"--buckets item {spec!r}: give CAP or FIRST:CAP in MB, both > 0 (e.g. 25 or 1:25)")
-    return sizes
-
-
 def bucket_sweep(cfg: Config, env, group=None) -> dict:
     """Median seconds per DDP training step of ``scaling_model`` for each ``FIRST:CAP`` (MB) in ``buckets``."""
-    import torch.distributed as dist
-
-    from hpcdl.distributed.sync import data_parallel
 
     nets = {}
     for spec in cfg.buckets:
@@ -344,10 +281,6 @@ def _bare_group(group):
     """For the latency floor only: a group of ``group``'s ranks on a Python backend whose all-reduce is
     nothing but MPI's (no op, dtype or layout checks, no queue, no timeout): what any Python backend
     pays for torch.distributed's dispatch. Not a backend to train with."""
-    import torch.distributed as dist
-
-    from hpcdl.distributed.mpi import MPIProcessGroup
-    from hpcdl.distributed.threaded import _DoneWork
 
     class BareMPI(MPIProcessGroup):
         def allreduce(self, tensors, opts):
@@ -365,9 +298,6 @@ def _bare_group(group):
 
 
 def _latency(iters: int, group, mpi) -> dict:
-    import torch
-    import torch.distributed as dist
-
     x = torch.zeros(1)
     out = {}
     cases = [("torch.distributed", lambda: dist.all_reduce(x, group=group))]
@@ -397,9 +327,6 @@ def _raw_oneccl(group, x):
     """For a oneccl group: ``loop(n)`` makes n one-float onecclAllReduce calls in a row on the group's
     communication thread (oneCCL must be called from that one), so no hand-off is timed: oneCCL's own latency
     through ctypes. None for other backends."""
-    from hpcdl.distributed.ccl import CCLProcessGroup
-    from hpcdl.distributed.threaded import library_group
-
     pg = library_group(group)
     if not isinstance(pg, CCLProcessGroup):
         return None

@@ -6,27 +6,24 @@ from __future__ import annotations
 import logging
 
 from hpcdl.bench import BENCHMARKS, Benchmark
-from hpcdl.bench.runner import Output, RankOptions
+from hpcdl.bench.runner import Output, RankOptions, run_benchmark
+from hpcdl.cli.common import command
 
 log = logging.getLogger("hpcdl")
 
 
 def add_commands(sub) -> None:
-    from hpcdl.cli import command
-
     bench = sub.add_parser("bench", help="benchmarks: each measures side by side in one run and prints ratios"
                            ).add_subparsers(dest="bench", required=True, metavar="BENCH")
     for row in BENCHMARKS.values():
         options = (RankOptions,) if row.on_ranks else ()
         skip = {RankOptions: ("backends",) * (not row.compares_backends), Output: ("plot_path",) * (not row.plots)}
         command(bench, row.name, _handler(row), row.config, *options, Output, skip=skip, help=row.help,
-                description=(row.load().__doc__ or row.help).split("\n\n")[0])
+                description=row.help)
 
 
 def _handler(row: Benchmark):
     def run(cfg, *options) -> int:
-        from hpcdl.bench.runner import run_benchmark
-
         ranks = options[0] if row.on_ranks else None
         report = run_benchmark(row, cfg, ranks, options[-1])
         problem = report is not None and getattr(row.load(), "check", lambda _: None)(report)

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 
+from hpcdl.cli.common import command
+from hpcdl.config import DataConfig, RunConfig, resolve
+from hpcdl.data import recipe
+from hpcdl.data.format import summarize
 from hpcdl.data.options import PackConfig
+from hpcdl.data.pack import merge, restat
+from hpcdl.data.pack import pack as packed
+from hpcdl.data.stage import stage as staged
+from hpcdl.data.verify import load_manifest
+from hpcdl.data.verify import verify as problems_of
+from hpcdl.deferred import deferred
+from hpcdl.distributed.env import discover
 from hpcdl.errors import HpcdlError
 from hpcdl.flags import meta
 
@@ -46,8 +58,6 @@ class ShowCommand:
 
 
 def add_commands(sub) -> None:
-    from hpcdl.cli import command
-
     command(sub, "pack", pack, PackCommand, PackConfig, skip={PackConfig: ("src", "out")}, defer=(PackConfig,),
             help="pack images into HDF5 shards with a manifest",
             description="Pack SRC into shards in OUT. Inside a Slurm array or an MPI/srun job, each task packs its "
@@ -61,9 +71,6 @@ def add_commands(sub) -> None:
 
 
 def pack(cmd: PackCommand, config) -> int:
-    from hpcdl.data.format import summarize
-    from hpcdl.data.pack import merge, pack as packed, restat
-
     if cmd.stats:
         manifest = restat(cmd.out)
     elif cmd.merge:
@@ -84,8 +91,6 @@ def pack(cmd: PackCommand, config) -> int:
 
 
 def verify(cmd: VerifyCommand) -> int:
-    from hpcdl.data.verify import verify as problems_of
-
     problems = problems_of(cmd.dir, full=cmd.full, sample=cmd.sample)
     for p in problems:
         print(p)
@@ -95,26 +100,17 @@ def verify(cmd: VerifyCommand) -> int:
 
 
 def stage(cmd: StageCommand) -> int:
-    from hpcdl.data.stage import stage as staged
-    from hpcdl.distributed.env import discover
-
     print(staged(cmd.root, cmd.dest, discover().local_rank, timeout_s=cmd.timeout))
     return 0
 
 
 def show(cmd: ShowCommand) -> int:
-    import os
-
-    from hpcdl.config import DataConfig, RunConfig, resolve
-    from hpcdl.data import recipe
-    from hpcdl.data.show import contact_sheet, summary
-    from hpcdl.data.verify import load_manifest
-
     for key, least in (("per_class", 1), ("draws", 0), ("max_classes", 1)):
         if getattr(cmd, key) < least:
             raise HpcdlError(f"--{key.replace('_', '-')} {getattr(cmd, key)} must be at least {least}")
     manifest = load_manifest(cmd.dataset)
-    lines, warnings = summary(cmd.dataset, manifest)
+    shown = deferred("hpcdl.data.show")  # torch: the draws of the augmentation
+    lines, warnings = shown.summary(cmd.dataset, manifest)
     print("\n".join(lines))
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -123,7 +119,7 @@ def show(cmd: ShowCommand) -> int:
     crop = cmd.crop or (cfg.crop if cfg else RunConfig.__dataclass_fields__["crop"].default)
     steps = recipe.parse(cmd.augment or data.augment, "--augment" if cmd.augment else "data.augment")
     out = cmd.out or f"{os.path.basename(os.path.normpath(cmd.dataset))}-sheet.png"
-    sheet = contact_sheet(cmd.dataset, out, steps, crop, per_class=cmd.per_class, draws=cmd.draws,
+    sheet = shown.contact_sheet(cmd.dataset, out, steps, crop, per_class=cmd.per_class, draws=cmd.draws,
                           max_classes=cmd.max_classes, seed=cmd.seed, decoder=data.decoder, channels=data.channels)
     print(f"contact sheet: {sheet.path}: {sheet.rows} images of {len(set(sheet.classes))} classes, the stored image "
           f"and {cmd.draws} draws of {', '.join(map(str, steps))} at crop {crop}")

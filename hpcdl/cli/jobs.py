@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
+from hpcdl.cli.common import command, exit_code
+from hpcdl.cli.train import checked_config, parse_train
 from hpcdl.errors import HpcdlError
 from hpcdl.flags import meta
+from hpcdl.launch.executor import hpcdl_command
+from hpcdl.launch.executor import submit as submit_job
 from hpcdl.launch.job import JobRequest
+from hpcdl.launch.layout import load_layout, train_overrides
+from hpcdl.launch.profiles import PROFILES
+from hpcdl.launch.sbatch import render_sbatch
+from hpcdl.train.job import TrainJob
+from hpcdl.train.outcome import summary_text
+from hpcdl.utils import atomic_write_text, format_duration
 
 _COMMAND = meta(remainder=True)
 
@@ -32,8 +43,6 @@ class ProfilesCommand:
 
 
 def add_commands(sub) -> None:
-    from hpcdl.cli import command
-
     command(sub, "sbatch", sbatch, JobRequest, SbatchCommand,
             help="print or write an sbatch script that runs an hpcdl command")
     command(sub, "submit", submit, JobRequest, SubmitCommand,
@@ -47,29 +56,14 @@ def _argv(command: tuple[str, ...], req: JobRequest) -> list[str]:
     if not argv:
         raise HpcdlError("no command given: put the hpcdl command after --, e.g. 'hpcdl sbatch ... -- bench allreduce'")
     if req.layout:
-        from hpcdl.launch.layout import load_layout, train_overrides
-
         argv = train_overrides(argv, load_layout(req.layout))
     return argv
 
 
-def _train_command(argv: list[str]):
-    """The ``train`` command as the real parser reads it (errors before anything is submitted)."""
-    from hpcdl.cli import build_parser
-    from hpcdl.cli.train import TrainCommand
-    from hpcdl.flags import config_from_args
-
-    return config_from_args(TrainCommand, build_parser().parse_args(argv))
-
-
 def sbatch(req: JobRequest, cmd: SbatchCommand) -> int:
-    from hpcdl.cli.train import checked_config
-    from hpcdl.launch.sbatch import render_sbatch
-    from hpcdl.utils import atomic_write_text
-
     argv = _argv(cmd.command, req)
     if argv[0] == "train":
-        checked_config(_train_command(argv), req.ntasks)
+        checked_config(parse_train(argv), req.ntasks)
     script = render_sbatch(req, argv)
     if cmd.write:
         atomic_write_text(cmd.write, script, mode=0o755)
@@ -80,18 +74,11 @@ def sbatch(req: JobRequest, cmd: SbatchCommand) -> int:
 
 
 def submit(req: JobRequest, cmd: SubmitCommand) -> int:
-    import dataclasses
-
-    from hpcdl.cli import exit_code
-    from hpcdl.launch.executor import hpcdl_command, submit as submit_job
-
     argv = _argv(cmd.command, req)
     params = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
     if argv[0] == "train":  # a checkpointable job object: submitit's requeue protocol reaches the trainer
-        from hpcdl.cli.train import checked_config
-        from hpcdl.train.job import TrainJob
 
-        train = _train_command(argv)
+        train = parse_train(argv)
         cfg = checked_config(train, req.ntasks)
         job = submit_job(TrainJob(train.config, list(train.set)), folder=cmd.folder, cluster=cmd.cluster,
                          **params | {"job_name": req.job_name if req.job_name != "hpcdl" else cfg.name})
@@ -102,8 +89,6 @@ def submit(req: JobRequest, cmd: SubmitCommand) -> int:
         return 0
     outputs = job.results()  # raises submitit.core.utils.FailedJobError with the task's traceback
     if outputs and isinstance(outputs[0], dict):
-        from hpcdl.train.metrics import summary_text
-
         print(summary_text(outputs[0]))
         return exit_code(outputs[0]["outcome"])
     sys.stdout.write(outputs[0] if outputs and isinstance(outputs[0], str) else "")
@@ -111,9 +96,6 @@ def submit(req: JobRequest, cmd: SubmitCommand) -> int:
 
 
 def profiles(_: ProfilesCommand) -> int:
-    from hpcdl.launch.profiles import PROFILES
-    from hpcdl.utils import format_duration
-
     for p in PROFILES.values():
         limits = ", ".join(x for x in (
             f"partition {p.partition}" if p.partition else "default partition",

@@ -6,8 +6,13 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from hpcdl.bench.runner import Output
-from hpcdl.plan.planner import PlanInputs, PlanQuestion
+from hpcdl.bench.runner import Job, Output
+from hpcdl.cli.common import command
+from hpcdl.distributed.env import discover
+from hpcdl.plan.planner import PlanInputs, PlanQuestion, format_plan, plot
+from hpcdl.plan.planner import plan as planned
+from hpcdl.plan.validate import format_validation, validate
+from hpcdl.utils import atomic_write_text
 
 
 @dataclass(kw_only=True, slots=True)
@@ -16,8 +21,6 @@ class PlanCommand:
 
 
 def add_commands(sub) -> None:
-    from hpcdl.cli import command
-
     command(sub, "plan", plan, PlanCommand, PlanQuestion, PlanInputs, Output,
             help="predict step time, time to train and efficiency at each node count",
             description="A performance model (docs/scaling.md): per-node compute, the all-reduce's alpha-beta cost, "
@@ -26,14 +29,10 @@ def add_commands(sub) -> None:
 
 
 def plan(cmd: PlanCommand, question, inputs: PlanInputs, output: Output) -> int:
-    from hpcdl.bench.runner import Job
-    from hpcdl.distributed.env import discover
-
     job = Job(env=discover())  # %j in --json and --plot, as the benchmarks expand it
     json_path, plot_path = (job.expand(p) if p else None for p in (output.json_path, output.plot_path))
     if cmd.validate:
         return _validate(json_path)
-    from hpcdl.plan.planner import format_plan, plan as planned, plot
 
     question = question()  # built here: --validate needs no --nodes or --batch
     model, notes = inputs.build()
@@ -49,8 +48,6 @@ def plan(cmd: PlanCommand, question, inputs: PlanInputs, output: Output) -> int:
 
 
 def _validate(json_path: str | None) -> int:
-    from hpcdl.plan.validate import format_validation, validate
-
     rows = validate()
     print(format_validation(rows))
     if json_path:
@@ -59,6 +56,4 @@ def _validate(json_path: str | None) -> int:
 
 
 def _write(path: str, data) -> None:
-    from hpcdl.utils import atomic_write_text
-
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")

@@ -7,14 +7,23 @@ import argparse
 import dataclasses
 import json
 import os
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcdl.bench.configs import TuneConfig
+from hpcdl.cli.common import command
+from hpcdl.deferred import deferred
+from hpcdl.distributed import ccl_runtime
+from hpcdl.distributed.affinity import allocator_exports, allocator_in_use, plan_cpus
+from hpcdl.distributed.env import discover
+from hpcdl.distributed.mpi_runtime import mpi_environment
 from hpcdl.errors import ConfigError
 from hpcdl.flags import meta
+from hpcdl.launch.layout import NodeLayout
 from hpcdl.names import ALLOCATOR_CHOICES
-
+from hpcdl.utils import atomic_write_text, cpu_flags, cpu_model
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,10 +55,6 @@ class CclInfo:
 
 
 def add_commands(sub) -> None:
-    from hpcdl.cli import command
-
-    from hpcdl.bench.layout import TuneConfig
-
     command(sub, "tune", tune, TuneCommand, TuneConfig,
             help="show this rank's CPU plan and allocator, print the exports for a job script, or --measure the node "
                  "layout")
@@ -66,9 +71,6 @@ def add_commands(sub) -> None:
 
 
 def tune(cmd: TuneCommand, trials) -> int:
-    from hpcdl.distributed.affinity import allocator_exports, allocator_in_use, plan_cpus
-    from hpcdl.distributed.env import discover
-
     if cmd.exports:
         sys.stdout.write(allocator_exports(cmd.allocator))
         return 0
@@ -86,16 +88,9 @@ def tune(cmd: TuneCommand, trials) -> int:
 
 
 def _measure(cfg) -> int:
-    import os
-    import socket
-
-    from hpcdl.bench.layout import measure
-    from hpcdl.launch.layout import NodeLayout
-    from hpcdl.utils import atomic_write_text, cpu_flags, cpu_model
-
     print(f"hpcdl tune --measure on {socket.gethostname()}: {cpu_model()}, {len(os.sched_getaffinity(0))} cores; "
           f"{cfg.model} at {cfg.crop} px, {cfg.steps} steps a trial", flush=True)
-    r = measure(cfg, log=lambda line: print(line, flush=True))
+    r = deferred("hpcdl.bench.layout:measure")(cfg, log=lambda line: print(line, flush=True))
     sys.stdout.write(format_layouts(r))
     w = r["winner"]
     layout = NodeLayout(ranks_per_node=w["ranks"], cpus_per_task=r["topology"]["cores"] // w["ranks"],
@@ -127,8 +122,6 @@ def format_layouts(r: dict) -> str:
 
 
 def env(_: EnvCommand) -> int:
-    from hpcdl.distributed.env import discover
-
     # One write: under mpiexec the ranks share stdout, and print's separate newline can land after
     # another rank's line when Python runs unbuffered.
     sys.stdout.write(json.dumps(dataclasses.asdict(discover())) + "\n")
@@ -139,9 +132,6 @@ def env(_: EnvCommand) -> int:
 def exec_command(argv: list[str]) -> int:
     """Replace this process by ``argv`` with torch's env:// variables set from rank discovery; variables the
     launcher set already (torchrun's) stay."""
-    from hpcdl.distributed.backend import mpi_environment
-    from hpcdl.distributed.env import discover
-
     argv = argv[1:] if argv[:1] == ["--"] else argv
     if not argv:
         raise ConfigError("hpcdl exec: name the command to run, e.g. 'srun hpcdl exec python train.py'")
@@ -154,8 +144,6 @@ def exec_command(argv: list[str]) -> int:
 
 
 def ccl_install(cmd: CclInstall) -> int:
-    from hpcdl.distributed import ccl_runtime
-
     root = ccl_runtime.install(Path(cmd.prefix) if cmd.prefix else None,
                                wheels=Path(cmd.wheels) if cmd.wheels else None, force=cmd.force)
     print(f"oneCCL {ccl_runtime.VERSION} runtime in {root} (every file matches its pinned sha256)")
@@ -165,8 +153,6 @@ def ccl_install(cmd: CclInstall) -> int:
 
 
 def ccl_info(_: CclInfo) -> int:
-    from hpcdl.distributed import ccl_runtime
-
     ccl = ccl_runtime.load()
     print(f"oneCCL {ccl.version} from {ccl.runtime.library} ({ccl.runtime.source})")
     return 0

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass, field
 
+from hpcdl.cli.common import command, exit_code
+from hpcdl.config import PRESETS, describe, dump_yaml, resolve
+from hpcdl.deferred import deferred
 from hpcdl.errors import HpcdlError
-from hpcdl.flags import meta
+from hpcdl.flags import add_flags, config_from_args, meta
+from hpcdl.train.preflight import preflight
+from hpcdl.train.timeline import merge as merged
+from hpcdl.train.timeline import render as rendered
 
 _SET = "override a field, e.g. --set data.train=$SCRATCH/imagenet1k/train --set optimizer.momentum=0.95 (repeatable)"
 
@@ -40,8 +47,6 @@ class TimelineRender:
 
 
 def add_commands(sub) -> None:
-    from hpcdl.cli import command
-
     command(sub, "train", train, TrainCommand, help="train a preset or a YAML config on this job's ranks",
             description="Runs the same under srun, mpiexec, torchrun, submitit and as one process; resumes from the "
                         "newest checkpoint in the run folder. --set: " + _SET)
@@ -54,29 +59,27 @@ def add_commands(sub) -> None:
 
 
 def train(cmd: TrainCommand) -> int:
-    from hpcdl.cli import exit_code
-    from hpcdl.config import dump_yaml, resolve
-
     cfg = resolve(cmd.config, cmd.set)
     if cmd.print_config:
         sys.stdout.write(dump_yaml(cfg))
         return 0
-    from hpcdl.train.trainer import train as run
+    return exit_code(deferred("hpcdl.train.trainer:train")(cfg)["outcome"])
 
-    return exit_code(run(cfg)["outcome"])
+
+def parse_train(argv: list[str]) -> TrainCommand:
+    """``train CONFIG --set ...`` (``argv[0]`` is ``train``) as ``hpcdl train`` reads it: what ``hpcdl sbatch`` and
+    ``submit`` check before anything is submitted."""
+    parser = argparse.ArgumentParser(prog="hpcdl train")
+    add_flags(parser, TrainCommand)
+    return config_from_args(TrainCommand, parser.parse_args(argv[1:]))
 
 
 def checked_config(cmd: TrainCommand, ranks: int):
     """The train command's config as it will run on ``ranks`` ranks: errors before anything is submitted."""
-    from hpcdl.config import resolve
-    from hpcdl.train.preflight import preflight
-
     return preflight(resolve(cmd.config, cmd.set), ranks)
 
 
 def presets(cmd: PresetsCommand) -> int:
-    from hpcdl.config import PRESETS, describe, resolve
-
     if cmd.action == "show":
         if not cmd.name:
             raise HpcdlError("hpcdl presets show NAME: name a preset (hpcdl presets lists them)")
@@ -90,14 +93,10 @@ def presets(cmd: PresetsCommand) -> int:
 
 
 def merge(cmd: TimelineMerge) -> int:
-    from hpcdl.train.timeline import merge as merged
-
     print(merged(cmd.run_dir))
     return 0
 
 
 def render(cmd: TimelineRender) -> int:
-    from hpcdl.train.timeline import render as rendered
-
     print(rendered(cmd.trace, cmd.out, steps=cmd.steps, skip=cmd.skip))
     return 0

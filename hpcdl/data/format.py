@@ -17,6 +17,7 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 
+import h5py
 import numpy as np
 
 from hpcdl.errors import DataError
@@ -48,8 +49,6 @@ def open_h5(path):
     HDF5 then takes no file lock (locks fail on Lustre and NFS), and every open is a Python ``open``
     that the data benchmark can count. A file object passed in stays open; one opened here is closed.
     """
-    import h5py
-
     with contextlib.ExitStack() as stack:
         raw = stack.enter_context(open(path, "rb")) if isinstance(path, str) else path
         yield stack.enter_context(h5py.File(raw, "r"))
@@ -107,8 +106,6 @@ ENTRY_FIELDS = ("file", "count", "bytes", "sha256")  # what a merged manifest li
 def write_shard(path: str, images: list[bytes], labels: list[int], keys: list[str], sizes: list[tuple[int, int]],
                 orig_sizes: list[tuple[int, int]], attrs: dict) -> ShardEntry:
     """Write one shard under a temporary name, fsync, rename into place, and return its entry."""
-    import h5py
-
     offsets = np.zeros(len(images) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in images], out=offsets[1:])
     tmp = f"{path}.{os.getpid()}{TMP_SUFFIX}"

@@ -23,12 +23,22 @@ import time
 from datetime import timedelta
 
 from hpcdl import __version__
-from hpcdl.data.format import (MANIFEST, PARTS_DIR, TMP_SUFFIX, Manifest, ShardEntry, check_shard, part_name,
-                               shard_name, write_shard)
+from hpcdl.data.format import (
+    MANIFEST,
+    PARTS_DIR,
+    TMP_SUFFIX,
+    Manifest,
+    ShardEntry,
+    check_shard,
+    part_name,
+    shard_name,
+    write_shard,
+)
 from hpcdl.data.images import Encoding, Rejected, prepare
 from hpcdl.data.options import PackConfig
 from hpcdl.data.sources import Item, catalog
 from hpcdl.data.stats import measure
+from hpcdl.distributed.env import rank_and_world
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.utils import format_duration
 
@@ -50,7 +60,6 @@ def detect_part(spec: str | None, environ=os.environ) -> tuple[int, int]:
             raise ConfigError(f"the Slurm array {lo}-{hi} has gaps or a step; pack with a contiguous "
                               f"--array={lo}-{hi}, or give --part i/n")
         return int(environ["SLURM_ARRAY_TASK_ID"]) - lo, hi - lo + 1
-    from hpcdl.distributed.env import rank_and_world
 
     return rank_and_world(environ)  # no rendezvous needed: mpiexec across nodes works without MASTER_ADDR
 

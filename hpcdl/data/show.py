@@ -13,11 +13,11 @@ import os
 import random
 from dataclasses import dataclass
 
-import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from hpcdl.data.format import MANIFEST, Manifest, open_h5
 from hpcdl.data.stats import imbalance, measure
+from hpcdl.data.transforms import Augment
 
 IMBALANCE_WARN = 10.0  # the largest class over the smallest, from which show warns
 LIST_UP_TO = 50  # classes listed one by one
@@ -77,8 +77,6 @@ def _first_of_each(root: str, manifest: Manifest, classes: list[int], per_class:
 def contact_sheet(root: str, out: str, augment, crop: int, *, per_class: int = 4, draws: int = 4,
                   max_classes: int = 20, seed: int = 0, decoder: str = "pillow", channels: int = 3) -> Sheet:
     """Write the PNG; returns what it holds."""
-    from hpcdl.data.transforms import Augment
-
     manifest = Manifest.load(os.path.join(root, MANIFEST))
     names = class_names(manifest)
     shown = list(range(min(max_classes, len(names))))

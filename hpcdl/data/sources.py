@@ -7,18 +7,19 @@ seed, so every shard mixes classes and every array task sees the same plan.
 
 from __future__ import annotations
 
+import csv
 import errno
 import os
 import random
-import stat
 import re
+import stat
 import tarfile
 from dataclasses import dataclass
 from typing import Callable
 
 from hpcdl import names
-from hpcdl.errors import ConfigError
 from hpcdl.data.options import SourceOptions
+from hpcdl.errors import ConfigError
 from hpcdl.names import registry
 
 WNID = re.compile(r"n\d{8}")
@@ -129,8 +130,6 @@ def csv_list(src: str, opts: SourceOptions) -> Catalog:
     """A CSV file of ``path,label`` rows (a ``path,label`` header is skipped); paths are relative to the
     file's folder unless absolute. Classes are the labels, sorted (numerically when every label is a whole
     number), so a train and a val list with the same labels agree on the class index."""
-    import csv
-
     base = os.path.dirname(os.path.abspath(src))
     rows = []
     with open(src, newline="", encoding="utf-8") as f:

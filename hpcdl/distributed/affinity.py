@@ -5,7 +5,8 @@ Two halves, because of when they must act:
 * :func:`allocator_exports` produces shell ``export`` lines. An allocator is chosen by LD_PRELOAD or
   GLIBC_TUNABLES, which only act if set before Python starts, so the generated sbatch scripts and the
   submitit setup lines ``eval`` the output of ``hpcdl tune --exports`` on the compute node.
-* :func:`plan_cpus` and :func:`apply_cpu_plan` run inside each rank at start-up: they read the CPUs
+* :func:`plan_cpus` (and :func:`hpcdl.distributed.process_group.apply_cpu_plan`, which needs torch) run inside
+  each rank at start-up: they read the CPUs
   the task may use (``os.sched_getaffinity``), keep some for communication and for the data loader,
   and set the thread count from the rest. The loader's cores are sized from measured rates
   (:mod:`hpcdl.train.loader`), not one per worker.
@@ -22,7 +23,7 @@ from hpcdl import names
 from hpcdl.errors import ConfigError
 from hpcdl.names import registry
 
-__all__ = ["ALLOCATORS", "CpuPlan", "allocator_exports", "allocator_in_use", "apply_cpu_plan", "plan_cpus"]
+__all__ = ["ALLOCATORS", "CpuPlan", "allocator_exports", "allocator_in_use", "plan_cpus"]
 
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 # mmap_max=0 keeps large tensors in the heap instead of mmap/munmap on every step; the big
@@ -142,21 +143,6 @@ def plan_cpus(*, local_rank: int, local_size: int, comm_threads: int = 0, data_c
     comm = cpus[len(compute) + data_cores:]
     return CpuPlan(task_cpus=tuple(cpus), compute_cpus=tuple(compute), comm_cpus=tuple(comm),
                    data_cpus=tuple(data), threads=len(compute), source=source)
-
-
-def apply_cpu_plan(plan: CpuPlan, environ: dict[str, str] | None = None) -> None:
-    """Bind this process, set OMP_NUM_THREADS (for child processes) and torch's thread count."""
-    environ = os.environ if environ is None else environ
-    limit = environ.get("OMP_THREAD_LIMIT")
-    if limit is not None and int(limit) < plan.threads:
-        raise ConfigError(f"OMP_THREAD_LIMIT={limit} is below the {plan.threads} threads this rank computes with; "
-                          f"backward can hang when the limit is reached. Unset OMP_THREAD_LIMIT or set it >= {plan.threads}")
-    if set(plan.task_cpus) != os.sched_getaffinity(0):
-        os.sched_setaffinity(0, plan.task_cpus)
-    environ["OMP_NUM_THREADS"] = str(plan.threads)
-    import torch
-
-    torch.set_num_threads(plan.threads)
 
 
 def _ranges(cpus: tuple[int, ...]) -> str:

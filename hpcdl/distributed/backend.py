@@ -16,13 +16,16 @@ import struct
 from collections.abc import Callable, Mapping
 
 from hpcdl import names
+from hpcdl.deferred import deferred
 from hpcdl.distributed.affinity import CpuPlan
+from hpcdl.distributed.ccl_runtime import load
 from hpcdl.distributed.env import RankEnv
+from hpcdl.distributed.mpi_runtime import load_mpi
 from hpcdl.errors import ConfigError
 from hpcdl.names import registry
 
 __all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "BackendChoice", "ccl_environment", "choose_backend",
-           "mpi_environment"]
+           "interface_to"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,61 +42,32 @@ class Backend:
     name: str  # what users write: --backend NAME, loop.backend
     torch_name: str  # what it registers as in torch.distributed
     check: Callable[[str | None], str]  # what runs (for the log); ConfigError saying how to fix it when unavailable
-    register: Callable[[], None] | None = None  # registers the torch backend; None: built into torch
+    # "module:function" that registers the torch backend (the module imports torch); None: built into torch
+    register: str | None = None
     environment: Callable[[RankEnv, CpuPlan, Mapping[str, str]], dict[str, str]] | None = None  # variables to set
     comm_threads: Callable[[Mapping[str, str]], int] = lambda environ: 0
 
+    def prepare(self, env: RankEnv | None, cpu: CpuPlan | None) -> None:
+        """Set this row's variables for the rank (those the user exported stay; ``env`` and ``cpu`` are needed
+        only by a row with variables), then register it with torch: what a rank does before it joins."""
+        if self.environment:
+            os.environ.update(self.environment(env, cpu, os.environ))
+        if self.register:
+            deferred(self.register)()
+
 
 def _gloo_check(lib: str | None) -> str:
-    import torch
-
-    return f"torch {torch.__version__}'s gloo"
-
-
-def mpi_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """Variables for PyPI's MPICH under ``srun --mpi=pmi2``, set before MPI starts; a value the user exported wins.
-
-    That MPICH (the ``mpich`` wheel) uses its UCX netmod by default. At start-up each rank publishes its UCX
-    address (about 9 KB) through Slurm's PMI in segments whose lines, run-length encoded, come close to 1,024
-    bytes; the ones that pass it are cut by Slurm's PMI server ("mpi/pmi2: value not properly terminated in
-    client request" in slurmd's log), and the job can hang at start-up. The libfabric netmod's address is one
-    line of 67 bytes. Measured on the local Slurm (docs/communication.md).
-    """
-    if "PMI_FD" not in environ or "SLURM_STEP_ID" not in environ or "MPIR_CVAR_CH4_NETMOD" in environ:
-        return {}
-    try:
-        importlib.metadata.distribution("mpich")
-    except importlib.metadata.PackageNotFoundError:  # a cluster's MPI: its own settings
-        return {}
-    return {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+    return f"torch {importlib.metadata.version('torch')}'s gloo"
 
 
 def _mpi_check(lib: str | None) -> str:
-    from hpcdl.distributed.mpi import _mpi
-
-    MPI = _mpi()
-    import mpi4py
-
-    return f"mpi4py {mpi4py.__version__} on {MPI.Get_library_version().splitlines()[0].strip()}"
-
-
-def _mpi_register() -> None:
-    from hpcdl.distributed.mpi import register
-
-    register()
+    MPI = load_mpi()
+    return f"mpi4py {importlib.metadata.version('mpi4py')} on {MPI.Get_library_version().splitlines()[0].strip()}"
 
 
 def _ccl_check(lib: str | None) -> str:
-    from hpcdl.distributed.ccl_runtime import load
-
     ccl = load(lib)
     return f"oneCCL {ccl.version} from {ccl.runtime.library} ({ccl.runtime.source})"
-
-
-def _ccl_register() -> None:
-    from hpcdl.distributed.ccl import register
-
-    register()
 
 
 def ccl_environment(env: RankEnv, plan: CpuPlan, environ: Mapping[str, str]) -> dict[str, str]:
@@ -152,8 +126,8 @@ def interface_to(address: str) -> str | None:
 
 BACKENDS: dict[str, Backend] = registry("backends", {b.name: b for b in (
     Backend("gloo", "gloo", _gloo_check),
-    Backend("mpi", "mpi4py", _mpi_check, _mpi_register),
-    Backend("ccl", "oneccl", _ccl_check, _ccl_register, ccl_environment,
+    Backend("mpi", "mpi4py", _mpi_check, "hpcdl.distributed.mpi:register"),
+    Backend("ccl", "oneccl", _ccl_check, "hpcdl.distributed.ccl:register", ccl_environment,
             lambda environ: 1 if environ.get("CCL_WORKER_OFFLOAD", "0") != "0" else 0),
 )}, names.BACKENDS)
 AUTO_ORDER = ("ccl", "gloo")

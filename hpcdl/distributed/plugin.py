@@ -23,7 +23,6 @@ import os
 from hpcdl.distributed.affinity import plan_cpus
 from hpcdl.distributed.backend import BACKENDS
 from hpcdl.distributed.env import discover
-from hpcdl.distributed.process_group import _prepare_backend
 from hpcdl.errors import ConfigError
 
 __all__ = ["mpi4py", "oneccl", "register"]
@@ -44,7 +43,7 @@ def register(name: str) -> str:
         env = discover()
         plan = plan_cpus(local_rank=env.local_rank, local_size=env.local_size,
                          comm_threads=row.comm_threads(os.environ))
-    _prepare_backend(row, env, plan)  # what init_distributed does: the variables, then torch's registration
+    row.prepare(env, plan)  # what init_distributed does: the variables, then torch's registration
     log.info("torch.distributed backend %s registered by hpcdl's plugin: %s", row.torch_name, what)
     return what
 

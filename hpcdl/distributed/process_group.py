@@ -19,14 +19,17 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from hpcdl.distributed.affinity import CpuPlan, allocator_in_use, apply_cpu_plan, plan_cpus
-from hpcdl.distributed.backend import BACKENDS, Backend, BackendChoice, choose_backend
+from hpcdl.distributed.affinity import CpuPlan, allocator_in_use, plan_cpus
+from hpcdl.distributed.backend import BACKENDS, BackendChoice, choose_backend
 from hpcdl.distributed.env import RankEnv, discover
+from hpcdl.distributed.sync import hook_failure
+from hpcdl.distributed.threaded import CommThread, library_group
 from hpcdl.errors import ConfigError, LaunchError, RankLostError
 
-__all__ = ["STARTUP_TIMEOUT", "DistContext", "backend_groups", "fail_fast", "init_distributed", "new_subgroup",
+__all__ = ["STARTUP_TIMEOUT", "DistContext", "apply_cpu_plan", "backend_groups", "fail_fast", "init_distributed", "new_subgroup",
            "set_group_timeout", "set_timeout",
            "shutdown"]
 
@@ -131,6 +134,19 @@ class DistContext:
         return self.env.world_size
 
 
+def apply_cpu_plan(plan: CpuPlan, environ: dict[str, str] | None = None) -> None:
+    """Bind this process, set OMP_NUM_THREADS (for child processes) and torch's thread count."""
+    environ = os.environ if environ is None else environ
+    limit = environ.get("OMP_THREAD_LIMIT")
+    if limit is not None and int(limit) < plan.threads:
+        raise ConfigError(f"OMP_THREAD_LIMIT={limit} is below the {plan.threads} threads this rank computes with; "
+                          f"backward can hang when the limit is reached. Unset OMP_THREAD_LIMIT or set it >= {plan.threads}")
+    if set(plan.task_cpus) != os.sched_getaffinity(0):
+        os.sched_setaffinity(0, plan.task_cpus)
+    environ["OMP_NUM_THREADS"] = str(plan.threads)
+    torch.set_num_threads(plan.threads)
+
+
 def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIMEOUT, comm_threads: int | None = None,
                      data_cores: int = 0, heartbeat_s: float = 2.0, env: RankEnv | None = None,
                      ccl_lib: str | None = None) -> DistContext:
@@ -146,7 +162,7 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
                     comm_threads=choice.comm_threads if comm_threads is None else comm_threads,
                     data_cores=data_cores)
     apply_cpu_plan(cpu)
-    _prepare_backend(row, env, cpu)
+    row.prepare(env, cpu)
     store = _server_or_client(env, timeout)
     heartbeat = Heartbeat(env, heartbeat_s)
     dist.init_process_group(choice.name, store=dist.PrefixStore("pg/", store), rank=env.rank,
@@ -160,8 +176,6 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
 def _watch_peers(ctx: DistContext, heartbeat_s: float) -> None:
     """Let hpcdl's own groups (MPI, oneCCL) fail a collective whose peer died as soon as its heartbeat has
     stopped, instead of at the timeout (gloo notices a closed connection itself)."""
-    from hpcdl.distributed.threaded import CommThread
-
     def liveness() -> str | None:
         lost = ctx.heartbeat.lost_ranks()
         if lost is None:
@@ -170,15 +184,6 @@ def _watch_peers(ctx: DistContext, heartbeat_s: float) -> None:
 
     CommThread.liveness = liveness
     CommThread.probe_after_s = max(6.0, 3 * heartbeat_s)
-
-
-def _prepare_backend(row: Backend, env: RankEnv | None, cpu: CpuPlan | None) -> None:
-    """Set the row's variables for this rank (those the user exported stay; ``env`` and ``cpu`` are needed only
-    by a row with variables) and register it with torch."""
-    if row.environment:
-        os.environ.update(row.environment(env, cpu, os.environ))
-    if row.register:
-        row.register()
 
 
 def _server_or_client(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
@@ -224,7 +229,7 @@ def backend_groups(ctx: DistContext, names: str, timeout: timedelta | None = Non
     groups = {}
     for name in (n for n in BACKENDS if n in wanted):
         row, choice = choose_backend(name)
-        _prepare_backend(row, ctx.env, ctx.cpu)
+        row.prepare(ctx.env, ctx.cpu)
         groups[choice.name] = dist.new_group(list(range(ctx.world_size)), timeout=timeout or ctx.timeout,
                                              backend=choice.name)
         log.info("backend %s beside the default group (%s)", choice.name, choice.reason)
@@ -255,8 +260,6 @@ def new_subgroup(ctx: DistContext, ranks: list[int]) -> dist.ProcessGroup:
 def set_group_timeout(group, timeout: timedelta) -> None:
     """Change a group's collective timeout in place: hpcdl's own groups (MPI, oneCCL) keep it as an attribute
     their watchdog reads; torch's (gloo) through ``dist.set_timeout`` (torch 2.9+)."""
-    from hpcdl.distributed.threaded import library_group
-
     ours = library_group(group)
     if ours is not None:
         ours.timeout = timeout
@@ -275,8 +278,6 @@ def fail_fast(ctx: DistContext) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:
-        from hpcdl.distributed.sync import hook_failure
-
         failure = hook_failure()  # DDP re-raised a bucket's failure as text: the hook wrapper kept it typed
         message = explain_failure(ctx, failure or exc, collective=failure is not None or is_collective_error(exc))
         if message is None:

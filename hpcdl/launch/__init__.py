@@ -4,6 +4,7 @@
 only read profiles or write scripts (every ``hpcdl`` command builds the parser that reads them) need not pay.
 """
 
+from hpcdl.launch.executor import submit
 from hpcdl.launch.job import JobRequest, job_request
 from hpcdl.launch.profiles import PROFILES, ClusterProfile, get_profile
 
@@ -12,7 +13,5 @@ __all__ = ["PROFILES", "ClusterProfile", "JobRequest", "get_profile", "job_reque
 
 def __getattr__(name: str):
     if name == "submit":
-        from hpcdl.launch.executor import submit
-
         return submit
     raise AttributeError(f"module 'hpcdl.launch' has no attribute {name!r}")

@@ -11,6 +11,7 @@ from datetime import timedelta
 
 from hpcdl.errors import ConfigError
 from hpcdl.flags import meta
+from hpcdl.launch.layout import load_layout
 from hpcdl.launch.profiles import ClusterProfile, get_profile
 from hpcdl.names import ALLOCATOR_CHOICES
 from hpcdl.utils import format_duration, parse_duration
@@ -39,8 +40,6 @@ class JobRequest:
 
     def __post_init__(self):
         if self.layout:
-            from hpcdl.launch.layout import load_layout
-
             chosen = load_layout(self.layout)
             self.tasks_per_node, self.cpus_per_task = chosen.ranks_per_node, chosen.cpus_per_task
             self.allocator = chosen.allocator

@@ -63,14 +63,6 @@ class ClusterProfile:
             return None
         return self.cores_per_node * self.clock_ghz * self.bf16_flops_per_cycle / 1e3
 
-    def network_link(self):
-        """The fabric as an alpha-beta :class:`hpcdl.plan.model.Link`."""
-        from hpcdl.plan.model import Link
-
-        if self.network_latency_us is None or self.network_gb_s is None:
-            raise ConfigError(f"profile {self.name} has no network latency and bandwidth; measure them with hpcdl "
-                              f"bench allreduce (hpcdl plan --allreduce-json) or choose a profile that has them")
-        return Link(latency_s=self.network_latency_us * 1e-6, bandwidth_bytes_s=self.network_gb_s * 1e9)
 
 
 STAMPEDE2_GUIDE = "TACC Stampede2 user guide (final version, 2023); the machine was retired in 2024"

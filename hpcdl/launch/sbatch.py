@@ -17,6 +17,7 @@ import sys
 
 from hpcdl import __version__
 from hpcdl.launch.job import JobRequest, job_request
+from hpcdl.launch.layout import load_layout
 from hpcdl.names import ALLOCATOR_CHOICES, ALLOCATORS
 from hpcdl.utils import atomic_write_text, format_duration
 
@@ -99,8 +100,6 @@ def _header(req: JobRequest, command: list[str]) -> list[str]:
     if prof.network:
         lines.append(f"# Network: {prof.network}.")
     if req.layout:
-        from hpcdl.launch.layout import load_layout
-
         chosen = load_layout(req.layout)
         lines.append(f"# Node layout from {req.layout} (hpcdl tune --measure on {chosen.node.get('host', '?')}, "
                      f"{chosen.images_per_s:.1f} images/s of {chosen.model}): {chosen.describe()}.")

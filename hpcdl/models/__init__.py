@@ -10,9 +10,9 @@ import torch.nn as nn
 
 from hpcdl import names
 from hpcdl.errors import ConfigError
-from hpcdl.names import registry
 from hpcdl.models.alexnet_bn import AlexNetBN
 from hpcdl.models.tiny import TinyCNN
+from hpcdl.names import registry
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,5 @@
 """AlexNet-BN: the layout of Intel Caffe's LARS AlexNet runs on Stampede2 (You et al., "ImageNet Training
 in Minutes"). BatchNorm replaces LRN, after the pool where a block has one; a 227x227 crop:
-
     conv1 96 11x11/4  - relu - pool1 3x3/2 - bn1      227 -> 55 -> 27
     conv2 256 5x5 p2  - relu - pool2 3x3/2 - bn2       27 -> 27 -> 13
     conv3 384 3x3 p1  - relu - bn3                     13
@@ -16,7 +15,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch.nn as nn
-
 
 
 def _layers(num_classes: int, dropout: float) -> list[tuple[str, nn.Module]]:

@@ -1,7 +1,6 @@
 """LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes").
 
 For each parameter tensor ``w`` with gradient ``g``, at step t (from 1):
-
     m     = b1 * m + (1 - b1) * g
     v     = b2 * v + (1 - b2) * g^2
     r     = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w

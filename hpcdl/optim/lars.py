@@ -1,7 +1,6 @@
 """LARS, as the MLPerf/TensorFlow reference and Intel Caffe define it (You, Gitman, Ginsburg 2017).
 
 For each parameter tensor ``w`` with gradient ``g`` (before weight decay), in a group that adapts:
-
     trust    = eta * ||w|| / (||g|| + wd * ||w|| + eps)   if ||w|| > 0 and ||g|| > 0, else 1
     local_lr = lr * trust                                   (trust_clip, LARC's clip mode: min(trust, lr))
     v        = m * v + local_lr * (g + wd * w)

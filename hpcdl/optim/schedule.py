@@ -22,7 +22,6 @@ from hpcdl.errors import ConfigError
 from hpcdl.names import DECAYS, check
 
 
-
 def steps_per_epoch(images: int, global_batch: int) -> int:
     return math.ceil(images / global_batch)
 

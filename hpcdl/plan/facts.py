@@ -4,7 +4,8 @@ parameter tensors."""
 from __future__ import annotations
 
 import dataclasses
-import math
+
+from hpcdl.names import MODELS, check
 
 __all__ = ["MODEL_FACTS", "ModelFacts", "model_facts"]
 
@@ -18,7 +19,7 @@ class ModelFacts:
     tensors: int  # parameter tensors: the per-layer work a step does whatever its batch
 
 
-# model_facts(name, count=True) for every model, so that planning needs no torch (a login node);
+# hpcdl.bench.flops.count_model_facts(name) for every model, so that planning needs no torch (a login node);
 # tests/test_plan.py recounts them.
 MODEL_FACTS = {f.name: f for f in (
     ModelFacts("alexnet_bn", 249_522_336, 6_600_706_176.0, 11, 24),
@@ -30,27 +31,8 @@ MODEL_FACTS = {f.name: f for f in (
 )}
 
 
-def model_facts(name: str, count: bool = False) -> ModelFacts:
-    """The model's gradient bytes, training flops and buckets: from :data:`MODEL_FACTS`, or with ``count``
-    counted on the meta device (no memory, no arithmetic; needs torch)."""
-    from hpcdl.names import MODELS, check
-
+def model_facts(name: str) -> ModelFacts:
+    """The model's gradient bytes, training flops and buckets, from :data:`MODEL_FACTS`
+    (:func:`hpcdl.bench.flops.count_model_facts` counts them with torch)."""
     check("model", name, MODELS)
-    if not count:
-        return MODEL_FACTS[name]
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from hpcdl.config import SyncConfig
-    from hpcdl.models import MODELS, build_model
-
-    with torch.device("meta"):
-        net = build_model(name)
-        x = torch.empty(2, 3, MODELS[name].crop, MODELS[name].crop)
-    with FlopCounterMode(display=False) as counter:
-        net(x).sum().backward()
-    grad = sum(p.numel() for p in net.parameters()) * 4
-    sync = SyncConfig()
-    first = min(sync.first_bucket_mb or sync.bucket_cap_mb, sync.bucket_cap_mb) * 2 ** 20
-    buckets = 1 + math.ceil(max(0.0, grad - first) / (sync.bucket_cap_mb * 2 ** 20))
-    return ModelFacts(name, grad, counter.get_total_flops() / 2, buckets, sum(1 for _ in net.parameters()))
+    return MODEL_FACTS[name]

@@ -19,15 +19,26 @@ import dataclasses
 import math
 import statistics
 
-from hpcdl.bench.allreduce import fit_ring
 from hpcdl import names
 from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport, SyncReport
+from hpcdl.config import SyncConfig
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.flags import meta
+from hpcdl.launch.profiles import get_profile
 from hpcdl.names import IMAGENET_TRAIN
 from hpcdl.plan.facts import ModelFacts, model_facts
-from hpcdl.plan.model import ALGORITHM_CHOICES, BACKWARD_SHARE, BatchCurve, Link, StepModel, allreduce_cost, hook_terms
-from hpcdl.plan.validate import FITTED, carried_compute
+from hpcdl.plan.model import (
+    ALGORITHM_CHOICES,
+    BACKWARD_SHARE,
+    BatchCurve,
+    Link,
+    StepModel,
+    allreduce_cost,
+    fit_ring,
+    hook_terms,
+)
+from hpcdl.plan.validate import FITTED, NodeCompute, carried_compute
+from hpcdl.plot import counts_axis, pyplot, save_png
 
 __all__ = ["Calibration", "PlanInputs", "PlanQuestion", "calibrate", "curve_from_step", "figure", "format_plan", "link_from_allreduce",
            "plan", "plot"]
@@ -35,7 +46,7 @@ __all__ = ["Calibration", "PlanInputs", "PlanQuestion", "calibrate", "curve_from
 def link_from_allreduce(report: AllreduceReport, backend: str | None = None, source: str = "the report") -> Link:
     """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times (``backend``'s rows of a
     ``--backends`` report, default the first backend's), each a ring of its ``world_size`` ranks
-    (:func:`hpcdl.bench.allreduce.fit_ring`)."""
+    (:func:`hpcdl.plan.model.fit_ring`)."""
     measured = list(dict.fromkeys(r.backend for r in report.rows))
     backend = backend or (measured[0] if measured else None)
     if backend not in measured:
@@ -154,8 +165,6 @@ def bf16_compute(node, profile):
     """The fp32 node compute carried to bf16 autocast: the per-image work runs ``bf16_step_speedup`` times faster
     (the profile's measured step, not the AMX peak: the step reaches a smaller fraction of bf16's peak than of
     fp32's); the fixed part (the fp32 weight update, per-layer calls) stays."""
-    from hpcdl.plan.validate import NodeCompute
-
     if not profile.bf16_flops_per_cycle:
         raise ConfigError(f"profile {profile.name}'s CPUs have no avx512_bf16 or AMX: bf16 is emulated there and many "
                           f"times slower than fp32; plan --precision fp32, or choose a node with AMX (stampede3-spr)")
@@ -173,8 +182,6 @@ def _rate(v: float) -> str:
 
 def figure(rows: list[dict], title: str):
     """Predicted time to train and efficiency against node count."""
-    from hpcdl.plot import counts_axis, pyplot
-
     plt = pyplot("hpcdl plan --plot")
     nodes = [r["nodes"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -192,8 +199,6 @@ def figure(rows: list[dict], title: str):
 
 
 def plot(rows: list[dict], title: str, out: str) -> str:
-    from hpcdl.plot import save_png
-
     return save_png(figure(rows, title), out)
 
 
@@ -253,8 +258,6 @@ class PlanInputs:
 
     def build(self) -> tuple[StepModel, list[str]]:
         """The step model and one line per input saying where it came from."""
-        from hpcdl.launch.profiles import get_profile
-
         sources = [s for s in (self.throughput, self.step_json, self.calibrate_json) if s]
         if len(sources) > 1:
             raise ConfigError("give the per-node compute one way: --throughput, --step-json (hpcdl bench step) or "
@@ -283,8 +286,6 @@ class PlanInputs:
 
     def _hook(self, facts: ModelFacts) -> tuple[float, float, str]:
         """(wire bytes per gradient byte, the hook's work per step in s, where they came from)."""
-        from hpcdl.config import SyncConfig
-
         sync = SyncConfig()
         wire, _ = hook_terms(self.hook, sync.keep, sync.chunk)
         if self.hook in ("none", "hierarchical"):
@@ -312,7 +313,7 @@ class PlanInputs:
                                        self.allreduce_json)
             which = f" ({self.allreduce_backend})" if self.allreduce_backend else ""
             return link, intra, f"fitted to {self.allreduce_json}{which}"
-        return profile.network_link(), intra, f"profile {profile.name}"
+        return Link.of(profile), intra, f"profile {profile.name}"
 
     def _compute(self, network: Link, intra: Link | None, facts: ModelFacts, profile, algorithm: str):
         """(the node's compute curve, ranks per node or None, overlap, backward's share, where they came from)."""

@@ -24,9 +24,9 @@ import dataclasses
 
 from hpcdl.errors import ConfigError
 from hpcdl.launch.profiles import get_profile
-from hpcdl.plan.model import BatchCurve, StepModel
 from hpcdl.names import IMAGENET_TRAIN
 from hpcdl.plan.facts import ModelFacts, model_facts
+from hpcdl.plan.model import BatchCurve, Link, StepModel
 from hpcdl.plan.published import PROCESSORS_PER_NODE, PUBLISHED, PublishedRun
 
 __all__ = ["BOUNDS", "CALIBRATION", "FITTED", "NodeCompute", "PROFILE_OF", "carried_compute", "format_validation",
@@ -45,7 +45,7 @@ def _bound(row: PublishedRun) -> float:
 def _step_model(row: PublishedRun, facts: ModelFacts, images_s_per_node: float) -> StepModel:
     profile = get_profile(PROFILE_OF[row.processor])
     return StepModel(gradient_bytes=facts.gradient_bytes, throughput=BatchCurve(((row.batch_per_node, images_s_per_node),)),
-                     network=profile.network_link(), ranks_per_node=PROCESSORS_PER_NODE[row.processor],
+                     network=Link.of(profile), ranks_per_node=PROCESSORS_PER_NODE[row.processor],
                      algorithm="ring", messages=facts.buckets, overlap=0.0)
 
 

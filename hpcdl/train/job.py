@@ -7,6 +7,9 @@ import logging
 import submitit
 
 from hpcdl.config import resolve
+from hpcdl.deferred import deferred
+from hpcdl.distributed.env import rank_and_world
+from hpcdl.log import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +26,8 @@ class TrainJob(submitit.helpers.Checkpointable):
         self.config, self.overrides = config, list(overrides)
 
     def __call__(self) -> dict:
-        from hpcdl.distributed.env import rank_and_world
-        from hpcdl.log import setup_logging
-        from hpcdl.train.trainer import train
-
         setup_logging(rank_and_world()[0])
-        return train(resolve(self.config, self.overrides))
+        return deferred("hpcdl.train.trainer:train")(resolve(self.config, self.overrides))
 
     def checkpoint(self) -> submitit.helpers.DelayedSubmission:
         log.info("submitit checkpoint(): the requeued job resumes from the run folder's newest checkpoint")

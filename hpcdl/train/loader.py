@@ -24,6 +24,11 @@ import os
 import signal
 import time
 
+import torch
+from torch.utils.data import DataLoader
+
+from hpcdl.train.step import effects_undone
+
 __all__ = ["LOADER_NICE", "LoaderSizing", "loader_cost", "make_loader", "size_loader", "step_rate"]
 
 LOADER_NICE = 10  # the workers' niceness: compute's threads win each core the two contend for
@@ -85,8 +90,6 @@ def loader_cost(dataset, budget_s: float = PROBE_S) -> float:
 def step_rate(model, criterion, images, labels, autocast) -> float:
     """Images/s of one forward and backward of ``model`` on this batch, on torch's current threads, after an
     untimed one; the parameters' gradients, the buffers (batch-norm statistics) and the RNG are as before."""
-    from hpcdl.train.step import effects_undone
-
     with effects_undone(model):
         for timed in (False, True):
             t0 = time.perf_counter()
@@ -99,8 +102,6 @@ def step_rate(model, criterion, images, labels, autocast) -> float:
 
 
 def make_loader(dataset, sampler, batch: int, workers: int):
-    from torch.utils.data import DataLoader
-
     return DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, drop_last=False,
                       persistent_workers=False, prefetch_factor=4 if workers else None,
                       worker_init_fn=_start_worker if workers else None)
@@ -108,8 +109,6 @@ def make_loader(dataset, sampler, batch: int, workers: int):
 
 def _start_worker(worker_id: int) -> None:
     """A loader worker runs below compute's priority, on one thread, on any core of the rank."""
-    import torch
-
     os.nice(LOADER_NICE)
     torch.set_num_threads(1)
     # scancel's SIGTERM reaches every process of the step; the rank stops at the next step and checkpoints,

@@ -12,6 +12,9 @@ import os
 import sys
 import time
 
+from tqdm import tqdm
+
+from hpcdl.train import confusion as cm
 from hpcdl.train.step import PHASES, StepResult
 
 
@@ -27,7 +30,6 @@ class RunLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start_step)
-        from tqdm import tqdm
 
         tty = sys.stderr.isatty()  # in a Slurm output file, a line every 30 s instead of a redrawn bar
         self._bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stderr, dynamic_ncols=tty,
@@ -66,8 +68,6 @@ class RunLog:
             for key in ("top1", "top5", "loss"):
                 self._tb.add_scalar(f"eval/{key}", metrics[key], step)
         if confusion is not None and classes:
-            from hpcdl.train import confusion as cm
-
             self._bar.write("  " + cm.describe(cm.write(self.run_dir, step, confusion.numpy(), classes, self._tb)))
 
     def close(self) -> None:
@@ -89,17 +89,3 @@ def phase_shares(path: str, skip: int = 2) -> dict[str, float]:
             totals[k] += r[f"t_{k}"]
     whole = sum(totals.values()) or 1.0
     return {k: v / whole for k, v in totals.items()}
-
-
-def summary_text(s: dict) -> str:
-    lines = [f"summary: {s['steps']} steps, {s['epochs']:.2f} epochs in {s['train_s']:.1f} s of training "
-             f"({s['images_per_s']:.1f} images/s over {s['world_size']} ranks)"]
-    if s.get("best_top1") is not None:
-        lines.append(f"  best top-1 {s['best_top1']:.2f}% (top-5 {s['best_top5']:.2f}%) at step {s['best_step']}")
-    if s.get("target_top1"):
-        reached = s.get("time_to_target_s")
-        lines.append(f"  time to top-1 {s['target_top1']:g}%: " + (f"{reached:.1f} s" if reached is not None
-                                                                      else "not reached"))
-    if s.get("phases"):
-        lines.append("  step time: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["phases"].items()))
-    return "\n".join(lines)

@@ -1,10 +1,11 @@
-"""How a training run ended. ``hpcdl.cli.exit_code`` maps each to the process's exit status."""
+"""How a training run ended (``hpcdl.cli.exit_code`` maps each to the process's exit status), and its summary
+as the log and ``hpcdl submit`` print it."""
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["Outcome"]
+__all__ = ["Outcome", "summary_text"]
 
 
 class Outcome(str, enum.Enum):
@@ -15,3 +16,17 @@ class Outcome(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def summary_text(s: dict) -> str:
+    lines = [f"summary: {s['steps']} steps, {s['epochs']:.2f} epochs in {s['train_s']:.1f} s of training "
+             f"({s['images_per_s']:.1f} images/s over {s['world_size']} ranks)"]
+    if s.get("best_top1") is not None:
+        lines.append(f"  best top-1 {s['best_top1']:.2f}% (top-5 {s['best_top5']:.2f}%) at step {s['best_step']}")
+    if s.get("target_top1"):
+        reached = s.get("time_to_target_s")
+        lines.append(f"  time to top-1 {s['target_top1']:g}%: " + (f"{reached:.1f} s" if reached is not None
+                                                                      else "not reached"))
+    if s.get("phases"):
+        lines.append("  step time: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["phases"].items()))
+    return "\n".join(lines)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch.distributed as dist
+
+from hpcdl.train.checkpoint import rng_state, set_rng_state
+
 __all__ = ["Counters", "RankRng", "SamplerPosition", "Stateful", "upgrade"]
 
 FORMAT = 2  # 1: the counters at the top level of the checkpoint
@@ -57,17 +61,11 @@ class RankRng:
         self.ctx = ctx
 
     def state_dict(self) -> list:
-        import torch.distributed as dist
-
-        from hpcdl.train.checkpoint import rng_state
-
         states = [None] * self.ctx.world_size
         dist.all_gather_object(states, rng_state(), group=self.ctx.group)
         return states
 
     def load_state_dict(self, states: list) -> None:
-        from hpcdl.train.checkpoint import set_rng_state
-
         set_rng_state(states[self.ctx.rank])
 
 

@@ -25,9 +25,15 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from hpcdl.data.dataset import PADDING_LABEL
 from hpcdl.distributed.sync import CommTimer
 
 PHASES = ("data", "forward", "backward", "comm_wait", "optimizer")
+
+
+def criterion(label_smoothing: float = 0.0) -> torch.nn.Module:
+    """Cross entropy with the run's label smoothing; evaluation padding (label -1) counts for nothing."""
+    return torch.nn.CrossEntropyLoss(label_smoothing=label_smoothing, ignore_index=PADDING_LABEL)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from hpcdl.errors import DataError
 from hpcdl.plot import pyplot, save_png
 from hpcdl.utils import atomic_write_text
 
+
 class Timeline:
     def __init__(self, run_dir: str, rank: int):
         folder = os.path.join(run_dir, "timeline")

@@ -22,12 +22,20 @@ import torch.distributed as dist
 
 from hpcdl.config import RunConfig, dump_yaml
 from hpcdl.data.dataset import InMemory, ShardDataset
-from hpcdl.data.sampler import DistributedShardSampler
 from hpcdl.data.recipe import channel_stats, parse
+from hpcdl.data.sampler import DistributedShardSampler
 from hpcdl.data.transforms import Augment, BatchMix, EvalTransform, normalize_batch
-from hpcdl.distributed.affinity import allocator_in_use, apply_cpu_plan, plan_cpus
-from hpcdl.distributed.process_group import DistContext, fail_fast, init_distributed, new_subgroup, set_timeout, shutdown
+from hpcdl.distributed.affinity import allocator_in_use, plan_cpus
 from hpcdl.distributed.hooks import ChunkSparse
+from hpcdl.distributed.process_group import (
+    DistContext,
+    apply_cpu_plan,
+    fail_fast,
+    init_distributed,
+    new_subgroup,
+    set_timeout,
+    shutdown,
+)
 from hpcdl.distributed.sync import data_parallel
 from hpcdl.errors import ConfigError, DataError, TrainingDiverged
 from hpcdl.models import build_model
@@ -38,13 +46,13 @@ from hpcdl.train.accel import apply_ipex
 from hpcdl.train.checkpoint import CheckpointManager, load_rank_state, save_rank_state
 from hpcdl.train.evaluate import evaluate
 from hpcdl.train.loader import loader_cost, make_loader, size_loader, step_rate
-from hpcdl.train.metrics import RunLog, phase_shares, summary_text
-from hpcdl.train.outcome import Outcome
+from hpcdl.train.metrics import RunLog, phase_shares
+from hpcdl.train.outcome import Outcome, summary_text
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal, hand_to_submitit, requeue, requeue_target
 from hpcdl.train.preflight import preflight
 from hpcdl.train.state import FORMAT, Counters, RankRng, SamplerPosition, Stateful, upgrade
-from hpcdl.train.step import Stepper, effects_undone
+from hpcdl.train.step import Stepper, criterion, effects_undone
 from hpcdl.train.timeline import Timeline
 from hpcdl.utils import atomic_write_text
 
@@ -145,7 +153,7 @@ class Trainer:
         self.model, self.optimizer, self.ipex_note = apply_ipex(model, optimizer, precision=self.precision,
                                                                 mode=cfg.loop.ipex)
         self.schedule = LRSchedule(self.optimizer, cfg.schedule)
-        self.criterion = cfg.criterion()
+        self.criterion = criterion(cfg.label_smoothing)
 
     def _build_data(self) -> None:
         cfg, ctx = self.cfg, self.ctx

@@ -1,0 +1,190 @@
+"""The import graph of hpcdl/, read from the source (imports at module level and inside functions alike):
+no cycle, torch out of reach of what a login node runs, and no import inside a function but an optional
+extra's. A module that needs torch is reached from the login node's modules only by name, through the three
+tables that say so: the CLI's commands (hpcdl.cli), the benchmarks (hpcdl.bench) and the backends
+(hpcdl.distributed.backend)."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import PYTHON, REPO
+
+PACKAGE = REPO / "hpcdl"
+# Imported inside the function that uses them, so that hpcdl works without them: the extras of setup.py
+# (mpi, plot, ipex) and the decoders bench data compares when it finds them.
+OPTIONAL = ("mpi4py", "sklearn", "matplotlib", "intel_extension_for_pytorch", "simplejpeg", "cv2", "torchvision",
+            "torch.utils.tensorboard")
+TORCH = ("torch", "torchvision")
+# What a login node imports: the command line (its parsers, checks, sbatch and the planner).
+LOGIN_NODE = ("hpcdl.cli", "hpcdl.cli.train", "hpcdl.cli.jobs", "hpcdl.cli.bench", "hpcdl.cli.plan", "hpcdl.cli.data",
+              "hpcdl.cli.system")
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def imports(path: Path, modules: set[str]) -> list[tuple[str, int, str]]:
+    """(imported module, line, how) for every import in ``path``, how being "top" (module level), "function"
+    or "deferred" (a string naming a module of hpcdl, for :mod:`hpcdl.deferred`); ``from hpcdl.x import y``
+    names hpcdl.x.y when that is a module, hpcdl.x otherwise."""
+    tree, name = ast.parse(path.read_text()), module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f) if n is not f}
+    found = []
+    for node in ast.walk(tree):
+        how = "function" if id(node) in nested else "top"
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.split(":")[0] in modules:
+            found.append((node.value.split(":")[0], node.lineno, "deferred"))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, node.lineno, how) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                found.append((full if full in modules else base, node.lineno, how))
+    return found
+
+
+@functools.cache
+def graph() -> tuple[dict[str, list[tuple[str, int, str]]], dict[str, Path]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {m: imports(p, set(files)) for m, p in files.items()}, files
+
+
+def edges(name: str, table) -> set[str]:
+    """What importing ``name`` runs, now or in a function it calls: its imports, and the packages above each
+    (their __init__ runs first); not what it names for :mod:`hpcdl.deferred`."""
+    out = set()
+    for target, _, how in table[name]:
+        if how == "deferred":
+            continue
+        parts = target.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return out
+
+
+def cycles(table) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), over hpcdl's own modules; a module named
+    for :mod:`hpcdl.deferred` is an edge like an import."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def targets(v):
+        return [t for t, _, _ in table[v] if t in table and t != v]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in targets(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
+
+    for v in sorted(table):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def reach(start: str, table) -> dict[str, str]:
+    """Every module importing ``start`` runs, with the module that imports it."""
+    seen, todo = {start: ""}, [start]
+    while todo:
+        v = todo.pop()
+        for w in edges(v, table) if v in table else ():
+            if w not in seen:
+                seen[w] = v
+                todo.append(w)
+    return seen
+
+
+def chain(seen: dict[str, str], end: str) -> str:
+    path = [end]
+    while seen[path[-1]]:
+        path.append(seen[path[-1]])
+    return " -> ".join(reversed(path))
+
+
+def test_no_module_of_hpcdl_is_in_an_import_cycle():
+    table, files = graph()
+    found = cycles(table)
+    detail = [" <-> ".join(c) + ": " + "; ".join(f"{files[v].relative_to(REPO)}:{line} imports {t}" for v in c
+                                                    for t, line, _ in table[v] if t in c) for c in found]
+    assert not found, "\n".join(detail)
+
+
+@pytest.mark.parametrize("start", LOGIN_NODE)
+def test_torch_is_out_of_reach_of_the_login_node(start):
+    table, _ = graph()
+    seen = reach(start, table)
+    hits = [chain(seen, t) for t in TORCH if t in seen]
+    assert not hits, "\n".join(hits)
+
+
+def test_imports_inside_functions_are_optional_extras_only():
+    table, files = graph()
+    inside = [f"{files[m].relative_to(REPO)}:{line} imports {t}" for m in sorted(table) for t, line, how in table[m]
+              if how == "function" and not any(t == o or t.startswith(o + ".") for o in OPTIONAL)]
+    assert not inside, f"{len(inside)} imports inside functions:\n" + "\n".join(inside)
+
+
+def test_the_checks_find_what_they_look_for(tmp_path):
+    """A planted cycle, a planted torch import and a planted import in a function are each found."""
+    table = {"hpcdl.a": [("hpcdl.b", 1, "top")], "hpcdl.b": [("hpcdl.a", 3, "function")], "hpcdl": []}
+    assert cycles(table) == [["hpcdl.a", "hpcdl.b"]]
+    table["hpcdl.b"] = [("hpcdl.a", 3, "deferred")]
+    assert cycles(table) == [["hpcdl.a", "hpcdl.b"]] and "hpcdl.a" not in reach("hpcdl.b", table)
+    table["hpcdl.b"] = [("torch.nn", 3, "function")]
+    assert cycles(table) == [] and chain(reach("hpcdl.a", table), "torch") == "hpcdl.a -> hpcdl.b -> torch"
+
+
+def test_the_graph_says_which_modules_import_torch_and_python_agrees():
+    """Imported with torch and torchvision blocked, a module fails exactly when its imports at module level reach
+    torch: the graph read from the source is the one Python runs."""
+    table, _ = graph()
+    code = ("import importlib, sys\nsys.modules['torch'] = sys.modules['torchvision'] = None\nfor m in sys.argv[1:]:\n"
+            "    try:\n        importlib.import_module(m)\n    except ImportError:\n        print(m)\n")
+    modules = sorted(m for m in table if not m.endswith("__main__"))
+    failed = set(subprocess.run([PYTHON, "-c", code, *modules], capture_output=True, text=True, check=True,
+                                cwd=REPO).stdout.split())
+    needs = {m for m in modules if any(t.split(".")[0] in TORCH for t, _, _ in _closure_top(m, table))}
+    assert failed == needs, (sorted(failed - needs), sorted(needs - failed))
+
+
+def _closure_top(start: str, table) -> list:
+    """The imports run when ``start`` is imported (module level only, through the modules it imports)."""
+    seen, todo, out = {start}, [start], []
+    while todo:
+        v = todo.pop()
+        for t, line, how in table.get(v, ()):
+            if how != "top":
+                continue
+            out.append((t, line, how))
+            parts = t.split(".")
+            for w in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+                if w in table and w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+    return out
