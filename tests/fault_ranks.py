@@ -81,7 +81,7 @@ trainer.Trainer._prepare = fault("data", on_call=5)(trainer.Trainer._prepare)
 step = hpcdl.train.step.Stepper.step
 hpcdl.train.step.Stepper.step = fault("step3", on_call=3)(fault("first_step")(step))
 hpcdl.distributed.sync._timed = fault("allreduce", on_call=9)(hpcdl.distributed.sync._timed)  # a bucket of step 5 (2 a step)
-criterion = trainer.RunConfig.criterion
-trainer.RunConfig.criterion = lambda self: fault("forward", on_call=5)(criterion(self))
+criterion = trainer.criterion
+trainer.criterion = lambda smoothing: fault("forward", on_call=5)(criterion(smoothing))
 checkpoint.torch.save = half_written_save(checkpoint.torch.save)
 sys.exit(main(sys.argv[1:]))

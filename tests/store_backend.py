@@ -16,8 +16,8 @@ class StoreProcessGroup(ThreadedProcessGroup):
     BACKEND_NAME, LIBRARY = "hpcdl-store", "store"
     NATIVE = frozenset({torch.float32, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8, torch.int16})
 
-    def __init__(self, rank, size, timeout, store):
-        super().__init__(rank, size, timeout, CommThread("hpcdl-store"))
+    def __init__(self, rank, size, timeout, store, liveness=None):
+        super().__init__(rank, size, timeout, CommThread("hpcdl-store", liveness=liveness))
         self.store, self.seq = store, 0
 
     def library_op(self, name):
@@ -55,10 +55,10 @@ class StoreProcessGroup(ThreadedProcessGroup):
         self._exchange(None)
 
 
-def register():
+def register(liveness=None):
     if "hpcdl-store" not in dist.Backend.backend_list:
         dist.Backend.register_backend("hpcdl-store", lambda o, _=None: StoreProcessGroup(
-            o.group_rank, o.group_size, o.timeout, o.store), extended_api=True, devices=["cpu"])
+            o.group_rank, o.group_size, o.timeout, o.store, liveness), extended_api=True, devices=["cpu"])
 
 
-BACKENDS["store"] = Backend("store", "hpcdl-store", lambda lib: "the rendezvous store", register)
+BACKENDS["store"] = Backend("store", "hpcdl-store", lambda lib: "the rendezvous store", "store_backend:register")

@@ -11,9 +11,9 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from conftest import PYTHON, hpcdl
 from PIL import Image
 
-from conftest import PYTHON, hpcdl
 from hpcdl.config import resolve
 from hpcdl.data import recipe
 from hpcdl.data.transforms import Augment, BatchMix, EvalTransform
@@ -131,10 +131,10 @@ def test_mixup_and_cutmix_mix_the_batch_and_its_labels():
 
 
 def test_pack_measures_the_channel_statistics_and_class_counts(tmp_path):
+    from hpcdl.config import DataConfig
     from hpcdl.data.format import Manifest
     from hpcdl.data.pack import PackConfig, pack
     from hpcdl.data.recipe import channel_stats
-    from hpcdl.config import DataConfig
     from hpcdl.data.show import summary
 
     colors = {"red": (200, 20, 40), "teal": (10, 150, 160)}

@@ -5,8 +5,8 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import PYTHON, SIMULATED_CPUS
+
 from hpcdl.distributed.affinity import allocator_env
 from hpcdl.train.precision import choose_precision
 from hpcdl.utils import cpu_flags

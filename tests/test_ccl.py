@@ -9,8 +9,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import IN_CI, PYTHON, REPO
+
 from hpcdl.distributed import ccl_runtime
 
 

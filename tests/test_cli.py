@@ -4,15 +4,15 @@ flag's default is its dataclass field's, every flag has help, and the layout kee
 from __future__ import annotations
 
 import argparse
-import json
 import dataclasses
+import json
 import re
 import shlex
 import subprocess
 
 import pytest
-
 from conftest import PYTHON, REPO
+
 from hpcdl.cli import build_parser
 from hpcdl.flags import add_flags, config_from_args, flag_defaults
 

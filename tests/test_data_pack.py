@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import PYTHON
 from PIL import Image
 
-from conftest import PYTHON
 from hpcdl.data.format import Manifest, open_h5
 from hpcdl.data.images import Encoding
 from hpcdl.data.pack import PackConfig, detect_part, pack

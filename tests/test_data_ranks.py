@@ -6,8 +6,8 @@ import subprocess
 from collections import Counter
 
 import pytest
+from conftest import PYTHON, REPO, free_port, rank_env, sbatch_wait
 
-from conftest import PYTHON, REPO, rank_env, free_port, sbatch_wait
 from hpcdl.data.pack import PackConfig, pack
 from hpcdl.data.synthetic import generate
 from hpcdl.data.verify import verify

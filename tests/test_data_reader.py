@@ -2,9 +2,9 @@
 
 import io
 import json
-from collections import Counter
 import multiprocessing
 import os
+from collections import Counter
 from pathlib import Path
 
 import numpy as np

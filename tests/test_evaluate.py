@@ -4,8 +4,8 @@ import json
 import subprocess
 
 import pytest
-
 from conftest import PYTHON, REPO, free_port, rank_env
+
 from hpcdl.data.pack import PackConfig, pack
 from hpcdl.data.synthetic import generate
 

@@ -7,8 +7,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, REPO, hpcdl, load_json, missing, sbatch_wait
+
 from hpcdl.launch import job_request
 from hpcdl.launch.sbatch import render_sbatch
 

@@ -9,14 +9,12 @@ import sys
 import time
 
 import numpy as np
-from PIL import Image
-
-import yaml
-
 import pytest
-
+import yaml
 from conftest import PYTHON
 from fuzz_inputs import CONFIG_DOCS, CONFIG_VALUES, config_mutants, corpus, mutants
+from PIL import Image
+
 from hpcdl.config import PRESETS, dump_yaml, get_preset, load_yaml, resolve
 from hpcdl.data.images import Encoding, Rejected, prepare
 from hpcdl.data.sources import MAX_INPUT_BYTES

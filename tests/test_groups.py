@@ -7,7 +7,6 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import PYTHON, REPO, free_port, mpi_run, rank_env, sbatch_wait
 
 SUMS = [1, 3, 5, 7, 9, 11]  # 2 ranks: rank r contributes arange(6) + r

@@ -20,6 +20,9 @@ PACKAGE = REPO / "hpcdl"
 OPTIONAL = ("mpi4py", "sklearn", "matplotlib", "intel_extension_for_pytorch", "simplejpeg", "cv2", "torchvision",
             "torch.utils.tensorboard")
 TORCH = ("torch", "torchvision")
+# Imports inside a function on purpose, each with its reason: bench plugin's worker measures torch's entry points
+# with hpcdl absent until the groups exist, so it imports hpcdl only then.
+LATE = {("hpcdl.bench.plugin_worker", "hpcdl.bench.allreduce")}
 # What a login node imports: the command line (its parsers, checks, sbatch and the planner).
 LOGIN_NODE = ("hpcdl.cli", "hpcdl.cli.train", "hpcdl.cli.jobs", "hpcdl.cli.bench", "hpcdl.cli.plan", "hpcdl.cli.data",
               "hpcdl.cli.system")
@@ -146,7 +149,7 @@ def test_torch_is_out_of_reach_of_the_login_node(start):
 def test_imports_inside_functions_are_optional_extras_only():
     table, files = graph()
     inside = [f"{files[m].relative_to(REPO)}:{line} imports {t}" for m in sorted(table) for t, line, how in table[m]
-              if how == "function" and not any(t == o or t.startswith(o + ".") for o in OPTIONAL)]
+              if how == "function" and not any(t == o or t.startswith(o + ".") for o in OPTIONAL) and (m, t) not in LATE]
     assert not inside, f"{len(inside)} imports inside functions:\n" + "\n".join(inside)
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, missing
 
 IPEX_VENV = Path(os.environ.get("HPCDL_IPEX_VENV", Path.home() / ".cache" / "hpcdl" / "venv-ipex-2.8"))

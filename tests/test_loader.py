@@ -10,8 +10,8 @@ import re
 
 import pytest
 import torch
-
 from conftest import hpcdl
+
 from hpcdl.data.dataset import InMemory, ShardDataset
 from hpcdl.data.transforms import Augment
 from hpcdl.errors import ConfigError

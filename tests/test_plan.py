@@ -7,15 +7,15 @@ import json
 import subprocess
 
 import pytest
-
 from conftest import PYTHON, load_json, sbatch_wait
+
+from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.launch import job_request
 from hpcdl.launch.profiles import get_profile
 from hpcdl.launch.sbatch import render_sbatch
-from hpcdl.plan.model import BatchCurve, Link, StepModel
-from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport
 from hpcdl.plan.facts import model_facts
+from hpcdl.plan.model import BatchCurve, Link, StepModel
 from hpcdl.plan.planner import PlanInputs, calibrate, figure, link_from_allreduce, plan
 from hpcdl.plan.published import PUBLISHED
 from hpcdl.plan.validate import FITTED, carried_compute, validate

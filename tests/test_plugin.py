@@ -8,7 +8,6 @@ import subprocess
 from importlib.metadata import entry_points
 
 import pytest
-
 from conftest import PYTHON, REPO, free_port, sbatch_wait
 
 SCRIPT = REPO / "tests" / "plain_ddp.py"

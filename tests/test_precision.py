@@ -1,12 +1,11 @@
 import platform
 
 import pytest
+from conftest import SIMULATED_CPUS
 
 from hpcdl.errors import ConfigError
 from hpcdl.train.precision import choose_precision
 from hpcdl.utils import cpu_flags, cpu_flags_simulated
-
-from conftest import SIMULATED_CPUS
 
 AUTO = {"simulated Sapphire Rapids (AMX)": ("bf16", "avx512_bf16 and amx_bf16"),
         "simulated Cooper Lake (AVX-512 bf16, no AMX)": ("bf16", "avx512_bf16"),

@@ -7,8 +7,8 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import PYTHON, REPO, free_port, rank_env
+
 from hpcdl.errors import ConfigError
 from hpcdl.train.preempt import StopSignal, requeue, requeue_target
 

@@ -2,8 +2,8 @@ import re
 import subprocess
 
 import pytest
-
 from conftest import HOSTILE, PYTHON, REPO, sbatch_wait
+
 from hpcdl.errors import ConfigError
 from hpcdl.launch.job import job_request
 from hpcdl.launch.sbatch import READY_SCRIPTS, render_sbatch

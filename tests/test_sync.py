@@ -5,7 +5,6 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import PYTHON, REPO, mpi_run
 
 FP16_ROUNDING = 2 ** -10  # fp16 keeps 10 fraction bits; bf16 keeps 7
@@ -152,7 +151,6 @@ def test_a_bucket_collective_failure_is_kept_typed_for_fail_fast(monkeypatch, tm
 
     from hpcdl.distributed import sync
 
-    monkeypatch.setattr(sync, "_hook_failure", None)
     failed = torch.futures.Future()
     failed.set_exception(dist.DistBackendError("rank 1: oneCCL allreduce of 9 elements (torch.float32) failed"))
 
@@ -160,19 +158,20 @@ def test_a_bucket_collective_failure_is_kept_typed_for_fail_fast(monkeypatch, tm
         def index(self):
             return 3
 
-    future = sync._timed(sync.CommTimer(None, lambda state, bucket: failed), StandInBucket())
+    timer = sync.CommTimer(None, lambda state, bucket: failed)
+    future = sync._timed(timer, StandInBucket())
     with pytest.raises(RuntimeError) as raised:  # torch's future chain keeps the text only
         future.wait()
     assert not isinstance(raised.value, dist.DistError)
-    assert isinstance(sync.hook_failure(), sync.BucketCollectiveError)
-    assert str(sync.hook_failure()) == ("gradient bucket 3's collective failed: rank 1: oneCCL allreduce of 9 elements "
+    assert isinstance(timer.failure, sync.BucketCollectiveError)
+    assert str(timer.failure) == ("gradient bucket 3's collective failed: rank 1: oneCCL allreduce of 9 elements "
                                         "(torch.float32) failed")
 
     code = ("from hpcdl.distributed import sync\n"
             "from hpcdl.distributed.process_group import fail_fast, init_distributed\n"
             "ctx = init_distributed('gloo', heartbeat_s=0.2)\n"
-            "sync._hook_failure = sync.BucketCollectiveError(\"gradient bucket 0's collective failed: gone\")\n"
-            "with fail_fast(ctx):\n"
+            "kept = sync.BucketCollectiveError(\"gradient bucket 0's collective failed: gone\")\n"
+            "with fail_fast(ctx, lambda: kept):\n"
             "    raise RuntimeError('Got the following error when running the callback: anything')\n")
     from conftest import free_port, rank_env
 

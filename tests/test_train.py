@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import PYTHON, REPO, SIMULATED_CPUS, free_port, hpcdl, rank_env, sbatch_wait, start_ranks
 from PIL import Image
 
-from conftest import PYTHON, REPO, SIMULATED_CPUS, free_port, hpcdl, rank_env, sbatch_wait, start_ranks
 from hpcdl.train.precision import choose_precision
 
 BASE = ["demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",

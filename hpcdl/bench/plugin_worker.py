@@ -17,15 +17,14 @@ import types
 import torch
 import torch.distributed as dist
 
-from hpcdl.bench.allreduce import Config, measure  # the groups exist: hpcdl may load now
-
 
 def main(backends: list[str], config: str, out: str) -> None:
     before = "hpcdl" in sys.modules
     dist.init_process_group("gloo")
     groups = {name: None if name == "gloo" else dist.new_group(backend=name) for name in backends}
     after = "hpcdl" in sys.modules
-
+    # Imported only now, on purpose: what this script measures is a path with hpcdl absent before the groups.
+    from hpcdl.bench.allreduce import Config, measure
 
     with open(config) as f:
         cfg = Config(**json.load(f))

@@ -44,8 +44,8 @@ from hpcdl.config import SyncConfig
 from hpcdl.distributed.ccl import CCLProcessGroup
 from hpcdl.distributed.hooks import ChunkSparse
 from hpcdl.distributed.mpi import MPIProcessGroup
-from hpcdl.distributed.sync import _first_bucket, data_parallel
-from hpcdl.distributed.threaded import _DoneWork, library_group
+from hpcdl.distributed.sync import bucket_caps, data_parallel
+from hpcdl.distributed.threaded import DoneWork, library_group
 from hpcdl.models import MODELS, build_model
 
 
@@ -199,7 +199,7 @@ def _ddp_parts(cfg: Config, model, group) -> dict:
     nets = {}
     for part in DDP_PARTS:
         torch.manual_seed(dist.get_rank())
-        with _first_bucket(cfg.bucket_cap_mb, cfg.first_bucket_mb) as caps:
+        with bucket_caps(cfg.bucket_cap_mb, cfg.first_bucket_mb) as caps:
             nets[part] = DistributedDataParallel(_gradient_set_class()(model), process_group=group,
                                                  gradient_as_bucket_view=True, **caps)
     nets["no exchange"].register_comm_hook(None, no_exchange)
@@ -287,7 +287,7 @@ def _bare_group(group):
             request = self.comm.Iallreduce(self.MPI.IN_PLACE, tensors[0].numpy())
             while not request.Test():
                 pass
-            return _DoneWork(tensors)
+            return DoneWork(tensors)
 
     if "mpi4py-bare" not in dist.Backend.backend_list:
         dist.Backend.register_backend(

@@ -47,13 +47,15 @@ class Backend:
     environment: Callable[[RankEnv, CpuPlan, Mapping[str, str]], dict[str, str]] | None = None  # variables to set
     comm_threads: Callable[[Mapping[str, str]], int] = lambda environ: 0
 
-    def prepare(self, env: RankEnv | None, cpu: CpuPlan | None) -> None:
+    def prepare(self, env: RankEnv | None, cpu: CpuPlan | None, liveness=None) -> None:
         """Set this row's variables for the rank (those the user exported stay; ``env`` and ``cpu`` are needed
-        only by a row with variables), then register it with torch: what a rank does before it joins."""
+        only by a row with variables), then register it with torch, its groups' watchdogs asking ``liveness``
+        (a :class:`hpcdl.distributed.threaded.Liveness`) about a long collective: what a rank does before it
+        joins."""
         if self.environment:
             os.environ.update(self.environment(env, cpu, os.environ))
         if self.register:
-            deferred(self.register)()
+            deferred(self.register)(liveness)
 
 
 def _gloo_check(lib: str | None) -> str:

@@ -24,6 +24,7 @@ first communicator and on the way out (:func:`shm_files`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdl.distributed import ccl_runtime
-from hpcdl.distributed.threaded import CommThread, ThreadedProcessGroup
+from hpcdl.distributed.threaded import CommThread, Liveness, ThreadedProcessGroup
 from hpcdl.utils import before_leaving
 
 __all__ = ["BACKEND_NAME", "CCLProcessGroup", "register"]
@@ -52,8 +53,9 @@ SHM_DIR = Path("/dev/shm")
 log = logging.getLogger(__name__)
 
 
-def comm_thread() -> CommThread:
-    """The process's one oneCCL thread (made with its first group, after stale shm files are gone)."""
+def comm_thread(liveness: Liveness | None = None) -> CommThread:
+    """The process's one oneCCL thread (made with its first group, after stale shm files are gone; its watchdog
+    asks that group's ``liveness`` about a long collective)."""
     global _thread
     with _thread_lock:
         if _thread is None:
@@ -62,7 +64,7 @@ def comm_thread() -> CommThread:
                 log.info("removed %d stale libfabric shm file(s), named with this PID or with one no process has "
                          "any longer: %s", len(gone), ", ".join(gone))
             before_leaving(remove_shm_files)
-            _thread = CommThread("hpcdl-oneccl", exit_if_stuck=True)
+            _thread = CommThread("hpcdl-oneccl", exit_if_stuck=True, liveness=liveness)
         return _thread
 
 
@@ -102,8 +104,9 @@ class CCLProcessGroup(ThreadedProcessGroup):
     NATIVE = frozenset(_TYPES)
     inline_bytes = 0  # one thread calls oneCCL
 
-    def __init__(self, rank: int, world_size: int, timeout: timedelta, store: dist.Store):
-        super().__init__(rank, world_size, timeout, comm_thread())
+    def __init__(self, rank: int, world_size: int, timeout: timedelta, store: dist.Store,
+                 liveness: Liveness | None = None):
+        super().__init__(rank, world_size, timeout, comm_thread(liveness))
         self.ccl = ccl = ccl_runtime.load()
         self._types = {dtype: ccl.enums[name] for dtype, name in _TYPES.items()}
         self._ops = {op: ccl.enums[name] for op, name in _OPS.items()}
@@ -152,12 +155,14 @@ class CCLProcessGroup(ThreadedProcessGroup):
             self.thread.run_here(self._destroy)
 
 
-def create(opts, pg_options=None) -> CCLProcessGroup:
+def create(opts, pg_options=None, *, liveness: Liveness | None = None) -> CCLProcessGroup:
     """torch's factory for ``oneccl`` groups (``extended_api``): the group's store carries the unique id."""
-    return CCLProcessGroup(opts.group_rank, opts.group_size, opts.timeout, opts.store)
+    return CCLProcessGroup(opts.group_rank, opts.group_size, opts.timeout, opts.store, liveness=liveness)
 
 
-def register() -> None:
-    """Make ``oneccl`` a torch.distributed backend name (once per process)."""
+def register(liveness: Liveness | None = None) -> None:
+    """Make ``oneccl`` a torch.distributed backend name (once per process); its groups' watchdog asks
+    ``liveness`` about a long collective."""
     if BACKEND_NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, functools.partial(create, liveness=liveness), extended_api=True,
+                                      devices=["cpu"])

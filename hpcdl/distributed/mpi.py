@@ -15,6 +15,7 @@ bf16 type everywhere: those tensors are reduced in fp32.
 
 from __future__ import annotations
 
+import functools
 import time
 from datetime import timedelta
 
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdl.distributed.mpi_runtime import load_mpi
-from hpcdl.distributed.threaded import CommThread, ThreadedProcessGroup
+from hpcdl.distributed.threaded import CommThread, Liveness, ThreadedProcessGroup
 from hpcdl.errors import LaunchError
 
 __all__ = ["BACKEND_NAME", "MPIProcessGroup", "register"]
@@ -42,8 +43,9 @@ class MPIProcessGroup(ThreadedProcessGroup):
     NATIVE = frozenset({torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
     inline_bytes = 64 * 1024
 
-    def __init__(self, rank: int, world_size: int, timeout: timedelta, global_ranks: list[int] | None = None):
-        super().__init__(rank, world_size, timeout, CommThread("hpcdl-mpi"))
+    def __init__(self, rank: int, world_size: int, timeout: timedelta, global_ranks: list[int] | None = None,
+                 liveness: Liveness | None = None):
+        super().__init__(rank, world_size, timeout, CommThread("hpcdl-mpi", liveness=liveness))
         MPI = self.MPI = load_mpi()
         level = MPI.Query_thread()
         if level < MPI.THREAD_SERIALIZED:
@@ -106,12 +108,15 @@ def _raw(t: torch.Tensor):
     return t.view(torch.uint8).numpy() if t.dtype != torch.bool else t.numpy()
 
 
-def create(opts, pg_options=None) -> MPIProcessGroup:
+def create(opts, pg_options=None, *, liveness: Liveness | None = None) -> MPIProcessGroup:
     """torch's factory for ``mpi4py`` groups (``extended_api``)."""
-    return MPIProcessGroup(opts.group_rank, opts.group_size, opts.timeout, list(opts.global_ranks_in_group) or None)
+    return MPIProcessGroup(opts.group_rank, opts.group_size, opts.timeout, list(opts.global_ranks_in_group) or None,
+                           liveness=liveness)
 
 
-def register() -> None:
-    """Make ``mpi4py`` a torch.distributed backend name (once per process)."""
+def register(liveness: Liveness | None = None) -> None:
+    """Make ``mpi4py`` a torch.distributed backend name (once per process); its groups' watchdogs ask
+    ``liveness`` about a long collective."""
     if BACKEND_NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, functools.partial(create, liveness=liveness), extended_api=True,
+                                      devices=["cpu"])

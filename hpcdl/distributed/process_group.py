@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -25,8 +25,7 @@ import torch.distributed as dist
 from hpcdl.distributed.affinity import CpuPlan, allocator_in_use, plan_cpus
 from hpcdl.distributed.backend import BACKENDS, BackendChoice, choose_backend
 from hpcdl.distributed.env import RankEnv, discover
-from hpcdl.distributed.sync import hook_failure
-from hpcdl.distributed.threaded import CommThread, library_group
+from hpcdl.distributed.threaded import Liveness, library_group
 from hpcdl.errors import ConfigError, LaunchError, RankLostError
 
 __all__ = ["STARTUP_TIMEOUT", "DistContext", "apply_cpu_plan", "backend_groups", "fail_fast", "init_distributed", "new_subgroup",
@@ -123,6 +122,7 @@ class DistContext:
     timeout: timedelta
     group: dist.ProcessGroup | None
     heartbeat: Heartbeat
+    liveness: Liveness  # the heartbeats, as the watchdogs of hpcdl's own groups ask them
     subgroups: list = dataclasses.field(default_factory=list)  # made with new_group: set_timeout moves them too
 
     @property
@@ -162,28 +162,29 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
                     comm_threads=choice.comm_threads if comm_threads is None else comm_threads,
                     data_cores=data_cores)
     apply_cpu_plan(cpu)
-    row.prepare(env, cpu)
     store = _server_or_client(env, timeout)
     heartbeat = Heartbeat(env, heartbeat_s)
+    liveness = _liveness(heartbeat, heartbeat_s)
+    row.prepare(env, cpu, liveness)
     dist.init_process_group(choice.name, store=dist.PrefixStore("pg/", store), rank=env.rank,
                             world_size=env.world_size, timeout=timeout)
-    ctx = DistContext(env=env, backend=choice, cpu=cpu, timeout=timeout, group=None, heartbeat=heartbeat)
-    _watch_peers(ctx, heartbeat_s)
+    ctx = DistContext(env=env, backend=choice, cpu=cpu, timeout=timeout, group=None, heartbeat=heartbeat,
+                      liveness=liveness)
     _log_startup(ctx)
     return ctx
 
 
-def _watch_peers(ctx: DistContext, heartbeat_s: float) -> None:
-    """Let hpcdl's own groups (MPI, oneCCL) fail a collective whose peer died as soon as its heartbeat has
+def _liveness(heartbeat: Heartbeat, heartbeat_s: float) -> Liveness:
+    """What lets hpcdl's own groups (MPI, oneCCL) fail a collective whose peer died as soon as its heartbeat has
     stopped, instead of at the timeout (gloo notices a closed connection itself)."""
-    def liveness() -> str | None:
-        lost = ctx.heartbeat.lost_ranks()
+
+    def probe() -> str | None:
+        lost = heartbeat.lost_ranks()
         if lost is None:
             return "rank 0's rendezvous store no longer answers"
         return ("heartbeat stopped on " + ", ".join(f"rank {r}" for r in lost)) if lost else None
 
-    CommThread.liveness = liveness
-    CommThread.probe_after_s = max(6.0, 3 * heartbeat_s)
+    return Liveness(probe, max(6.0, 3 * heartbeat_s))
 
 
 def _server_or_client(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
@@ -229,7 +230,7 @@ def backend_groups(ctx: DistContext, names: str, timeout: timedelta | None = Non
     groups = {}
     for name in (n for n in BACKENDS if n in wanted):
         row, choice = choose_backend(name)
-        row.prepare(ctx.env, ctx.cpu)
+        row.prepare(ctx.env, ctx.cpu, ctx.liveness)
         groups[choice.name] = dist.new_group(list(range(ctx.world_size)), timeout=timeout or ctx.timeout,
                                              backend=choice.name)
         log.info("backend %s beside the default group (%s)", choice.name, choice.reason)
@@ -268,17 +269,19 @@ def set_group_timeout(group, timeout: timedelta) -> None:
 
 
 @contextlib.contextmanager
-def fail_fast(ctx: DistContext) -> Iterator[None]:
+def fail_fast(ctx: DistContext, hook_failure: Callable[[], BaseException | None] = lambda: None) -> Iterator[None]:
     """Turn a failed collective into a :class:`RankLostError` that names the lost rank.
 
     A ``torch.distributed.DistError`` (timeouts, the MPI group's failures) is a collective's. gloo reports
     a peer that died as a plain RuntimeError, like any bug in the model; that one becomes a RankLostError
     only when the heartbeats show a rank or the store gone, and otherwise goes on as it was raised.
+    ``hook_failure``: the gradient bucket collective that failed, kept typed by the comm hook's timer
+    (:attr:`hpcdl.distributed.sync.CommTimer.failure`; DDP re-raises it as text only), or None.
     """
     try:
         yield
     except RuntimeError as exc:
-        failure = hook_failure()  # DDP re-raised a bucket's failure as text: the hook wrapper kept it typed
+        failure = hook_failure()
         message = explain_failure(ctx, failure or exc, collective=failure is not None or is_collective_error(exc))
         if message is None:
             raise

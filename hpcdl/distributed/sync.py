@@ -19,21 +19,13 @@ from torch.nn.parallel import DistributedDataParallel
 from hpcdl.distributed.env import RankEnv
 from hpcdl.distributed.hooks import make_hook
 
-__all__ = ["BucketCollectiveError", "CommTimer", "data_parallel", "hook_failure"]
+__all__ = ["BucketCollectiveError", "CommTimer", "bucket_caps", "data_parallel"]
 
 
 class BucketCollectiveError(dist.DistError):
     """A gradient bucket's collective failed inside the comm hook. DDP's reducer re-raises it from backward
     as a plain RuntimeError carrying only its text ("Got the following error when running the callback");
-    the hook-timing wrapper keeps it here, typed, for :func:`hook_failure`."""
-
-
-_hook_failure: BucketCollectiveError | None = None
-
-
-def hook_failure() -> BucketCollectiveError | None:
-    """The first bucket collective that failed in this process, or ``None``."""
-    return _hook_failure
+    the hook-timing wrapper keeps it, typed, as :attr:`CommTimer.failure` for ``fail_fast``."""
 
 
 class CommTimer:
@@ -44,6 +36,7 @@ class CommTimer:
         self.last_handover = 0.0
         self.buckets = 0
         self.on_done = None  # (bucket index, handed over at, done at) -> None: the timeline's comm spans
+        self.failure: BucketCollectiveError | None = None  # the first bucket collective that failed
 
     def reset(self) -> None:
         self.last_handover, self.buckets = 0.0, 0
@@ -59,9 +52,8 @@ def _timed(timer: CommTimer, bucket):
         try:
             value = f.value()
         except Exception as exc:
-            global _hook_failure
             failure = BucketCollectiveError(f"gradient bucket {index}'s collective failed: {exc}")
-            _hook_failure = _hook_failure or failure
+            timer.failure = timer.failure or failure
             raise failure from exc
         if record is not None:
             record(index, start, time.perf_counter())
@@ -82,7 +74,7 @@ def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str
     """
     if env.world_size == 1:
         return model, None
-    with _first_bucket(bucket_cap_mb, first_bucket_mb) as caps:
+    with bucket_caps(bucket_cap_mb, first_bucket_mb) as caps:
         ddp = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=gradient_as_bucket_view,
                                       **caps)
     timer = CommTimer(*make_hook(hook, env, group, backend, sparse, new_group))
@@ -91,7 +83,7 @@ def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str
 
 
 @contextlib.contextmanager
-def _first_bucket(cap_mb: float, first_mb: float | None):
+def bucket_caps(cap_mb: float, first_mb: float | None):
     """DDP's bucket-size arguments. torch >= 2.10 takes per-bucket caps (the last repeats) and gives the
     first bucket ``bucket_cap_mb`` when that is set; earlier releases read the first bucket's cap from
     ``dist._DEFAULT_FIRST_BUCKET_BYTES`` when DDP is built."""

@@ -25,11 +25,13 @@ of the collectives torch calls, and an unsupported reduce op refused with the sa
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -39,7 +41,7 @@ from torch.futures import Future
 from hpcdl.errors import ConfigError
 from hpcdl.utils import leave_now
 
-__all__ = ["CommThread", "ThreadedProcessGroup", "library_group"]
+__all__ = ["CommThread", "DoneWork", "Liveness", "ThreadedProcessGroup", "library_group"]
 
 _SUM, _AVG = dist.ReduceOp.RedOpType.SUM, dist.ReduceOp.RedOpType.AVG
 _PREMUL = dist.ReduceOp.RedOpType.PREMUL_SUM
@@ -63,7 +65,7 @@ class _Work(dist.Work):
         return self._future.done()
 
 
-class _DoneWork(dist.Work):
+class DoneWork(dist.Work):
     """The Work of a collective that already ran on the caller's thread; its future is made on demand."""
 
     def __init__(self, result):
@@ -82,6 +84,15 @@ class _DoneWork(dist.Work):
         return True
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Liveness:
+    """Whether the job's ranks are alive (from init_distributed's heartbeats): the watchdog asks ``probe`` about
+    a collective that has run longer than ``after_s``."""
+
+    probe: Callable[[], str | None]  # a message naming the ranks whose heartbeat stopped, or None
+    after_s: float = 6.0
+
+
 class CommThread:
     """One thread that runs the queued collectives of one or more groups in issue order, and a watchdog
     that fails the Work of one that outlives its group's timeout (no library here can cancel a call).
@@ -90,13 +101,8 @@ class CommThread:
     ``os._exit(1)`` after flushing its logs (oneCCL crashes in its destructors otherwise).
     """
 
-    # Set by init_distributed: () -> a message naming the ranks whose heartbeat stopped, or None; the watchdog
-    # asks it about a collective that has run longer than probe_after_s.
-    liveness = None
-    probe_after_s = 6.0
-
-    def __init__(self, name: str, *, exit_if_stuck: bool = False):
-        self.name, self.exit_if_stuck = name, exit_if_stuck
+    def __init__(self, name: str, *, exit_if_stuck: bool = False, liveness: Liveness | None = None):
+        self.name, self.exit_if_stuck, self.liveness = name, exit_if_stuck, liveness
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C-implemented: the cheapest hand-off
         # While collectives are queued only the thread calls the library; a caller runs one inline only when
         # none is, and holds the lock meanwhile so that nothing is queued (and started) under it.
@@ -160,15 +166,15 @@ class CommThread:
             if limit and running > limit:
                 started[3].set_exception(dist.DistBackendError(
                     f"rank {group.rank()}: {group.LIBRARY} {describe(started[2])} {group.timed_out()}"))
-            elif CommThread.liveness and running > CommThread.probe_after_s and (
-                    probed is None or probed[0] is not started or time.monotonic() - probed[1] > self.probe_after_s):
+            elif self.liveness and running > self.liveness.after_s and (
+                    probed is None or probed[0] is not started or time.monotonic() - probed[1] > self.liveness.after_s):
                 probed = (started, time.monotonic())
                 threading.Thread(target=self._probe, args=(started,), name=f"{self.name}-probe", daemon=True).start()
 
     def _probe(self, started) -> None:
         """Fail a long collective at once when a peer's heartbeat has stopped: no library here notices a dead
         peer (oneCCL and MPI wait for it), and the timeout may be the start-up's 10 minutes."""
-        lost = CommThread.liveness()
+        lost = self.liveness.probe()
         if lost and not started[3].done():
             group = started[1]
             started[3].set_exception(dist.DistBackendError(
@@ -304,7 +310,7 @@ class ThreadedProcessGroup(_python_backend_base()):
         with thread.lock:
             if nbytes <= self.inline_bytes and not thread.queued:
                 try:
-                    return _DoneWork(fn(True))
+                    return DoneWork(fn(True))
                 except Exception as exc:  # delivered by the Work, as from the thread
                     failed: Future = Future()
                     failed.set_exception(dist.DistBackendError(f"rank {self.rank()}: {self.LIBRARY} {describe(what)} "
@@ -449,7 +455,7 @@ class ThreadedProcessGroup(_python_backend_base()):
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts) -> dist.Work:
         for out, ins in zip(outputs, inputs):
             self._reduce_scatter_base(out, torch.stack(ins), opts).wait()
-        return _DoneWork(outputs)
+        return DoneWork(outputs)
 
     # torch >= 2.10 names the flat variants *_single; earlier releases call the *_base ones.
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> dist.Work:
@@ -525,7 +531,7 @@ class ThreadedProcessGroup(_python_backend_base()):
         work.wait()
         for out, got in zip(outputs, flat_out):
             out.copy_(got)
-        return _DoneWork(outputs)
+        return DoneWork(outputs)
 
     def _point_to_point(self, what: str):
         raise ConfigError(f"backend {self.BACKEND_NAME}: {what} (point-to-point) is not supported: its library is "

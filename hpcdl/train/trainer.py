@@ -66,7 +66,8 @@ def train(cfg: RunConfig) -> dict:
     stop = StopSignal(cfg.checkpoint.signal)  # before any worker forks: they inherit the handler
     startup = timedelta(seconds=cfg.loop.startup_timeout_s)
     ctx = init_distributed(cfg.loop.backend, ccl_lib=cfg.loop.ccl_lib or None, timeout=startup)
-    with fail_fast(ctx), _data_workers_named(ctx.rank):
+    trainer = None
+    with fail_fast(ctx, lambda: trainer and trainer.comm_failure()), _data_workers_named(ctx.rank):
         set_timeout(ctx, startup)  # the job's group; the step timeout follows the first completed step
         trainer = Trainer(cfg, ctx, stop)
         stop.arm()  # after every communicator exists (see StopSignal.arm)
@@ -138,6 +139,7 @@ class Trainer:
         self._build_data()
         self._size_loader()
         self._hook_state = None  # this rank's comm hook state from the checkpoint resumed from
+        self.comm = None  # the comm hook's timer (hpcdl.distributed.sync.CommTimer), once DDP wraps the model
         self.resumed_from = self._resume()
         self._wrap()
         self.last_step = min(cfg.schedule.total_steps, cfg.loop.max_steps or cfg.schedule.total_steps)
@@ -220,11 +222,16 @@ class Trainer:
             net, self.compile_note = torch.compile(net), "compile: torch.compile (the first steps compile)"
         self.net = net
         self.timeline = Timeline(self.dir, self.ctx.rank) if self.cfg.loop.timeline else None
+        self.comm = comm
         self.stepper = Stepper(net, self.criterion, self.optimizer, self.schedule, precision=self.precision,
                                comm=comm, group=self.ctx.group, distributed=self.ctx.world_size > 1,
                                timeline=self.timeline)
         if sparse is not None and sparse.bucketed and self.ctx.world_size > 1:
             self._rehearse(sparse)
+
+    def comm_failure(self):
+        """The gradient bucket collective that failed, typed (DDP re-raises it as text), or None."""
+        return self.comm.failure if self.comm is not None else None
 
     def _rehearse(self, sparse: ChunkSparse) -> None:
         """One forward and backward whose effects are all undone, so that the resumed run's next step uses
