@@ -19,15 +19,9 @@
   :meth:`ChunkSparse.hold_back` makes the optimizer step leave the held-back positions alone (weights
   and optimizer state), so that they move when their gradient is sent, not before.
 
-Every collective a hook issues is issued from a thread of the hook and waited for there
-(:func:`_start`, :func:`_wait`). Until issue 23 the wait went on until the backend's worker thread had
-also let go of the collective's tensor (its Python wrapper's reference count), because a process that
-exited within moments of its last all-reduce aborted about 1 run in 20 with "terminate called without an
-active exception" (the worker thread ended while waiting for the GIL during finalization). Measured again
-on torch 2.14.1 (2026-11-24, ``mpiexec -n 2`` of ``tests/bucket_ranks.py``, a DDP script that exits right
-after training, 40 alternating runs of each): no abort with that wait, none without it, and none without
-it and without destroying the process group at exit. So the wait is gone; docs/communication.md has the
-command.
+Every collective a hook issues is issued with ``async_op=True`` from a thread of the hook and waited for
+there with ``Work.wait()``, which raises the collective's error; nothing waits for the backend to let go of
+the tensor as well (measured unnecessary on torch 2.14.1: docs/communication.md has the runs and command).
 """
 
 from __future__ import annotations
@@ -46,16 +40,6 @@ from hpcdl.names import HOOKS, check
 __all__ = ["HOOKS", "ChunkSparse", "Hierarchy", "Plain", "make_hook", "node_groups", "sparse_allreduce"]
 
 log = logging.getLogger(__name__)
-
-
-def _start(collective, tensor: torch.Tensor, **kwargs) -> dist.Work:
-    """``collective(tensor, async_op=True, **kwargs)``; :func:`_wait` takes what this returns."""
-    return collective(tensor, async_op=True, **kwargs)
-
-
-def _wait(work: dist.Work) -> None:
-    """Wait for a collective from :func:`_start`, raising its error."""
-    work.wait()
 
 
 @dataclasses.dataclass(slots=True)
@@ -87,7 +71,7 @@ def _plain(state: Plain, bucket: dist.GradBucket) -> torch.futures.Future:
 
     def start():
         try:
-            held = _start(dist.all_reduce, wire, group=state.group)
+            held = dist.all_reduce(wire, group=state.group, async_op=True)
         except Exception as exc:
             future.set_exception(exc)
             return
@@ -95,7 +79,7 @@ def _plain(state: Plain, bucket: dist.GradBucket) -> torch.futures.Future:
 
     def finish(held):
         try:
-            _wait(held)
+            held.wait()
         except Exception as exc:
             future.set_exception(exc)
             return
@@ -162,11 +146,11 @@ def _hierarchical(state: Hierarchy, bucket: dist.GradBucket) -> torch.futures.Fu
     def run():
         pending, state.pending = state.pending, None
         try:
-            _wait(_start(dist.reduce, tensor, dst=state.leader, group=state.node_group))
+            dist.reduce(tensor, dst=state.leader, group=state.node_group, async_op=True).wait()
             if pending:
                 _hierarchical_finish(state, *pending)
                 pending = None
-            held = _start(dist.all_reduce, tensor, group=state.leaders) if state.leaders is not None else None
+            held = dist.all_reduce(tensor, group=state.leaders, async_op=True) if state.leaders is not None else None
             if last:
                 _hierarchical_finish(state, tensor, held, future)
             else:
@@ -183,8 +167,8 @@ def _hierarchical(state: Hierarchy, bucket: dist.GradBucket) -> torch.futures.Fu
 def _hierarchical_finish(state: Hierarchy, tensor: torch.Tensor, held: dist.Work | None,
                          future: torch.futures.Future) -> None:
     if held is not None:
-        _wait(held)
-    _wait(_start(dist.broadcast, tensor, src=state.leader, group=state.node_group))
+        held.wait()
+    dist.broadcast(tensor, src=state.leader, group=state.node_group, async_op=True).wait()
     future.set_result(tensor.div_(state.world_size))
 
 
@@ -270,23 +254,23 @@ def sparse_start(state: ChunkSparse, key, grad: torch.Tensor, dense: bool = Fals
     world = dist.get_world_size(state.group)
     state.total_elements += grad.numel()
     if dense or state.step < state.dense_steps:
-        held = _start(dist.all_reduce, grad, group=state.group)
+        held = dist.all_reduce(grad, group=state.group, async_op=True)
         state.sent_elements += grad.numel()
-        return lambda: (_wait(held), grad.div_(world), None)[1:]
+        return lambda: (held.wait(), grad.div_(world), None)[1:]
     n, c = grad.numel(), state.chunk
     chunks = _residual_chunks(state, key, n)
     chunks.view(-1)[:n].add_(grad)  # the residual plus this step's gradient
     norms = chunks.abs().sum(1)
-    _wait(_start(dist.all_reduce, norms, group=state.group))  # every rank now ranks the chunks alike
+    dist.all_reduce(norms, group=state.group, async_op=True).wait()  # every rank now ranks the chunks alike
     picked = norms.topk(max(1, round(state.keep * len(norms)))).indices.sort().values
     packed = chunks.index_select(0, picked)
     wire = packed.half() if state.fp16 else packed
-    held = _start(dist.all_reduce, wire, group=state.group)
+    held = dist.all_reduce(wire, group=state.group, async_op=True)
     state.sent_elements += wire.numel() + norms.numel()
     chunks.index_fill_(0, picked, 0)  # what was not sent stays for the next step
 
     def finish() -> tuple[torch.Tensor, torch.Tensor]:
-        _wait(held)
+        held.wait()
         full = n // c  # chunks wholly inside the bucket; the last may reach into the padding
         grad.zero_()
         body = picked[picked < full]

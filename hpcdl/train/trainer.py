@@ -452,7 +452,7 @@ class Trainer:
             + (f" (the first {cfg.sync.first_bucket_mb:g} MB)" if cfg.sync.first_bucket_mb else "")
             + f", comm hook {cfg.sync.hook}"
             + (f" (keep {cfg.sync.keep:g} of {cfg.sync.chunk}-element chunks{', fp16 on the wire' if cfg.sync.fp16 else ''} "
-               f"after {cfg.sync.dense_warmup_epochs:g} dense epochs; residuals are not checkpointed)"
+               f"after {cfg.sync.dense_warmup_epochs:g} dense epochs; each rank's residuals checkpointed with it)"
                if cfg.sync.hook == "chunk_sparse" else ""),
         ]
         for line in lines:
