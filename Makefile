@@ -68,9 +68,9 @@ DEMO_TRAIN = train demo_tiny_lars --set data.train=$(abspath $(DEMO))/packed/tra
   --set data.val=$(abspath $(DEMO))/packed/val --set run_dir=$(abspath $(DEMO))/run --set loop.target_top1=$(DEMO_TOP1)
 
 $(DEMO)/packed/val/manifest.json: | venv
-	$(PY) datasets/synthetic/generate.py $(DEMO)/src --classes 10 --per-class 150 --val-per-class 25 --layout imagenet
-	$(PY) -m hpcdl pack $(DEMO)/src/train $(DEMO)/packed/train --layout imagenet-train --short-side 72 --shard-size 1MB
-	$(PY) -m hpcdl pack $(DEMO)/src/val $(DEMO)/packed/val --layout imagenet-val --short-side 72 --shard-size 1MB \
+	$(PY) datasets/synthetic/generate.py $(DEMO)/src --classes 10 --per-class 150 --val-per-class 25 --tree imagenet
+	$(PY) -m hpcdl pack $(DEMO)/src/train $(DEMO)/packed/train --tree imagenet-train --short-side 72 --shard-size 1MB
+	$(PY) -m hpcdl pack $(DEMO)/src/val $(DEMO)/packed/val --tree imagenet-val --short-side 72 --shard-size 1MB \
 	  --val-labels $(DEMO)/src/ILSVRC2012_validation_ground_truth.txt --synsets $(DEMO)/src/map_clsloc.txt
 
 demo: venv slurm $(DEMO)/packed/val/manifest.json

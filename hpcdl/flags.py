@@ -9,7 +9,8 @@ contributes its own fields' flags. Field metadata, rarely needed, adjusts one fl
 - ``remainder``: a positional that takes every argument after it (``-- COMMAND ...``);
 - ``repeat``: the flag may be given several times and collects a tuple (``--set``);
 - ``choices``: the names argparse offers (the config still checks them itself);
-- ``metavar``, ``hidden``.
+- ``metavar``, ``hidden``;
+- ``old_flag``: a former spelling, still accepted with a warning that names the new one.
 
 :func:`config_from_args` builds the dataclass back from the parsed arguments, so the config's own
 ``__post_init__`` checks every value, from the command line as from Python.
@@ -35,10 +36,10 @@ __all__ = ["add_flags", "config_from_args", "field_help", "flag_defaults", "meta
 
 
 def meta(*, flag: str | None = None, positional: bool = False, remainder: bool = False, repeat: bool = False,
-         choices=None, metavar: str | None = None, hidden: bool = False) -> dict:
+         choices=None, metavar: str | None = None, hidden: bool = False, old_flag: str | None = None) -> dict:
     """Field metadata for :func:`add_flags`: ``field(default=..., metadata=meta(flag="--json"))``."""
     out = {"flag": flag, "positional": positional or remainder, "remainder": remainder, "repeat": repeat,
-           "choices": choices, "metavar": metavar, "hidden": hidden}
+           "choices": choices, "metavar": metavar, "hidden": hidden, "old_flag": old_flag}
     return {"cli": {k: v for k, v in out.items() if v}}
 
 
@@ -136,7 +137,24 @@ def add_flags(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = (
     for path, f, tp, owner in _leaves(cls):
         if path[-1] not in skip:
             name, kw = _argument(path, f, tp, field_help(owner).get(f.name, ""))
-            parser.add_argument(name, **kw)
+            old = f.metadata.get("cli", {}).get("old_flag")
+            if old:
+                kw["action"] = functools.partial(_OldSpelling, old=old)
+            parser.add_argument(name, *([old] if old else []), **kw)
+
+
+class _OldSpelling(argparse.Action):
+    """Stores the value; given under its former spelling, also warns with the new one."""
+
+    def __init__(self, option_strings, dest, old: str, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.old = old
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == self.old:
+            print(f"warning: {self.old} is now {self.option_strings[0]}; {self.old} goes in the next release",
+                  file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _argument(path: tuple[str, ...], f: dataclasses.Field, tp, text: str) -> tuple[str, dict]:

@@ -3,7 +3,7 @@
 A config is checked against these tables when it is built, so a login node (``hpcdl sbatch``,
 ``hpcdl submit``) refuses a misspelt model or backend before the job waits in the queue; the
 implementations take their lists from here, and each registry of implementations (models, optimizers,
-backends, allocators, pack layouts) is checked against its table with :func:`registry`.
+backends, allocators, pack trees) is checked against its table with :func:`registry`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ DECODERS = ("pillow", "torchvision")
 IPEX = ("auto", "off")
 ALLOCATORS = ("jemalloc", "tcmalloc", "glibc")
 ALLOCATOR_CHOICES = ("auto", "none", *ALLOCATORS)
-LAYOUTS = ("imagenet-train", "imagenet-val", "imagenet22k-tars", "folder", "csv")
+TREES = ("imagenet-train", "imagenet-val", "imagenet22k-tars", "folder", "csv")
 
 IMAGENET_TRAIN = 1_281_167  # ImageNet-1K (ILSVRC2012) training images: the presets' and the planner's default
 

@@ -221,12 +221,12 @@ def test_pack_reads_a_csv_of_paths_and_labels(tmp_path):
     rows = ["path,label", "img/0.jpg,10", "img/1.jpg,2", f"{tmp_path}/img/2.jpg,10", "img/3.jpg,2", "img/4.jpg,10",
             "img/missing.jpg,2"]
     (tmp_path / "list.csv").write_text("\n".join(rows) + "\n")
-    m = pack(PackConfig(src=str(tmp_path / "list.csv"), out=str(tmp_path / "out"), layout="csv", workers=1))
+    m = pack(PackConfig(src=str(tmp_path / "list.csv"), out=str(tmp_path / "out"), tree="csv", workers=1))
     assert [c["wnid"] for c in m.classes] == ["2", "10"]  # numeric labels sort as numbers
     assert m.stats["class_counts"] == [2, 3] and [r["path"] for r in m.rejected] == ["img/missing.jpg"]
     assert Manifest.load(str(tmp_path / "out" / "manifest.json")).num_images == 5
     (tmp_path / "bad.csv").write_text("img/0.jpg,1\nimg/1.jpg\n")
-    done = hpcdl("pack", str(tmp_path / "bad.csv"), str(tmp_path / "out2"), "--layout", "csv")
+    done = hpcdl("pack", str(tmp_path / "bad.csv"), str(tmp_path / "out2"), "--tree", "csv")
     assert done.returncode != 0 and f"{tmp_path / 'bad.csv'}:2: ['img/1.jpg'] is not 'path,label'" in done.stderr
 
 

@@ -276,12 +276,12 @@ def test_version_1_shards_are_still_read(damaged, tmp_path):
 
 
 def test_parts_pack_separately_and_merge(tmp_path):
-    gen = generate(str(tmp_path / "src"), classes=5, per_class=6, layout="imagenet22k-tars", size=SMALL)
+    gen = generate(str(tmp_path / "src"), classes=5, per_class=6, tree="imagenet22k-tars", size=SMALL)
     out = str(tmp_path / "out")
-    first = pack(PackConfig(src=gen.root, out=out, layout="imagenet22k-tars", part="1/2", workers=1))
+    first = pack(PackConfig(src=gen.root, out=out, tree="imagenet22k-tars", part="1/2", workers=1))
     assert not first.complete or first.parts == 2
     assert not os.path.exists(os.path.join(out, "manifest.json"))
-    run = hpcdl("pack", gen.root, out, "--layout", "imagenet22k-tars", "--part", "0/2", "--workers", 1)
+    run = hpcdl("pack", gen.root, out, "--tree", "imagenet22k-tars", "--part", "0/2", "--workers", 1)
     assert "dataset holds 30 images" in run.stderr
     manifest, images = packed_images(out)
     assert len(images) == 30 and {s.file[:11] for s in manifest.shards} == {"shard-p0000", "shard-p0001"}
@@ -291,9 +291,9 @@ def test_parts_pack_separately_and_merge(tmp_path):
 
 
 def test_imagenet_val_labels_follow_sorted_file_order(tmp_path):
-    gen = generate(str(tmp_path), classes=6, per_class=2, layout="imagenet", val_per_class=3, size=SMALL)
-    pack(PackConfig(src=os.path.join(gen.root, "train"), out=str(tmp_path / "train-out"), layout="imagenet-train"))
-    hpcdl("pack", gen.extra["dir"], tmp_path / "val-out", "--layout", "imagenet-val", "--val-labels",
+    gen = generate(str(tmp_path), classes=6, per_class=2, tree="imagenet", val_per_class=3, size=SMALL)
+    pack(PackConfig(src=os.path.join(gen.root, "train"), out=str(tmp_path / "train-out"), tree="imagenet-train"))
+    hpcdl("pack", gen.extra["dir"], tmp_path / "val-out", "--tree", "imagenet-val", "--val-labels",
           gen.extra["val_labels"], "--synsets", gen.extra["synsets"], "--names", tmp_path / "synset_words.txt")
     val, images = packed_images(tmp_path / "val-out")
     train = Manifest.load(str(tmp_path / "train-out" / "manifest.json"))
@@ -316,11 +316,25 @@ def test_bad_options_are_refused_with_the_flag(tmp_path):
     with pytest.raises(ConfigError, match="contiguous"):
         detect_part(None, {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": "8",
                            "SLURM_ARRAY_TASK_COUNT": "3"})
-    run = hpcdl("pack", tmp_path, tmp_path / "out", "--layout", "imagenet-val", check=False)
-    assert run.returncode == 2 and "--val-labels" in run.stderr
+    run = hpcdl("pack", tmp_path, tmp_path / "out", "--tree", "imagenet-val", check=False)
+    assert run.returncode == 2 and "--tree imagenet-val needs --val-labels" in run.stderr
+    old = hpcdl("pack", tmp_path, tmp_path / "out", "--layout", "imagenet-val", check=False)  # the old spelling
+    assert old.returncode == 2 and "--tree imagenet-val needs --val-labels" in old.stderr
+    assert "warning: --layout is now --tree; --layout goes in the next release" in old.stderr
 
 
 def test_mpi_parts_need_no_rendezvous_address():
     hydra = {"MPI_LOCALRANKID": "1", "PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALNRANKS": "2"}  # no MASTER_ADDR
     assert detect_part(None, hydra) == (5, 8)
     assert detect_part(None, {}) == (0, 1)
+
+
+def test_a_manifest_written_before_the_tree_rename_still_loads(tmp_path):
+    """pack --layout became --tree, and the manifest's key with it: a dataset packed before reads as it was."""
+    gen = generate(str(tmp_path / "src"), classes=2, per_class=2, size=SMALL)
+    pack(PackConfig(src=gen.root, out=str(tmp_path / "out"), tree="folder", workers=1))
+    path = tmp_path / "out" / "manifest.json"
+    body = json.loads(path.read_text())
+    body["layout"] = body.pop("tree")
+    path.write_text(json.dumps(body))
+    assert Manifest.load(str(path)).tree == "folder" and verify(str(tmp_path / "out")) == []

@@ -42,7 +42,7 @@ def test_two_gloo_ranks_read_disjoint_equal_epochs(unequal_shards, mode, tmp_pat
 
 
 def test_imagenet1k_recipe_packs_as_a_slurm_array(slurm, tmp_path):
-    gen = generate(str(tmp_path / "ILSVRC2012"), classes=4, per_class=6, layout="imagenet", val_per_class=3,
+    gen = generate(str(tmp_path / "ILSVRC2012"), classes=4, per_class=6, tree="imagenet", val_per_class=3,
                    size=(160, 120), quirks=True)
     out = tmp_path / "packed"
     env = {**os.environ, "HPCDL": f"{PYTHON} -m hpcdl", "PACK_ARGS": "--short-side 96 --shard-size 64K --workers 1",

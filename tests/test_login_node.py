@@ -43,14 +43,14 @@ def test_the_requeue_signal_is_checked_when_the_config_is_built():
 
 def test_the_implementations_are_the_tables():
     """Each registry of implementations is keyed by its table (hpcdl.names.registry refuses drift at import)."""
-    from hpcdl.data.sources import LAYOUTS
+    from hpcdl.data.sources import TREES
     from hpcdl.distributed.affinity import ALLOCATOR_CHOICES
     from hpcdl.distributed.backend import BACKENDS
     from hpcdl.models import MODELS
     from hpcdl.optim.factory import OPTIMIZERS
 
     assert tuple(MODELS) == names.MODELS and tuple(OPTIMIZERS) == names.OPTIMIZERS
-    assert tuple(BACKENDS) == names.BACKENDS and tuple(LAYOUTS) == names.LAYOUTS
+    assert tuple(BACKENDS) == names.BACKENDS and tuple(TREES) == names.TREES
     assert ALLOCATOR_CHOICES == ("auto", "none") + names.ALLOCATORS
     assert {n for n, i in OPTIMIZERS.items() if i.adaptive} == set(names.ADAPTIVE_OPTIMIZERS)
     with pytest.raises(RuntimeError, match="hpcdl.names lists models"):

@@ -11,7 +11,7 @@ import re
 import pytest
 from conftest import PYTHON, REPO, SIMULATED_CPUS, hpcdl, sbatch_wait
 
-from hpcdl.bench.layout import Trial, node_topology, rank_counts, refusal
+from hpcdl.bench.tune import Trial, node_topology, rank_counts, refusal
 from hpcdl.config import resolve
 from hpcdl.errors import ConfigError
 from hpcdl.launch import job_request

@@ -3,7 +3,7 @@
     python datasets/digits/write.py OUT [--size 32] [--val 0.2] [--seed 0]
 
 OUT/train/<digit>/*.jpg and OUT/val/<digit>/*.jpg, split per class with a fixed seed; ``hpcdl pack
-OUT/train ... --layout folder`` packs them. The guide in docs/data.md walks the rest.
+OUT/train ... --tree folder`` packs them. The guide in docs/data.md walks the rest.
 """
 
 import argparse

@@ -1,11 +1,11 @@
 """Write synthetic ImageNet-like JPEGs (see hpcdl/data/synthetic.py); tests and the demo use them.
 
-    python datasets/synthetic/generate.py OUT [--classes 10] [--per-class 100] [--layout imagenet] [--quirks]
+    python datasets/synthetic/generate.py OUT [--classes 10] [--per-class 100] [--tree imagenet] [--quirks]
 """
 
 import argparse
 
-from hpcdl.data.synthetic import LAYOUTS, generate
+from hpcdl.data.synthetic import TREES, generate
 
 
 def main() -> None:
@@ -14,12 +14,12 @@ def main() -> None:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--per-class", type=int, default=100, help="train images per class")
     p.add_argument("--val-per-class", type=int, default=20, help="val images per class (layout imagenet)")
-    p.add_argument("--layout", default="imagenet", choices=LAYOUTS)
+    p.add_argument("--tree", default="imagenet", choices=TREES)
     p.add_argument("--quirks", action="store_true", help="add a PNG named .JPEG, CMYK, grayscale, truncated (in data and header), "
                                                          "corrupt, empty, non-image, unreadable, non-UTF-8 name")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    gen = generate(a.out, classes=a.classes, per_class=a.per_class, layout=a.layout, quirks=a.quirks, seed=a.seed,
+    gen = generate(a.out, classes=a.classes, per_class=a.per_class, tree=a.tree, quirks=a.quirks, seed=a.seed,
                    val_per_class=a.val_per_class)
     print(f"wrote {gen.count} train images in {a.classes} classes to {a.out}"
           + (f", {len(gen.extra['truth'])} val images" if gen.extra else "")

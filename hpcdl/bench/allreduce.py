@@ -33,7 +33,7 @@ def run(cfg: Config, job) -> dict | None:
     """The sweep on every rank of ``job``, each size on each of its groups in turn (``--backends``: side by
     side); rank 0 returns the figures."""
     ctx = job.ctx
-    layout = _layout(ctx)
+    placement = _placement(ctx)
     with fail_fast(ctx):
         rows = []
         for nbytes in cfg.sizes():
@@ -44,7 +44,7 @@ def run(cfg: Config, job) -> dict | None:
                     log.debug("%s", row)
     if ctx.rank != 0:
         return None
-    report = {"meta": {**_meta(ctx, cfg), "backends": list(job.groups)}, "ranks": layout, "rows": rows}
+    report = {"meta": {**_meta(ctx, cfg), "backends": list(job.groups)}, "ranks": placement, "rows": rows}
     if ctx.world_size > 1 and len(cfg.sizes()) > 1:
         report["fit"] = {}
         for name in job.groups:
@@ -58,7 +58,8 @@ def run(cfg: Config, job) -> dict | None:
     return report
 
 
-def _layout(ctx) -> list[dict]:
+def _placement(ctx) -> list[dict]:
+    """Where each rank runs: its local and node rank and host, gathered on every rank."""
     env = ctx.env
     mine = {"rank": env.rank, "local_rank": env.local_rank, "node_rank": env.node_rank, "host": socket.gethostname(),
             "launcher": env.launcher, "master_addr": env.master_addr, "master_port": env.master_port,

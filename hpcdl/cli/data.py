@@ -24,7 +24,7 @@ from hpcdl.flags import meta
 
 @dataclass(kw_only=True, slots=True)
 class PackCommand:
-    src: str | None = field(default=None, metadata=meta(positional=True))  # the images (see --layout)
+    src: str | None = field(default=None, metadata=meta(positional=True))  # the images (see --tree)
     out: str = field(metadata=meta(positional=True))  # the dataset root to write
     merge: bool = False  # only merge finished parts into manifest.json
     stats: bool = False  # only (re)measure OUT's channel statistics, class counts and sizes into its manifest

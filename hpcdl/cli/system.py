@@ -90,7 +90,7 @@ def tune(cmd: TuneCommand, trials) -> int:
 def _measure(cfg) -> int:
     print(f"hpcdl tune --measure on {socket.gethostname()}: {cpu_model()}, {len(os.sched_getaffinity(0))} cores; "
           f"{cfg.model} at {cfg.crop} px, {cfg.steps} steps a trial", flush=True)
-    r = deferred("hpcdl.bench.layout:measure")(cfg, log=lambda line: print(line, flush=True))
+    r = deferred("hpcdl.bench.tune:measure")(cfg, log=lambda line: print(line, flush=True))
     sys.stdout.write(format_layouts(r))
     w = r["winner"]
     layout = NodeLayout(ranks_per_node=w["ranks"], cpus_per_task=r["topology"]["cores"] // w["ranks"],

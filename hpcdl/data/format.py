@@ -137,7 +137,7 @@ def write_shard(path: str, images: list[bytes], labels: list[int], keys: list[st
 class Manifest:
     """The dataset root's ``manifest.json`` (and, with ``complete`` false, a part's progress file)."""
 
-    layout: str
+    tree: str  # how the packed SRC was organized (pack --tree)
     classes: list[dict]  # {"index", "wnid", "name"}
     shards: list[ShardEntry]
     rejected: list[dict]  # {"path", "reason"}
@@ -185,6 +185,8 @@ class Manifest:
                             f"{', '.join(map(str, READABLE_VERSIONS))}: repack with it")
         try:
             shards = [ShardEntry(**s) for s in body["shards"]]
+            if "tree" not in body and "layout" in body:  # written before pack --layout became --tree
+                body["tree"] = body["layout"]
             optional = ("stats",)  # absent from manifests packed before hpcdl measured them
             return cls(**{k: body[k] for k in cls.__slots__ if k != "shards" and (k in body or k not in optional)},
                        shards=shards)

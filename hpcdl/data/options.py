@@ -52,9 +52,10 @@ class SourceOptions:
 
 @dataclass(kw_only=True, slots=True)
 class PackConfig:
-    src: str  # the images (see --layout)
+    src: str  # the images (see --tree)
     out: str  # the dataset root to write
-    layout: str = field(default="folder", metadata=meta(choices=names.LAYOUTS))  # how SRC is organized
+    # how SRC is organized (the old spelling --layout still works, with a warning, until the next release)
+    tree: str = field(default="folder", metadata=meta(choices=names.TREES, old_flag="--layout"))
     shard_size: int | str = "512MB"  # bytes of images per shard
     encoding: Encoding = field(default_factory=Encoding)
     workers: int = 0  # encoding processes (0: one per CPU this process may use)

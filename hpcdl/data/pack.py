@@ -70,7 +70,7 @@ def pack(cfg: PackConfig) -> Manifest:
     os.makedirs(os.path.join(cfg.out, PARTS_DIR), exist_ok=True)
     if os.path.exists(os.path.join(cfg.out, MANIFEST)) and not cfg.resume:
         raise ConfigError(f"{cfg.out} already holds a packed dataset; pick another OUT or remove it")
-    cat = catalog(cfg.layout, cfg.src, cfg.sources)
+    cat = catalog(cfg.tree, cfg.src, cfg.sources)
     items = cat.items_for_part(part, parts, cfg.seed)
     progress = _start_part(cfg, part, parts, cat.classes)
     if not progress.complete:
@@ -91,7 +91,7 @@ def _start_part(cfg: PackConfig, part: int, parts: int, classes: list[dict]) -> 
     for tmp in glob.glob(os.path.join(glob.escape(cfg.out), f"shard-p{part:04d}-*{TMP_SUFFIX}")):
         os.unlink(tmp)  # left by a killed run of this part
     if not os.path.exists(path):
-        progress = Manifest(layout=cfg.layout, classes=classes, shards=[], rejected=[], options=_options(cfg),
+        progress = Manifest(tree=cfg.tree, classes=classes, shards=[], rejected=[], options=_options(cfg),
                             part=part, parts=parts)
         _remove_unlisted(cfg.out, part, [])
         progress.save(path)
@@ -108,8 +108,8 @@ def _check_resumable(cfg: PackConfig, progress: Manifest, path: str, classes: li
     now = _options(cfg)
     changed = [k for k in ("source", "shard_size", "seed", "max_side", "short_side", "quality")
                if progress.options.get(k) != now[k]]
-    if changed or progress.layout != cfg.layout or progress.classes != classes:
-        what = changed or ["layout or classes"]
+    if changed or progress.tree != cfg.tree or progress.classes != classes:
+        what = changed or ["tree or classes"]
         raise ConfigError(f"--resume: {path} was packed with different {', '.join(what)}; rerun with the "
                           "original options, or remove OUT to start over")
 
@@ -267,10 +267,10 @@ def merge(out: str) -> Manifest:
         todo = sorted(set(range(parts)) - done)
         raise DataError(f"{out}: parts {todo} of {parts} are not finished (or part files of another split "
                         f"are present); rerun those array tasks with --resume")
-    if any(m.classes != loaded[0].classes or m.layout != loaded[0].layout for m in loaded):
-        raise DataError(f"{out}: the part files disagree on classes or layout; they come from different packs")
+    if any(m.classes != loaded[0].classes or m.tree != loaded[0].tree for m in loaded):
+        raise DataError(f"{out}: the part files disagree on classes or tree; they come from different packs")
     shards = [ShardEntry(file=s.file, count=s.count, bytes=s.bytes, sha256=s.sha256) for m in loaded for s in m.shards]
-    merged = Manifest(layout=loaded[0].layout, classes=loaded[0].classes, shards=shards,
+    merged = Manifest(tree=loaded[0].tree, classes=loaded[0].classes, shards=shards,
                       rejected=[r for m in loaded for r in m.rejected], options={**loaded[0].options, "parts": parts},
                       part=0, parts=1, complete=True)
     merged.stats = measure(out, merged)

@@ -1,6 +1,6 @@
-"""The inputs ``hpcdl pack`` reads (``--layout``): what the classes are and which files hold the images.
+"""The inputs ``hpcdl pack`` reads (``--tree``): what the classes are and which files hold the images.
 
-Every layout lists its classes in sorted wnid (or folder) order, so ImageNet train and val packed
+Every tree lists its classes in sorted wnid (or folder) order, so ImageNet train and val packed
 separately agree on the class index. Items are listed in a fixed order and shuffled with the pack's
 seed, so every shard mixes classes and every array task sees the same plan.
 """
@@ -110,7 +110,7 @@ def folder(src: str, opts: SourceOptions) -> Catalog:
     """A class-folder tree (``class/**/file``); ``imagenet-train`` is this with wnid folders."""
     dirs = [d for d in _listdir(src) if os.path.isdir(os.path.join(src, d))]
     if not dirs:
-        raise ConfigError(f"{src}: no class folders; --layout folder wants SRC/<class>/<image files>")
+        raise ConfigError(f"{src}: no class folders; --tree folder wants SRC/<class>/<image files>")
 
     def items(part: int, parts: int, seed: int) -> list[Item]:
         found = []
@@ -137,13 +137,13 @@ def csv_list(src: str, opts: SourceOptions) -> Catalog:
             if not row or (len(row) == 1 and not row[0].strip()):
                 continue
             if len(row) != 2 or not row[0].strip() or not row[1].strip():
-                raise ConfigError(f"{src}:{line}: {row!r} is not 'path,label'; --layout csv wants one image path "
+                raise ConfigError(f"{src}:{line}: {row!r} is not 'path,label'; --tree csv wants one image path "
                                   "and its class per row")
             if line == 1 and [c.strip().lower() for c in row] == ["path", "label"]:
                 continue
             rows.append((row[0].strip(), row[1].strip()))
     if not rows:
-        raise ConfigError(f"{src}: no 'path,label' rows; --layout csv wants one image path and its class per row")
+        raise ConfigError(f"{src}: no 'path,label' rows; --tree csv wants one image path and its class per row")
     labels = sorted({label for _, label in rows},
                     key=lambda v: (0, int(v), "") if v.lstrip("-").isdigit() else (1, 0, v))
     index = {label: i for i, label in enumerate(labels)}
@@ -159,7 +159,7 @@ def imagenet_train(src: str, opts: SourceOptions) -> Catalog:
     catalog = folder(src, opts)
     odd = [c["wnid"] for c in catalog.classes if not WNID.fullmatch(c["wnid"])]
     if odd:
-        raise ConfigError(f"{src}: folders {odd[:5]} are not wnids (n########); use --layout folder for "
+        raise ConfigError(f"{src}: folders {odd[:5]} are not wnids (n########); use --tree folder for "
                           "other class trees")
     return catalog
 
@@ -167,7 +167,7 @@ def imagenet_train(src: str, opts: SourceOptions) -> Catalog:
 def imagenet_val(src: str, opts: SourceOptions) -> Catalog:
     """Flat files; the ground-truth file gives one ILSVRC2012_ID per file, in the files' sorted order."""
     if not (opts.val_labels and opts.synsets):
-        raise ConfigError("--layout imagenet-val needs --val-labels (ILSVRC2012_validation_ground_truth.txt) "
+        raise ConfigError("--tree imagenet-val needs --val-labels (ILSVRC2012_validation_ground_truth.txt) "
                           "and --synsets (wnid per line in ILSVRC2012_ID order, or map_clsloc.txt)")
     id_to_wnid = _read_synsets(opts.synsets)
     wnids = sorted(set(id_to_wnid.values()))
@@ -206,7 +206,7 @@ def imagenet22k_tars(src: str, opts: SourceOptions) -> Catalog:
     """One ``wnid.tar`` per synset, read in place: each item is a (tar, offset, size) triple."""
     tars = [n for n in _listdir(src) if n.endswith(".tar")]
     if not tars:
-        raise ConfigError(f"{src}: no .tar files; --layout imagenet22k-tars wants SRC/<wnid>.tar")
+        raise ConfigError(f"{src}: no .tar files; --tree imagenet22k-tars wants SRC/<wnid>.tar")
     wnids = [t[:-4] for t in tars]
 
     def items(part: int, parts: int, seed: int) -> list[Item]:
@@ -237,21 +237,21 @@ def _tar_items(path: str, tar: str, label: int) -> list[Item]:
                      size=m.size, bad_name=not printable(m.name)[1]) for m in t if m.isfile()]
 
 
-LAYOUTS: dict[str, Callable[[str, SourceOptions], Catalog]] = registry("pack layouts", {
+TREES: dict[str, Callable[[str, SourceOptions], Catalog]] = registry("pack trees", {
     "imagenet-train": imagenet_train,
     "imagenet-val": imagenet_val,
     "imagenet22k-tars": imagenet22k_tars,
     "folder": folder,
     "csv": csv_list,
-}, names.LAYOUTS)
+}, names.TREES)
 
 
-def catalog(layout: str, src: str, opts: SourceOptions) -> Catalog:
-    if layout not in LAYOUTS:
-        raise ConfigError(f"--layout {layout!r} is unknown; choose one of {', '.join(LAYOUTS)}")
-    if layout == "csv":
+def catalog(tree: str, src: str, opts: SourceOptions) -> Catalog:
+    if tree not in TREES:
+        raise ConfigError(f"--tree {tree!r} is unknown; choose one of {', '.join(TREES)}")
+    if tree == "csv":
         if not os.path.isfile(src):
-            raise ConfigError(f"SRC {src} is not a file; --layout csv wants a CSV of path,label rows")
+            raise ConfigError(f"SRC {src} is not a file; --tree csv wants a CSV of path,label rows")
     elif not os.path.isdir(src):
         raise ConfigError(f"SRC {src} is not a directory")
-    return LAYOUTS[layout](src, opts)
+    return TREES[tree](src, opts)

@@ -19,7 +19,7 @@ from PIL import Image
 
 from hpcdl.errors import ConfigError
 
-LAYOUTS = ("folder", "imagenet", "imagenet22k-tars")
+TREES = ("folder", "imagenet", "imagenet22k-tars")
 
 
 def wnid(c: int) -> str:
@@ -56,23 +56,23 @@ class Generated:
     extra: dict = field(default_factory=dict)  # imagenet: paths of val/, its label files, and truth
 
 
-def generate(out: str, classes: int = 10, per_class: int = 20, layout: str = "folder", quirks: bool = False,
+def generate(out: str, classes: int = 10, per_class: int = 20, tree: str = "folder", quirks: bool = False,
              seed: int = 0, size: tuple[int, int] | None = None, val_per_class: int = 5) -> Generated:
     """Write the tree; ``quirks`` go into the first class (the train tree's, for ``imagenet``)."""
-    if layout not in LAYOUTS:
-        raise ConfigError(f"layout {layout!r} is unknown; choose one of {', '.join(LAYOUTS)}")
+    if tree not in TREES:
+        raise ConfigError(f"tree {tree!r} is unknown; choose one of {', '.join(TREES)}")
     if classes < 2 or per_class < 1:
         raise ConfigError("need at least 2 classes and 1 image per class")
-    if quirks and layout == "imagenet22k-tars":
-        raise ConfigError("quirks go into a class folder; use layout folder or imagenet")
+    if quirks and tree == "imagenet22k-tars":
+        raise ConfigError("quirks go into a class folder; use tree folder or imagenet")
     rng = np.random.default_rng(seed)
     os.makedirs(out, exist_ok=True)
     gen = Generated(root=out)
-    train = os.path.join(out, "train") if layout == "imagenet" else out
+    train = os.path.join(out, "train") if tree == "imagenet" else out
     labels, images = _images(classes, per_class, rng, size)
-    (_tars if layout == "imagenet22k-tars" else _folder)(train, labels, images)
+    (_tars if tree == "imagenet22k-tars" else _folder)(train, labels, images)
     gen.count = len(images)
-    if layout == "imagenet":
+    if tree == "imagenet":
         gen.extra = _val(out, *_images(classes, val_per_class, rng, size), rng)
         _write(os.path.join(out, "synset_words.txt"), "".join(f"{wnid(c)} class {c}\n" for c in range(classes)).encode())
     if quirks:
