@@ -102,9 +102,24 @@ def step_rate(model, criterion, images, labels, autocast) -> float:
 
 
 def make_loader(dataset, sampler, batch: int, workers: int):
-    return DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, drop_last=False,
-                      persistent_workers=False, prefetch_factor=4 if workers else None,
-                      worker_init_fn=_start_worker if workers else None)
+    return _Loader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, drop_last=False,
+                   persistent_workers=False, prefetch_factor=4 if workers else None,
+                   worker_init_fn=_start_worker if workers else None)
+
+
+class _Loader(DataLoader):
+    """A DataLoader whose workers start with SIGTERM blocked. scancel's SIGTERM reaches every process of the
+    step, and between a worker's fork and :func:`_start_worker` torch's own handler would end the worker on it
+    (the rank then fails instead of checkpointing): blocked, it stays pending until the worker ignores it."""
+
+    def __iter__(self):
+        if not self.num_workers:
+            return super().__iter__()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            return super().__iter__()  # forks the epoch's workers
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _start_worker(worker_id: int) -> None:
@@ -112,5 +127,6 @@ def _start_worker(worker_id: int) -> None:
     os.nice(LOADER_NICE)
     torch.set_num_threads(1)
     # scancel's SIGTERM reaches every process of the step; the rank stops at the next step and checkpoints,
-    # which needs its workers until then (they exit with it)
+    # which needs its workers until then (they exit with it). Ignoring it drops one that arrived while blocked.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
