@@ -102,4 +102,7 @@ found["weights sha256"] = digest
 found["env"] = {k: v for k, v in __import__("os").environ.items() if k.startswith(("CCL_", "FI_"))}
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(found, f)
+# DDP holds the group: free it while the interpreter is alive (a gloo group torn down by the interpreter's
+# finalization can end in 'terminate called without an active exception', seen once under load)
+del ddp
 shutdown(ctx)

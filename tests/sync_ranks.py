@@ -49,4 +49,7 @@ digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.par
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump({"rank": rank, "backend": dist.get_backend(), "max_rel_error": max(errors), "weights": digest,
                "world": ctx.world_size, "nodes": nodes}, f)
+# DDP holds the group: free it while the interpreter is alive (a gloo group torn down by the interpreter's
+# finalization can end in 'terminate called without an active exception', seen once under load)
+del net, timer
 shutdown(ctx)

@@ -90,6 +90,23 @@ def test_a_process_that_leaves_without_destroying_its_groups_exits_with_its_stat
     assert run.returncode == 3, run.stderr[-2000:]
 
 
+def test_an_abort_on_the_oneccl_thread_fails_the_collective_not_the_process(ccl):
+    """oneCCL throws a C++ exception through its C API when its transport fails (a peer gone mid-message), and
+    that ends in abort() on its thread. os.abort() on that thread stands in for it here: the real one needs a
+    rank killed at the wrong moment, which test_allreduce's lost-rank tests meet only now and then."""
+    from conftest import free_port, rank_env
+
+    code = ("import os, torch.distributed as dist\nfrom hpcdl.distributed.process_group import init_distributed\n"
+            "from hpcdl.distributed.threaded import library_group\nctx = init_distributed('ccl')\n"
+            "group = library_group()\ntry:\n    group.thread.run_here(os.abort, group, 'stand-in call')\n"
+            "except dist.DistBackendError as exc:\n    print('failed:', exc, flush=True)\nraise SystemExit(3)\n")
+    run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60)
+    assert "failed: rank 0: oneCCL stand-in call aborted inside oneCCL" in run.stdout, run.stdout + run.stderr[-2000:]
+    # the parked thread is a call that never returned: the process leaves without finalizing oneCCL
+    assert run.returncode == 1 and "a collective never completed" in run.stderr, run.stderr[-2000:]
+
+
 def test_stale_shm_files_do_not_stop_a_rank_and_a_dead_ranks_is_removed(ccl, tmp_path):
     """A rank killed outright leaves libfabric's /dev/shm/PID:UID:N behind; a later process with that PID
     failed with 'fi_enable(endpoint) fails with ret: -16' (libfabric takes it for a live one's), and each one

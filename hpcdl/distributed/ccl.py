@@ -11,7 +11,10 @@ all-reduce, both from :mod:`hpcdl.distributed.threaded`.
 oneCCL must be called from one thread per process (two communicators used from two threads at once
 crash it), so every group of a process shares one :class:`CommThread` and nothing runs inline. oneCCL
 cannot abort a call: a collective whose peer is gone blocks that thread for good; the watchdog fails
-its Work after the timeout, and at exit the process leaves without finalizing oneCCL.
+its Work after the timeout, and at exit the process leaves without finalizing oneCCL. Sometimes its transport
+does notice (libfabric shm reading from a peer that died mid-message) and oneCCL throws a C++ exception through its
+C API, which ends in ``abort()`` on that thread: a SIGABRT handler (:func:`guard_aborts`) turns that into the same
+failed Work, so the survivor names the lost rank instead of dying with a backtrace.
 
 libfabric's ``shm`` transport keeps each process's queues in a 64 MB file ``/dev/shm/PID:UID:N``, which
 only a clean finalize removes. A process that leaves without finalizing (above) removes its own files on
@@ -24,9 +27,11 @@ first communicator and on the way out (:func:`shm_files`).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
+import signal
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -66,6 +71,31 @@ def comm_thread(liveness: Liveness | None = None) -> CommThread:
             before_leaving(remove_shm_files)
             _thread = CommThread("hpcdl-oneccl", exit_if_stuck=True, liveness=liveness)
         return _thread
+
+
+_ON_SIGNAL = ctypes.CFUNCTYPE(None, ctypes.c_int)
+_abort_guard = None  # the C handler, kept alive for the process
+
+
+def guard_aborts() -> None:
+    """From now on, an ``abort()`` on the oneCCL thread fails the collective in progress and parks the thread
+    (:meth:`CommThread.park`); on any other thread the process aborts as before (the handler returns, and
+    glibc's ``abort`` then ends it with the default action). Set after the first communicator, since libfabric's
+    providers set a SIGABRT handler of their own (a backtrace printer) while oneCCL starts."""
+    global _abort_guard
+    if _abort_guard is not None:
+        return
+
+    def on_abort(signum: int) -> None:
+        thread = _thread
+        if thread is not None and thread.is_current():
+            thread.park("aborted inside oneCCL (a C++ exception through its C API: its transport failed, "
+                        "usually a peer gone)")
+
+    _abort_guard = _ON_SIGNAL(on_abort)
+    libc = ctypes.CDLL(None)
+    libc.signal.restype, libc.signal.argtypes = ctypes.c_void_p, [ctypes.c_int, _ON_SIGNAL]
+    libc.signal(signal.SIGABRT, _abort_guard)
 
 
 def shm_files(root: Path = SHM_DIR) -> list[Path]:
@@ -116,6 +146,7 @@ class CCLProcessGroup(ThreadedProcessGroup):
         self.comm = self.thread.run_here(lambda: ccl.init_rank(world_size, uid, rank), self,
                                          f"communicator creation ({world_size} ranks)")
         self.thread.closers[id(self)] = self._destroy  # at exit, if nobody destroyed the group before
+        guard_aborts()
         self._one = torch.zeros(1)
 
     def library_op(self, name: str):

@@ -200,6 +200,21 @@ class CommThread:
     def closed(self) -> bool:
         return self._closed.is_set()
 
+    def is_current(self) -> bool:
+        return self._thread is threading.current_thread()
+
+    def park(self, why: str) -> None:
+        """On the thread, in place of a library call that cannot return (oneCCL aborting inside one): fail the
+        collective in progress with ``why`` and block here for good. The thread is then stuck as it is when a
+        call never returns, and the process leaves as it does then (:meth:`shutdown`)."""
+        started = self._started
+        if started and not started[3].done():
+            group = started[1]
+            rank = f"rank {group.rank()}: " if group is not None else ""
+            library = group.LIBRARY if group is not None else self.name
+            started[3].set_exception(dist.DistBackendError(f"{rank}{library} {describe(started[2])} {why}"))
+        threading.Event().wait()
+
     def stuck(self) -> bool:
         """Whether the thread is inside a library call that the watchdog has already given up on."""
         started = self._started
