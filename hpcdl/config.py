@@ -21,7 +21,7 @@ from hpcdl.errors import ConfigError
 from hpcdl.names import IMAGENET_TRAIN, check
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.schedule import ScheduleConfig, steps_per_epoch
-from hpcdl.overrides import apply_overrides, flatten, from_dict, to_dict
+from hpcdl.schema import apply_overrides, flatten, from_dict, to_dict
 
 
 @dataclass(kw_only=True, slots=True)

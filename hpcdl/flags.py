@@ -12,8 +12,8 @@ contributes its own fields' flags. Field metadata, rarely needed, adjusts one fl
 - ``metavar``, ``hidden``;
 - ``old_flag``: a former spelling, still accepted with a warning that names the new one.
 
-:func:`config_from_args` builds the dataclass back from the parsed arguments, so the config's own
-``__post_init__`` checks every value, from the command line as from Python.
+:func:`config_from_args` builds the dataclass back from the parsed arguments through :mod:`hpcdl.schema`, so
+the config's own ``__post_init__`` checks every value, from the command line as from Python.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import types
 import typing
 from typing import Any, get_args, get_origin
 
-from hpcdl.errors import ConfigError
+from hpcdl.schema import from_dict
 
 __all__ = ["add_flags", "config_from_args", "field_help", "flag_defaults", "meta"]
 
@@ -184,35 +184,28 @@ def _argument(path: tuple[str, ...], f: dataclasses.Field, tp, text: str) -> tup
     return flag_name(path, f), {k: v for k, v in kw.items() if v is not None or k == "default"}
 
 
-def config_from_args(cls, args: argparse.Namespace, **extra):
-    """``cls`` built from the flags :func:`add_flags` added (and ``extra`` fields given directly)."""
-    return _build(cls, vars(args), (), extra)
+def config_from_args(cls, args: argparse.Namespace):
+    """``cls`` built from the flags :func:`add_flags` added, through :func:`hpcdl.schema.from_dict`: the same
+    rules for unions, tuples and bools as a YAML file or ``--set``."""
+    return from_dict(cls, _nested(cls, vars(args), ()), "")
 
 
-def _build(cls, values: dict, prefix: tuple[str, ...], extra: dict):
+def _nested(cls, values: dict, prefix: tuple[str, ...]) -> dict:
+    """The parsed flags as the nested mapping of ``cls``'s fields (those given or with an argparse default)."""
     hints = typing.get_type_hints(cls)
-    kw = {}
+    out = {}
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
         path = (*prefix, f.name)
-        if not prefix and f.name in extra:
-            kw[f.name] = extra[f.name]
-        elif dataclasses.is_dataclass(hints[f.name]):
-            kw[f.name] = _build(hints[f.name], values, path, {})
+        if dataclasses.is_dataclass(hints[f.name]):
+            out[f.name] = _nested(hints[f.name], values, path)
         elif "__".join(path) in values:
             value = values["__".join(path)]
-            kw[f.name] = tuple(value or ()) if f.metadata.get("cli", {}).get("repeat") else _tuple(value)
+            out[f.name] = list(value or ()) if f.metadata.get("cli", {}).get("repeat") else value
         elif f.name in values:  # a positional argument keeps its own name
-            kw[f.name] = _tuple(values[f.name])
-    try:
-        return cls(**kw)
-    except TypeError as exc:
-        raise ConfigError(f"{cls.__name__}: {exc}") from None
-
-
-def _tuple(value):
-    return tuple(value) if isinstance(value, list) else value
+            out[f.name] = values[f.name]
+    return out
 
 
 def flag_defaults(cls) -> dict[str, Any]:

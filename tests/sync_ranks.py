@@ -7,6 +7,7 @@ trains 20 steps and reports a digest of the weights. Writes OUT/rankR.json.
 import copy
 import hashlib
 import json
+import os
 import sys
 
 import torch
@@ -49,7 +50,11 @@ digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.par
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump({"rank": rank, "backend": dist.get_backend(), "max_rel_error": max(errors), "weights": digest,
                "world": ctx.world_size, "nodes": nodes}, f)
-# DDP holds the group: free it while the interpreter is alive (a gloo group torn down by the interpreter's
-# finalization can end in 'terminate called without an active exception', seen once under load)
+# The checks are written: leave without the interpreter's finalization, where a rank of the fp16 gloo case
+# ended in 'terminate called without an active exception' in 2 of 4 clean-clone CI runs (never reproduced
+# alone, nor with the CPUs loaded; issue 29's note). The group is shut down first, as a training job does.
 del net, timer
 shutdown(ctx)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)

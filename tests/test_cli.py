@@ -150,6 +150,7 @@ def test_the_contributing_example_benchmark_is_one_module_and_one_row(tmp_path, 
 
     text = (REPO / "docs" / "contributing.md").read_text()
     config = re.search(r"```python\n# hpcdl/bench/configs.py\n(.*?)```", text, re.S).group(1)
+    reports = re.search(r"```python\n# hpcdl/bench/reports.py\n(.*?)```", text, re.S).group(1)
     source = re.search(r"```python\n# hpcdl/bench/matmul.py\n(.*?)```", text, re.S).group(1)
     row = re.search(r"```python\n\s+(Benchmark\(.*?\)),\n```", text, re.S).group(1)
     configs = tmp_path / "matmul_configs.py"  # files, as in the package: the flags' help is read from the source
@@ -159,6 +160,13 @@ def test_the_contributing_example_benchmark_is_one_module_and_one_row(tmp_path, 
     monkeypatch.setitem(sys.modules, "matmul_configs", config_module)
     spec.loader.exec_module(config_module)
     monkeypatch.setattr(bench.configs, "MatmulBench", config_module.MatmulBench, raising=False)
+    report_types = {}  # the report's dataclasses, in the typed reports' module for the benchmark's imports
+    report_types["MatmulBench"] = config_module.MatmulBench
+    exec(compile("from dataclasses import dataclass, field\nfrom typing import ClassVar\n"
+                 "from hpcdl.bench.reports import Provenance, Report\n" + reports, "reports.py", "exec",
+                 dont_inherit=True), report_types)  # not this file's annotations future: ClassVar must resolve
+    for name in ("MatmulRow", "MatmulReport"):
+        monkeypatch.setattr(bench.reports, name, report_types[name], raising=False)
     path = tmp_path / "matmul.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("hpcdl.bench.matmul", path)
@@ -173,6 +181,8 @@ def test_the_contributing_example_benchmark_is_one_module_and_one_row(tmp_path, 
     report = json.loads((tmp_path / "mm.json").read_text())
     assert [r["size"] for r in report["rows"]] == [32, 64] and report["config"]["sizes"] == [32, 64]
     assert report["benchmark"] == "matmul" and report["provenance"]["machine"]["cores"] >= 1
+    again = report_types["MatmulReport"].from_dict(report)  # read back through its type
+    assert [r.size for r in again.rows] == [32, 64] and again.provenance.machine.cores >= 1
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
     matmul = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices["matmul"]
     assert "square matrix sides to time (default: 256,512)" in " ".join(matmul.format_help().split())

@@ -19,7 +19,7 @@ from hpcdl.config import PRESETS, dump_yaml, get_preset, load_yaml, resolve
 from hpcdl.data.images import Encoding, Rejected, prepare
 from hpcdl.data.sources import MAX_INPUT_BYTES
 from hpcdl.errors import ConfigError
-from hpcdl.overrides import flatten, to_dict
+from hpcdl.schema import flatten, to_dict
 
 N = int(os.environ.get("HPCDL_FUZZ_N", "8"))
 NO_ROOT_READ = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]  # root that obeys chmod

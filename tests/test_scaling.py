@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import PYTHON, load_json, sbatch_wait
 
+from hpcdl.bench.reports import ScalingReport
 from hpcdl.bench.scaling import Config as ScalingBenchConfig
 from hpcdl.bench.scaling import figure, format_report
 from hpcdl.errors import ConfigError
@@ -46,8 +47,8 @@ def test_two_nodes_one_task_each_give_the_table_json_and_plot(two_nodes, tmp_pat
         assert two["phases_ms"]["comm_wait"] > one["phases_ms"]["comm_wait"]
     out = (tmp_path / f"{report['job']}.out").read_text()
     assert "# scaling: resnet18 at 32 px on 2 ranks (2 node(s), 1 per node)" in out
-    for line in format_report(report).splitlines()[1:]:
-        assert line in out  # the table printed is the table in the JSON
+    for line in format_report(ScalingReport.from_dict(report)).splitlines()[1:]:
+        assert line in out  # the table printed is the table in the JSON, read back through its type
     assert (tmp_path / f"scaling-{report['job']}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -55,7 +56,7 @@ def test_one_node_two_tasks_with_a_hook_and_the_plot_shows_the_table(slurm, tmp_
     report = _scaling_job(tmp_path, 1, 2, "--hook", "fp16")
     assert report["meta"]["ranks_per_node"] == 2 and {p["nodes"] for p in report["points"]} == {1}
     assert report["meta"]["hook"] == "fp16" and "hook fp16" in (tmp_path / f"{report['job']}.out").read_text()
-    fig = figure(report)
+    fig = figure(ScalingReport.from_dict(report))
     left, right = fig.axes
     for mode in ("weak", "strong"):
         pts = sorted((p for p in report["points"] if p["mode"] == mode), key=lambda p: p["ranks"])

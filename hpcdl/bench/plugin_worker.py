@@ -9,6 +9,7 @@ entry points, as in a user's script. Once the groups exist it measures them with
 own sweep, so that the two paths differ only in how the groups were made. Rank 0 writes OUT.json.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ def main(backends: list[str], config: str, out: str) -> None:
     with open(config) as f:
         cfg = Config(**json.load(f))
     ctx = types.SimpleNamespace(rank=dist.get_rank(), world_size=dist.get_world_size(), group=None)
-    rows = [{"backend": name, **measure(ctx, cfg, nbytes, group)} for nbytes in cfg.sizes()
+    rows = [dataclasses.asdict(measure(ctx, cfg, nbytes, group, name)) for nbytes in cfg.sizes()
             for name, group in groups.items()]
     if ctx.rank == 0:
         with open(out + ".tmp", "w") as f:

@@ -1,25 +1,50 @@
-"""The benchmark reports other code reads, typed: ``hpcdl plan`` reads ``bench allreduce``, ``bench step``
-and ``bench scaling`` JSON through these, never by string keys of its own.
+"""The benchmarks' reports, typed: each is a dataclass that its benchmark's ``run`` fills, the runner writes as
+JSON (:func:`hpcdl.schema.to_dict`) and its readers take (the table, the plot, ``hpcdl plan``'s ``--*-json``
+flags, read through :func:`hpcdl.schema.from_dict`), never indexed by string keys.
 
-Each class names only the fields its readers use; a report may hold more. A file that is not JSON, is the
-report of another benchmark, or lacks a field gets an error that names the file, the field and the
-command that writes such a report.
+``bench allreduce``, ``bench scaling`` and ``bench step`` declare their whole report here. ``bench sync`` still
+returns a plain dict; its class names only the fields ``hpcdl plan`` reads (a report may hold more).
+A file that is not JSON, is the report of another benchmark, or lacks a field gets an error that names the
+file, the field and the command that writes such a report.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
-from typing import get_args, get_origin
 
+from hpcdl.bench.configs import AllreduceBench, ScalingBench, StepBench
 from hpcdl.errors import DataError
+from hpcdl.schema import from_dict
 
-__all__ = ["AllreduceReport", "ScalingReport", "StepReport", "SyncReport"]
+__all__ = ["AllreduceReport", "Machine", "Provenance", "Report", "ScalingReport", "StepReport", "SyncReport"]
 
 
-class _Report:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Machine:
+    cpu: str
+    cores: int  # the CPUs this process may run on
+    logical_cpus: int
+    flags: tuple[str, ...]  # the ISA flags that matter (avx*, amx*, fma, sse4*)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where and how a report was measured (:func:`hpcdl.bench.runner.provenance`)."""
+
+    command: tuple[str, ...]
+    hpcdl: str
+    commit: str | None
+    machine: Machine
+    host: str
+    job_id: str | None
+    time: str
+
+
+class Report:
+    """A benchmark report: ``benchmark`` names it; read one with :meth:`from_json` or :meth:`from_dict`."""
+
     benchmark: typing.ClassVar[str]
 
     @classmethod
@@ -37,44 +62,9 @@ class _Report:
         if found and found != cls.benchmark:
             raise DataError(f"{source}: this is an hpcdl bench {found} report; give the JSON of hpcdl bench "
                             f"{cls.benchmark} --json FILE")
-        return _read(cls, data, "", source, cls.benchmark)
-
-
-def _read(cls, data, where: str, source: str, bench: str):
-    if not isinstance(data, dict):
-        raise DataError(f"{source}: {where or 'the report'} is {type(data).__name__}, not a mapping; give the JSON of "
-                        f"hpcdl bench {bench} --json FILE")
-    hints = typing.get_type_hints(cls)
-    kw = {}
-    for f in dataclasses.fields(cls):
-        key = f"{where}.{f.name}" if where else f.name
-        if f.name not in data:
-            if f.default is not dataclasses.MISSING:
-                continue
-            raise DataError(f"{source}: {key} is missing; it is not a report of hpcdl bench {bench} --json FILE "
-                            f"(or one from an older hpcdl: measure it again)")
-        kw[f.name] = _value(hints[f.name], data[f.name], key, source, bench)
-    return cls(**kw)
-
-
-def _value(tp, value, key: str, source: str, bench: str):
-    origin, args = get_origin(tp), get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            return None
-        tp, origin, args = args[0], get_origin(args[0]), get_args(args[0])
-    if dataclasses.is_dataclass(tp):
-        return _read(tp, value, key, source, bench)
-    if origin in (list, tuple) and isinstance(value, list):
-        return tuple(_value(args[0], v, f"{key}[{i}]", source, bench) for i, v in enumerate(value))
-    if origin is dict and isinstance(value, dict):
-        return {k: _value(args[1], v, f"{key}.{k}", source, bench) for k, v in value.items()}
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp in (int, str, bool) and type(value) is tp:
-        return value
-    raise DataError(f"{source}: {key} is {value!r}, not {getattr(tp, '__name__', tp)}; give the JSON of hpcdl bench "
-                    f"{bench} --json FILE")
+        return from_dict(cls, data, "", error=DataError, strict=False, source=source,
+                         fix=f"give the JSON of hpcdl bench {cls.benchmark} --json FILE (one from an older hpcdl: "
+                             "measure it again)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,19 +72,67 @@ class AllreduceRow:
     bytes: int
     time_us: float  # the slowest rank's
     backend: str = ""
+    elements: int = 0
+    iters: int = 0
+    min_time_us: float = 0.0  # the fastest rank's
+    algbw_GBps: float = 0.0  # bytes / time
+    busbw_GBps: float = 0.0  # algbw * 2(n-1)/n: what each rank's link carries in a ring
+    correct: bool = True  # the untimed check's exact sum, on every rank
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AllreduceMeta:
     world_size: int
+    backend: str = ""
+    backends: tuple[str, ...] = ()  # side by side (--backends), else the one
+    nodes: int = 1
+    dtype: str = "float32"
+    torch: str = ""
+    job_id: str | None = None
+    time: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class AllreduceReport(_Report):
+class Placement:
+    """Where one rank ran."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    host: str
+    launcher: str
+    master_addr: str
+    master_port: int
+    threads: int
+    allocator: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RingFit:
+    """A backend's times fitted to a ring's alpha-beta cost."""
+
+    latency_us: float  # alpha, per step
+    busbw_GBps: float  # 1 / beta: the link's achieved rate
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NoFit:
+    none: str  # why no fit (small messages only: latency and noise)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllreduceReport(Report):
     benchmark: typing.ClassVar[str] = "allreduce"
     meta: AllreduceMeta
     rows: tuple[AllreduceRow, ...]
+    ranks: tuple[Placement, ...] = ()
+    fit: dict[str, RingFit | NoFit] = dataclasses.field(default_factory=dict)  # per backend, with 2+ ranks and sizes
+    config: AllreduceBench | None = None  # the command's flags, filled by the runner
+    provenance: Provenance | None = None  # filled by the runner
 
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return self.meta.backends or (self.meta.backend,)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SyncHook:
@@ -103,7 +141,7 @@ class SyncHook:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SyncReport(_Report):
+class SyncReport(Report):
     benchmark: typing.ClassVar[str] = "sync"
     model: str
     parameters: int
@@ -122,51 +160,129 @@ class SyncReport(_Report):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StepSetup:
-    tuning_batch: int
-    ranks_per_node: int
+class PrecisionCase:
+    ms_per_step: float
+    images_per_s: float
+    gflops: float  # counted FLOPs over the step's time
+    gemm_gflops: float  # the same threads' GEMM rate in that precision
+    of_gemm: float  # gflops / gemm_gflops
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Compiled:
+    first_step_s: float  # the compiling step
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NotCompiled:
+    error: str  # why torch.compile did not run here
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPrecision:
+    """fp32 against bf16 autocast (and torch.compile of auto's pick)."""
+
+    threads: int
+    memory_format: str
+    flops_per_step: float
+    cases: dict[str, PrecisionCase]  # fp32, bf16, and AUTO+compile where it ran
+    bf16_emulated: bool
+    rounds: int
+    steps: int
+    auto: str  # loop.precision=auto's pick here
+    auto_why: str
+    fastest: str
+    auto_is_fastest: bool
+    compile: Compiled | NotCompiled | None
+    bf16_over_fp32: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepOverhead:
+    """hpcdl's step against a bare loop."""
+
+    threads: int
+    ms_per_step: dict[str, float]  # the medians: "bare loop", "hpcdl"
+    rounds_ms: dict[str, tuple[float, ...]]
+    ratio: float  # hpcdl / bare loop
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeRound:
+    images_per_s: float  # the node's: its ranks' sum
+    threads: int
+    allocator: str
+    peak_rss_mb: float  # the sum of the ranks' peaks
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankSetup:
+    threads: int
+    allocator: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepTuning:
-    images_per_s: dict[str, float]  # "tuned", "untuned"
+    images_per_s: dict[str, float]  # medians: "tuned", "untuned"
+    runs: dict[str, tuple[NodeRound, ...]] = dataclasses.field(default_factory=dict)
+    ratio: float = 0.0  # tuned / untuned
+    setup: dict[str, RankSetup] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepCurve:
     points: tuple[tuple[float, ...], ...]  # (the node's batch, images/s)
+    runs: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)  # per-rank batch -> each round's
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StepReport(_Report):
+class StepReport(Report):
     benchmark: typing.ClassVar[str] = "step"
-    config: StepSetup
+    config: StepBench
+    precision: StepPrecision | None = None
+    overhead: StepOverhead | None = None
     tuning: StepTuning | None = None
     curve: StepCurve | None = None
+    provenance: Provenance | None = None  # filled by the runner
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScalingMeta:
     ranks_per_node: int
     gradient_bytes: float
+    model: str = ""
+    crop: int = 0
+    backend: str = ""
+    hook: str = "none"
+    world_size: int = 1
+    nodes: int = 1
+    threads: int = 1  # per rank
+    steps: int = 0  # timed, per round
+    warmup: int = 0
+    rounds: int = 1
+    torch: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class StepTimes:
-    mean: float  # ms
+class StepTimes:  # ms
+    mean: float
+    p50: float = 0.0
+    p90: float = 0.0
+    p99: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Phases:  # ms
+class Phases:  # ms, each step's mean (hpcdl.train.step.PHASES)
     forward: float
     backward: float
     optimizer: float
     comm_wait: float
+    data: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScalingPoint:
-    mode: str
+    mode: str  # weak or strong
     ranks: int
     nodes: int
     batch_per_rank: int
@@ -174,10 +290,16 @@ class ScalingPoint:
     images_per_s: float
     step_ms: StepTimes
     phases_ms: Phases
+    steps: int = 0
+    exposed_comm_share: float = 0.0  # the step's share spent waiting on gradients
+    ideal_images_per_s: float = 0.0  # the fewest ranks' rate per rank, times the ranks
+    efficiency: float = 0.0  # images_per_s / ideal_images_per_s
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ScalingReport(_Report):
+class ScalingReport(Report):
     benchmark: typing.ClassVar[str] = "scaling"
     meta: ScalingMeta
     points: tuple[ScalingPoint, ...]
+    config: ScalingBench | None = None  # filled by the runner
+    provenance: Provenance | None = None  # filled by the runner

@@ -14,10 +14,12 @@ from datetime import timedelta
 from pathlib import Path
 
 from hpcdl import __version__, names
+from hpcdl.bench.reports import Machine, Provenance
 from hpcdl.deferred import deferred
 from hpcdl.distributed.env import discover
 from hpcdl.errors import ConfigError
 from hpcdl.flags import meta
+from hpcdl.schema import to_dict
 from hpcdl.utils import atomic_write_text, cpu_flags, cpu_model
 
 __all__ = ["Job", "Output", "RankOptions", "provenance", "run_benchmark", "write_report"]
@@ -76,9 +78,10 @@ class Job:
 
 
 def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | None = None,
-                  argv: list[str] | None = None) -> dict | None:
+                  argv: list[str] | None = None):
     """Run ``row`` (a :class:`hpcdl.bench.Benchmark`) with ``cfg``; rank 0 prints and writes the report and
-    returns it, the other ranks return None."""
+    returns it (its typed report of :mod:`hpcdl.bench.reports` where it has one, else a dict), the other ranks
+    return None."""
     ranks, output = ranks or RankOptions(), output or Output()
     if ranks.backends and not row.compares_backends:
         raise ConfigError(f"bench {row.name} measures one backend at a time; give --backend, not --backends")
@@ -92,10 +95,15 @@ def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | N
             deferred("hpcdl.distributed.process_group:shutdown")(job.ctx)
     if figures is None:
         return None
-    report = {"benchmark": row.name, "config": _plain(cfg), **figures, "provenance": provenance(job, argv)}
+    where = provenance(job, argv)
+    if dataclasses.is_dataclass(figures):
+        report = dataclasses.replace(figures, config=cfg, provenance=where)
+        data = {"benchmark": row.name, **to_dict(report)}
+    else:
+        report = data = {"benchmark": row.name, "config": to_dict(cfg), **figures, "provenance": to_dict(where)}
     print(row.format(report), flush=True)
     if output.json_path:
-        write_report(job.expand(output.json_path), report)
+        write_report(job.expand(output.json_path), data)
     if output.plot_path:
         row.load().plot(report, job.expand(output.plot_path))
     return report
@@ -112,29 +120,25 @@ def _join(ranks: RankOptions) -> Job:
     return Job(env=ctx.env, ctx=ctx, groups=groups, timeout=timeout)
 
 
-def _plain(cfg) -> dict:
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
-
-
 def write_report(path: str, report: dict) -> None:
     atomic_write_text(path, json.dumps(report, indent=1) + "\n")
     log.info("wrote %s", path)
 
 
-def provenance(job: Job | None = None, argv: list[str] | None = None) -> dict:
+def provenance(job: Job | None = None, argv: list[str] | None = None) -> Provenance:
     """Where and how a report was measured: the machine, the command line, hpcdl's version and commit."""
     flags = cpu_flags()
-    return {"command": list(sys.argv if argv is None else argv), "hpcdl": __version__, "commit": _commit(),
-            "machine": {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "logical_cpus": os.cpu_count(),
-                        "flags": sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4")))},
-            "host": os.uname().nodename, "job_id": job.env.job_id if job else None,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    machine = Machine(cpu=cpu_model(), cores=len(os.sched_getaffinity(0)), logical_cpus=os.cpu_count() or 1,
+                      flags=tuple(sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse4")))))
+    return Provenance(command=tuple(sys.argv if argv is None else argv), hpcdl=__version__, commit=_commit(),
+                      machine=machine, host=os.uname().nodename, job_id=job.env.job_id if job else None,
+                      time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
-def machine_line(report: dict) -> str:
+def machine_line(report) -> str:
     """The report's machine as a table's first line: the CPU, its logical CPUs and the ISA flags that matter."""
-    m = report["provenance"]["machine"]
-    return f"CPU: {m['cpu']}, {m['logical_cpus']} logical CPUs, flags {' '.join(m.get('flags', []))}"
+    m = report.provenance.machine if dataclasses.is_dataclass(report) else Machine(**report["provenance"]["machine"])
+    return f"CPU: {m.cpu}, {m.logical_cpus} logical CPUs, flags {' '.join(m.flags)}"
 
 
 def _commit() -> str | None:

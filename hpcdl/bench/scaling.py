@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from hpcdl.bench.configs import MODES
 from hpcdl.bench.configs import ScalingBench as Config
+from hpcdl.bench.reports import Phases, ScalingMeta, ScalingPoint, ScalingReport, StepTimes
 from hpcdl.bench.rounds import alternate
 from hpcdl.bench.step import synthetic_training
 from hpcdl.config import SyncConfig
@@ -45,8 +46,8 @@ __all__ = ["Config", "figure", "format_report", "plot", "run"]
 log = logging.getLogger(__name__)
 
 
-def run(cfg: Config, job) -> dict | None:
-    """Measure every point on the job's ranks; rank 0 gets the figures."""
+def run(cfg: Config, job) -> ScalingReport | None:
+    """Measure every point on the job's ranks; rank 0 gets the report."""
 
     ctx = job.ctx
     points = cfg.points(ctx.world_size)
@@ -62,7 +63,7 @@ def run(cfg: Config, job) -> dict | None:
     if ctx.rank != 0:
         return None
     steps = {p: [row for r in rows for row in r] for p, rows in rounds.items()}
-    return {"meta": _meta(ctx, cfg, nodes), "points": _summaries(steps, nodes)}
+    return ScalingReport(meta=_meta(ctx, cfg, nodes), points=_summaries(steps, nodes))
 
 
 def _node_ranks(ctx) -> list[int]:
@@ -108,23 +109,23 @@ def _stepper(ctx, cfg: Config, batch: int, group):
     return step
 
 
-def _summaries(steps: dict[tuple, list[dict]], nodes: list[int]) -> list[dict]:
+def _summaries(steps: dict[tuple, list[dict]], nodes: list[int]) -> tuple[ScalingPoint, ...]:
     out = []
     for (mode, k, batch), rows in steps.items():
         walls = sorted(r["wall"] for r in rows)
         mean = statistics.fmean(walls)
-        out.append({"mode": mode, "ranks": k, "nodes": len(set(nodes[:k])), "batch_per_rank": batch,
-                    "global_batch": batch * k, "steps": len(rows), "images_per_s": batch * k / mean,
-                    "step_ms": {"mean": mean * 1e3, **{f"p{q}": _percentile(walls, q) * 1e3 for q in (50, 90, 99)}},
-                    "phases_ms": {p: statistics.fmean(r[p] for r in rows) * 1e3 for p in PHASES},
-                    "exposed_comm_share": statistics.fmean(r["comm_wait"] for r in rows) / mean})
-    for mode in {p["mode"] for p in out}:
-        these = [p for p in out if p["mode"] == mode]
-        base = min(these, key=lambda p: p["ranks"])
-        for p in these:
-            p["ideal_images_per_s"] = base["images_per_s"] / base["ranks"] * p["ranks"]
-            p["efficiency"] = p["images_per_s"] / p["ideal_images_per_s"]
-    return out
+        out.append(ScalingPoint(
+            mode=mode, ranks=k, nodes=len(set(nodes[:k])), batch_per_rank=batch, global_batch=batch * k,
+            steps=len(rows), images_per_s=batch * k / mean,
+            step_ms=StepTimes(mean * 1e3, *(_percentile(walls, q) * 1e3 for q in (50, 90, 99))),
+            phases_ms=Phases(**{p: statistics.fmean(r[p] for r in rows) * 1e3 for p in PHASES}),
+            exposed_comm_share=statistics.fmean(r["comm_wait"] for r in rows) / mean))
+    base = {}  # each mode's point of fewest ranks: linear scaling from it is the ideal
+    for p in out:
+        if p.mode not in base or p.ranks < base[p.mode].ranks:
+            base[p.mode] = p
+    ideal = [base[p.mode].images_per_s / base[p.mode].ranks * p.ranks for p in out]
+    return tuple(dataclasses.replace(p, ideal_images_per_s=i, efficiency=p.images_per_s / i) for p, i in zip(out, ideal))
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -133,55 +134,56 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[int(index)]
 
 
-def _meta(ctx, cfg: Config, nodes: list[int]) -> dict:
-    return {"benchmark": "scaling", "model": cfg.model, "crop": cfg.crop or MODELS[cfg.model].crop,
-            "gradient_bytes": model_facts(cfg.model).gradient_bytes, "backend": ctx.backend.name, "hook": cfg.hook,
-            "world_size": ctx.world_size, "nodes": len(set(nodes)), "ranks_per_node": ctx.env.local_size, "threads": torch.get_num_threads(),
-            "steps": cfg.steps, "warmup": cfg.warmup, "rounds": cfg.rounds, "torch": torch.__version__}
+def _meta(ctx, cfg: Config, nodes: list[int]) -> ScalingMeta:
+    return ScalingMeta(model=cfg.model, crop=cfg.crop or MODELS[cfg.model].crop,
+                       gradient_bytes=model_facts(cfg.model).gradient_bytes, backend=ctx.backend.name, hook=cfg.hook,
+                       world_size=ctx.world_size, nodes=len(set(nodes)), ranks_per_node=ctx.env.local_size,
+                       threads=torch.get_num_threads(), steps=cfg.steps, warmup=cfg.warmup, rounds=cfg.rounds,
+                       torch=torch.__version__)
 
 
-def format_report(report: dict) -> str:
-    m = report["meta"]
-    lines = [f"# scaling: {m['model']} at {m['crop']} px on {m['world_size']} ranks ({m['nodes']} node(s), "
-             f"{m['ranks_per_node']} per node), backend {m['backend']}, hook {m.get('hook', 'none')}, {m['threads']} threads per rank, "
-             f"{m['rounds']} rounds of {m['steps']} steps per point; {report['provenance']['machine']['cpu']}",
+def format_report(report: ScalingReport) -> str:
+    m = report.meta
+    lines = [f"# scaling: {m.model} at {m.crop} px on {m.world_size} ranks ({m.nodes} node(s), "
+             f"{m.ranks_per_node} per node), backend {m.backend}, hook {m.hook}, {m.threads} threads per rank, "
+             f"{m.rounds} rounds of {m.steps} steps per point; {report.provenance.machine.cpu}",
              f"{'mode':6} {'ranks':>5} {'nodes':>5} {'batch/rank':>10} {'global':>6} {'images/s':>9} {'ideal':>9} "
              f"{'efficiency':>10} {'exposed comm':>12} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}"]
-    for p in report["points"]:
-        s = p["step_ms"]
-        lines.append(f"{p['mode']:6} {p['ranks']:>5} {p['nodes']:>5} {p['batch_per_rank']:>10} {p['global_batch']:>6} "
-                     f"{p['images_per_s']:>9.2f} {p['ideal_images_per_s']:>9.2f} {p['efficiency']:>9.1%} "
-                     f"{p['exposed_comm_share']:>11.1%} {s['p50']:>8.1f} {s['p90']:>8.1f} {s['p99']:>8.1f}")
+    for p in report.points:
+        s = p.step_ms
+        lines.append(f"{p.mode:6} {p.ranks:>5} {p.nodes:>5} {p.batch_per_rank:>10} {p.global_batch:>6} "
+                     f"{p.images_per_s:>9.2f} {p.ideal_images_per_s:>9.2f} {p.efficiency:>9.1%} "
+                     f"{p.exposed_comm_share:>11.1%} {s.p50:>8.1f} {s.p90:>8.1f} {s.p99:>8.1f}")
     return "\n".join(lines)
 
 
-def plot(report: dict, out: str) -> str:
+def plot(report: ScalingReport, out: str) -> str:
     """Write :func:`figure` of ``report`` as a PNG at ``out``."""
     return save_png(figure(report), out)
 
 
-def figure(report: dict):
+def figure(report: ScalingReport):
     """Throughput and efficiency against rank count, each mode with its ideal (linear) line."""
     plt = pyplot("hpcdl bench scaling --plot")
-    m = report["meta"]
+    m = report.meta
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for mode, color in zip(MODES, ("#4c72b0", "#dd8452")):
-        pts = sorted((p for p in report["points"] if p["mode"] == mode), key=lambda p: p["ranks"])
+        pts = sorted((p for p in report.points if p.mode == mode), key=lambda p: p.ranks)
         if not pts:
             continue
-        ranks = [p["ranks"] for p in pts]
-        left.plot(ranks, [p["images_per_s"] for p in pts], "o-", color=color, label=f"{mode} (measured)")
-        left.plot(ranks, [p["ideal_images_per_s"] for p in pts], "--", color=color, label=f"{mode} ideal")
-        right.plot(ranks, [p["efficiency"] * 100 for p in pts], "o-", color=color, label=mode)
+        ranks = [p.ranks for p in pts]
+        left.plot(ranks, [p.images_per_s for p in pts], "o-", color=color, label=f"{mode} (measured)")
+        left.plot(ranks, [p.ideal_images_per_s for p in pts], "--", color=color, label=f"{mode} ideal")
+        right.plot(ranks, [p.efficiency * 100 for p in pts], "o-", color=color, label=mode)
         for p in pts:
-            right.annotate(f"{p['efficiency']:.0%}", (p["ranks"], p["efficiency"] * 100), textcoords="offset points",
+            right.annotate(f"{p.efficiency:.0%}", (p.ranks, p.efficiency * 100), textcoords="offset points",
                            xytext=(0, 6), ha="center", fontsize=8, color=color)
     right.axhline(100, color="grey", linestyle="--", label="ideal")
-    counts_axis((left, right), list({p["ranks"] for p in report["points"]}), "ranks")
+    counts_axis((left, right), list({p.ranks for p in report.points}), "ranks")
     left.set_ylabel("images/s")
     right.set_ylabel("efficiency, % of linear")
     right.set_ylim(0, 110)
-    fig.suptitle(f"{m['model']} at {m['crop']} px, {m['backend']}, {m['nodes']} node(s) x {m['ranks_per_node']} "
-                 f"ranks, {m['threads']} threads per rank", fontsize=10)
+    fig.suptitle(f"{m.model} at {m.crop} px, {m.backend}, {m.nodes} node(s) x {m.ranks_per_node} ranks, "
+                 f"{m.threads} threads per rank", fontsize=10)
     fig.tight_layout()
     return fig

@@ -36,6 +36,8 @@ import torch
 from hpcdl.bench.configs import StepBench as Config
 from hpcdl.bench.flops import gemm_gflops, training_flops
 from hpcdl.bench.rounds import alternate, medians, timed_ms
+from hpcdl.bench.reports import (Compiled, NodeRound, NotCompiled, PrecisionCase, RankSetup, StepCurve, StepOverhead,
+                                 StepPrecision, StepReport, StepTuning)
 from hpcdl.bench.runner import machine_line
 from hpcdl.distributed.affinity import allocator_env, allocator_in_use, plan_cpus
 from hpcdl.distributed.process_group import apply_cpu_plan
@@ -89,7 +91,7 @@ def hpcdl_loop(model_name: str, batch: int, crop: int):
     return step
 
 
-def precision(cfg: Config) -> dict:
+def precision(cfg: Config) -> StepPrecision:
     """fp32 against bf16 autocast (and torch.compile of auto's pick), each against its GEMM rate."""
 
     if cfg.threads:
@@ -100,42 +102,42 @@ def precision(cfg: Config) -> dict:
     flops = training_flops(model, x, y, criterion)
     gemm = {p: gemm_gflops(p) for p in ("fp32", "bf16")}
     cases = {p: bare_loop(cfg.model, cfg.batch, cfg.crop, p) for p in ("fp32", "bf16")}
-    compiled = _compiled_case(cfg, auto) if cfg.compile else None
-    if compiled and compiled.get("step"):
-        cases[f"{auto}+compile"] = compiled.pop("step")
+    compiled, step = _compiled_case(cfg, auto) if cfg.compile else (None, None)
+    if step is not None:
+        cases[f"{auto}+compile"] = step
     rounds, steps = (1, 1) if emulated else (cfg.precision_rounds, cfg.steps)
     times = medians(alternate({name: timed_ms(step, steps) for name, step in cases.items()}, rounds))
-    rows = {name: {"ms_per_step": ms, "images_per_s": cfg.batch / ms * 1e3, "gflops": flops / ms / 1e6,
-                   "gemm_gflops": gemm[name.split("+")[0]], "of_gemm": flops / ms / 1e6 / gemm[name.split("+")[0]]}
+    rows = {name: PrecisionCase(ms_per_step=ms, images_per_s=cfg.batch / ms * 1e3, gflops=flops / ms / 1e6,
+                                gemm_gflops=gemm[name.split("+")[0]], of_gemm=flops / ms / 1e6 / gemm[name.split("+")[0]])
             for name, ms in times.items()}
     fastest = min(times, key=times.get)
-    return {"threads": torch.get_num_threads(), "memory_format": "channels_last", "flops_per_step": flops,
-            "cases": rows, "bf16_emulated": emulated, "rounds": rounds, "steps": steps, "auto": auto, "auto_why": why,
-            "fastest": fastest, "auto_is_fastest": fastest.split("+")[0] == auto, "compile": compiled,
-            "bf16_over_fp32": times["fp32"] / times["bf16"]}
+    return StepPrecision(threads=torch.get_num_threads(), memory_format="channels_last", flops_per_step=flops,
+                         cases=rows, bf16_emulated=emulated, rounds=rounds, steps=steps, auto=auto, auto_why=why,
+                         fastest=fastest, auto_is_fastest=fastest.split("+")[0] == auto, compile=compiled,
+                         bf16_over_fp32=times["fp32"] / times["bf16"])
 
 
-def _compiled_case(cfg: Config, precision: str) -> dict:
-    """torch.compile's step of ``precision``, its first (compiling) step timed; where it cannot compile here,
-    the reason instead of a step."""
+def _compiled_case(cfg: Config, precision: str):
+    """torch.compile's step of ``precision`` and its first (compiling) step's time; where it cannot compile
+    here, the reason and no step."""
     step = bare_loop(cfg.model, cfg.batch, cfg.crop, precision, compiled=True)
     t0 = time.perf_counter()
     try:
         step()
     except Exception as exc:  # no C++ compiler, an unsupported op: the comparison goes on without it
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    return {"step": step, "first_step_s": time.perf_counter() - t0}
+        return NotCompiled(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"), None
+    return Compiled(first_step_s=time.perf_counter() - t0), step
 
 
-def overhead(cfg: Config) -> dict:
+def overhead(cfg: Config) -> StepOverhead:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cases = {"bare loop": bare_loop(cfg.model, cfg.batch, cfg.crop), "hpcdl": hpcdl_loop(cfg.model, cfg.batch, cfg.crop)}
     # the warm-up step puts optimizer state and first-touch allocations outside the timing
     times = alternate({name: timed_ms(step, cfg.steps) for name, step in cases.items()}, cfg.rounds)
     median = medians(times)
-    return {"threads": torch.get_num_threads(), "ms_per_step": median, "rounds_ms": times,
-            "ratio": median["hpcdl"] / median["bare loop"]}
+    return StepOverhead(threads=torch.get_num_threads(), ms_per_step=median,
+                        rounds_ms={k: tuple(v) for k, v in times.items()}, ratio=median["hpcdl"] / median["bare loop"])
 
 
 def _child_env(tuned: bool) -> dict[str, str]:
@@ -145,14 +147,14 @@ def _child_env(tuned: bool) -> dict[str, str]:
     return env
 
 
-def _node_round(cfg: Config, tuned: bool) -> dict:
+def _node_round(cfg: Config, tuned: bool) -> NodeRound:
     """``ranks_per_node`` children at once; the node's throughput is the sum of theirs."""
     spec = {"tuned": tuned, "model": cfg.tuning_model, "batch": cfg.tuning_batch, "crop": cfg.tuning_crop,
             "steps": cfg.tuning_steps}
     return node_round(spec, cfg.ranks_per_node, _child_env(tuned))
 
 
-def node_round(spec: dict, ranks: int, env: dict[str, str]) -> dict:
+def node_round(spec: dict, ranks: int, env: dict[str, str]) -> NodeRound:
     """``ranks`` children of :func:`child` at once, each a local rank of ``spec`` started with ``env``; the node's
     images/s is the sum of theirs, its memory the sum of their peak resident sets."""
     procs = [subprocess.Popen([sys.executable, "-m", "hpcdl.bench.step",
@@ -164,8 +166,8 @@ def node_round(spec: dict, ranks: int, env: dict[str, str]) -> dict:
         if p.returncode != 0:
             raise RuntimeError(f"bench step child ({json.dumps(spec)}) failed:\n{err[-3000:]}")
         results.append(json.loads(out.strip().splitlines()[-1]))
-    return {"images_per_s": sum(r["images_per_s"] for r in results), "threads": results[0]["threads"],
-            "allocator": results[0]["allocator"], "peak_rss_mb": sum(r["peak_rss_mb"] for r in results)}
+    return NodeRound(images_per_s=sum(r["images_per_s"] for r in results), threads=results[0]["threads"],
+                     allocator=results[0]["allocator"], peak_rss_mb=sum(r["peak_rss_mb"] for r in results))
 
 
 def child(spec: dict) -> dict:
@@ -185,84 +187,80 @@ def child(spec: dict) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def tuning(cfg: Config) -> dict:
+def tuning(cfg: Config) -> StepTuning:
     runs = alternate({name: (lambda tuned=name == "tuned": _node_round(cfg, tuned)) for name in ("untuned", "tuned")},
                      cfg.tuning_rounds, warmup=0)
-    median = medians(runs, key=lambda r: r["images_per_s"])
-    return {"images_per_s": median, "runs": runs, "ratio": median["tuned"] / median["untuned"],
-            "setup": {k: {"threads": v[0]["threads"], "allocator": v[0]["allocator"]} for k, v in runs.items()}}
+    median = medians(runs, key=lambda r: r.images_per_s)
+    return StepTuning(images_per_s=median, runs={k: tuple(v) for k, v in runs.items()},
+                      ratio=median["tuned"] / median["untuned"],
+                      setup={k: RankSetup(v[0].threads, v[0].allocator) for k, v in runs.items()})
 
 
-def curve(cfg: Config) -> dict:
+def curve(cfg: Config) -> StepCurve:
     """The tuned node's images/s at each per-rank batch of ``curve_batches``, alternating rounds, medians:
     the throughput-vs-batch curve ``hpcdl plan --step-json`` reads."""
-    runs = alternate({b: (lambda b=b: _node_round(replace(cfg, tuning_batch=b), True)["images_per_s"])
+    runs = alternate({b: (lambda b=b: _node_round(replace(cfg, tuning_batch=b), True).images_per_s)
                       for b in cfg.curve_batches}, cfg.tuning_rounds, warmup=0)
-    return {"points": [[b * cfg.ranks_per_node, v] for b, v in medians(runs).items()], "runs": runs}
+    return StepCurve(points=tuple((b * cfg.ranks_per_node, v) for b, v in medians(runs).items()),
+                     runs={str(b): tuple(v) for b, v in runs.items()})
 
 
-def run(cfg: Config, job=None) -> dict:
-    report = {}
-    if "precision" in cfg.only:
-        report["precision"] = precision(cfg)
-    if "overhead" in cfg.only:
-        report["overhead"] = overhead(cfg)
-    if "tuning" in cfg.only:
-        report["tuning"] = tuning(cfg)
-    if cfg.curve_batches:
-        report["curve"] = curve(cfg)
-    return report
+def run(cfg: Config, job=None) -> StepReport:
+    return StepReport(config=cfg, precision=precision(cfg) if "precision" in cfg.only else None,
+                      overhead=overhead(cfg) if "overhead" in cfg.only else None,
+                      tuning=tuning(cfg) if "tuning" in cfg.only else None,
+                      curve=curve(cfg) if cfg.curve_batches else None)
 
 
-def format_report(r: dict) -> str:
-    c = r["config"]
+def format_report(r: StepReport) -> str:
+    c = r.config
     lines = [machine_line(r)]
-    if "precision" in r:
-        lines += _precision_lines(r["precision"], c)
-    if "overhead" in r:
-        o = r["overhead"]
-        lines += [f"training step, {c['model']} batch {c['batch']} at {c['crop']} px, LARS, {o['threads']} threads, "
-                  f"median of {c['rounds']} alternating rounds of {c['steps']} steps:",
-                  *(f"  {name:10s} {ms:9.1f} ms/step" for name, ms in o["ms_per_step"].items()),
-                  f"  hpcdl / bare loop: {o['ratio']:.3f}x"]
-    if "tuning" in r:
-        t = r["tuning"]
-        lines += [f"{c['tuning_model']} training, batch {c['tuning_batch']} per rank at {c['tuning_crop']} px, "
-                  f"{c['ranks_per_node']} ranks on this node, median of {c['tuning_rounds']} alternating rounds of "
-                  f"{c['tuning_steps']} steps:"]
+    if r.precision:
+        lines += _precision_lines(r.precision, c)
+    if r.overhead:
+        o = r.overhead
+        lines += [f"training step, {c.model} batch {c.batch} at {c.crop} px, LARS, {o.threads} threads, "
+                  f"median of {c.rounds} alternating rounds of {c.steps} steps:",
+                  *(f"  {name:10s} {ms:9.1f} ms/step" for name, ms in o.ms_per_step.items()),
+                  f"  hpcdl / bare loop: {o.ratio:.3f}x"]
+    if r.tuning:
+        t = r.tuning
+        lines += [f"{c.tuning_model} training, batch {c.tuning_batch} per rank at {c.tuning_crop} px, "
+                  f"{c.ranks_per_node} ranks on this node, median of {c.tuning_rounds} alternating rounds of "
+                  f"{c.tuning_steps} steps:"]
         for name in ("untuned", "tuned"):
-            s = t["setup"][name]
-            lines.append(f"  {name:8s} {t['images_per_s'][name]:7.2f} images/s per node  ({s['threads']} threads per "
-                         f"rank, {s['allocator'].split(':')[0]})")
-        lines.append(f"  tuned / untuned: {t['ratio']:.2f}x")
-    if "curve" in r:
-        lines.append(f"tuned node, {c['tuning_model']} at {c['tuning_crop']} px, images/s against the node's batch "
-                     f"({c['ranks_per_node']} ranks), median of {c['tuning_rounds']} alternating rounds:")
-        lines += [f"  batch {b:5g}  {v:8.2f} images/s" for b, v in r["curve"]["points"]]
+            s = t.setup[name]
+            lines.append(f"  {name:8s} {t.images_per_s[name]:7.2f} images/s per node  ({s.threads} threads per "
+                         f"rank, {s.allocator.split(':')[0]})")
+        lines.append(f"  tuned / untuned: {t.ratio:.2f}x")
+    if r.curve:
+        lines.append(f"tuned node, {c.tuning_model} at {c.tuning_crop} px, images/s against the node's batch "
+                     f"({c.ranks_per_node} ranks), median of {c.tuning_rounds} alternating rounds:")
+        lines += [f"  batch {b:5g}  {v:8.2f} images/s" for b, v in r.curve.points]
     return "\n".join(lines) + "\n"
 
 
-def _precision_lines(p: dict, c: dict) -> list[str]:
-    lines = [f"precision, {c['model']} batch {c['batch']} at {c['crop']} px, {p['memory_format']}, LARS, {p['threads']} "
-             f"threads, {p['flops_per_step'] / 1e9:.1f} GFLOP a step, median of {p['rounds']} alternating rounds of "
-             f"{p['steps']} steps" + (" (bf16 is emulated here: one step each)" if p["bf16_emulated"] else "") + ":",
+def _precision_lines(p: StepPrecision, c: Config) -> list[str]:
+    lines = [f"precision, {c.model} batch {c.batch} at {c.crop} px, {p.memory_format}, LARS, {p.threads} "
+             f"threads, {p.flops_per_step / 1e9:.1f} GFLOP a step, median of {p.rounds} alternating rounds of "
+             f"{p.steps} steps" + (" (bf16 is emulated here: one step each)" if p.bf16_emulated else "") + ":",
              f"  {'case':14s} {'ms/step':>9s} {'images/s':>9s} {'GFLOP/s':>8s} {'GEMM GFLOP/s':>13s} {'of GEMM':>8s}"]
-    for name, row in p["cases"].items():
-        lines.append(f"  {name:14s} {row['ms_per_step']:9.1f} {row['images_per_s']:9.2f} {row['gflops']:8.1f} "
-                     f"{row['gemm_gflops']:13.1f} {row['of_gemm']:8.0%}")
-    lines.append(f"  bf16 / fp32: {p['bf16_over_fp32']:.2f}x the speed")
-    comp = p["compile"]
-    if comp and "error" in comp:
-        lines.append(f"  torch.compile did not run here: {comp['error']}")
+    for name, row in p.cases.items():
+        lines.append(f"  {name:14s} {row.ms_per_step:9.1f} {row.images_per_s:9.2f} {row.gflops:8.1f} "
+                     f"{row.gemm_gflops:13.1f} {row.of_gemm:8.0%}")
+    lines.append(f"  bf16 / fp32: {p.bf16_over_fp32:.2f}x the speed")
+    comp = p.compile
+    if isinstance(comp, NotCompiled):
+        lines.append(f"  torch.compile did not run here: {comp.error}")
     elif comp:
-        name = f"{p['auto']}+compile"
-        saved = p["cases"][p["auto"]]["ms_per_step"] - p["cases"][name]["ms_per_step"]
-        pays = (f"pays for its first step after {comp['first_step_s'] * 1e3 / saved:.0f} steps" if saved > 0
+        plain, compiled = p.cases[p.auto].ms_per_step, p.cases[f"{p.auto}+compile"].ms_per_step
+        saved = plain - compiled
+        pays = (f"pays for its first step after {comp.first_step_s * 1e3 / saved:.0f} steps" if saved > 0
                 else "does not pay: it is no faster")
-        lines.append(f"  torch.compile: {p['cases'][p['auto']]['ms_per_step'] / p['cases'][name]['ms_per_step']:.2f}x "
-                     f"the speed of {p['auto']}, first step {comp['first_step_s']:.0f} s; {pays}")
-    verdict = "the fastest measured" if p["auto_is_fastest"] else f"NOT the fastest measured ({p['fastest']})"
-    lines.append(f"  loop.precision=auto chose {p['auto']} ({p['auto_why']}): {verdict}")
+        lines.append(f"  torch.compile: {plain / compiled:.2f}x the speed of {p.auto}, first step "
+                     f"{comp.first_step_s:.0f} s; {pays}")
+    verdict = "the fastest measured" if p.auto_is_fastest else f"NOT the fastest measured ({p.fastest})"
+    lines.append(f"  loop.precision=auto chose {p.auto} ({p.auto_why}): {verdict}")
     return lines
 
 

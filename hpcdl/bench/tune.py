@@ -30,6 +30,7 @@ import time
 
 from hpcdl.bench.configs import TuneConfig
 from hpcdl.bench.rounds import alternate
+from hpcdl.bench.reports import NodeRound
 from hpcdl.bench.step import node_round
 from hpcdl.distributed.affinity import ALLOCATORS, allocator_env, find_library
 from hpcdl.errors import ConfigError
@@ -122,11 +123,11 @@ def refusal(trial: Trial, topology: dict, memory_mb: float, rss_per_image_mb: di
 def measure(cfg: TuneConfig, log=print) -> dict:
     """Every trial's images/s, the refused ones with their reasons, the confirming run, and the winner."""
     topology, memory_mb = node_topology(), node_memory_mb()
-    results: dict[Trial, dict] = {}
+    results: dict[Trial, NodeRound] = {}
     refused: dict[str, str] = {}
     rss: dict[int, tuple[float, float]] = {}  # ranks -> (fixed MB, MB per image) per rank
 
-    def run(trial: Trial) -> dict:
+    def run(trial: Trial) -> NodeRound:
         env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES", "MALLOC_CONF")}
         env.update(allocator_env(trial.allocator)[1])
         spec = {"tuned": True, "model": cfg.model, "batch": trial.batch, "crop": cfg.crop, "steps": cfg.steps,
@@ -143,10 +144,10 @@ def measure(cfg: TuneConfig, log=print) -> dict:
             return
         t0 = time.perf_counter()
         results[trial] = run(trial)
-        log(f"  {results[trial]['images_per_s']:8.2f} images/s  {trial.name()}  ({time.perf_counter() - t0:.0f} s)")
+        log(f"  {results[trial].images_per_s:8.2f} images/s  {trial.name()}  ({time.perf_counter() - t0:.0f} s)")
 
     def best() -> Trial:
-        return max(results, key=lambda t: results[t]["images_per_s"])
+        return max(results, key=lambda t: results[t].images_per_s)
 
     allocators = [a.name for a in ALLOCATORS if a.name == "glibc" or find_library(a)]
     start = Trial(ranks=1, allocator=allocators[0], batch=cfg.batch)
@@ -161,7 +162,7 @@ def measure(cfg: TuneConfig, log=print) -> dict:
     for allocator in allocators:
         attempt(dataclasses.replace(best(), allocator=allocator))
     top = best()
-    per_rank = results[top]["peak_rss_mb"] / top.ranks
+    per_rank = results[top].peak_rss_mb / top.ranks
     rss[top.ranks] = (per_rank * 0.5, per_rank * 0.5 / top.batch)  # refined below once a second batch ran
     for batch in (max(1, top.batch // 2), top.batch * 2):
         attempt(dataclasses.replace(top, batch=batch))
@@ -173,31 +174,31 @@ def measure(cfg: TuneConfig, log=print) -> dict:
 
 def _fit_rss(trials: list[Trial], results: dict) -> tuple[float, float]:
     """Per rank: peak resident MB = fixed + per_image x batch, through the trials' points."""
-    pts = sorted((t.batch, results[t]["peak_rss_mb"] / t.ranks) for t in trials)
+    pts = sorted((t.batch, results[t].peak_rss_mb / t.ranks) for t in trials)
     (b1, m1), (b2, m2) = pts[0], pts[-1]
     per_image = max(0.0, (m2 - m1) / (b2 - b1)) if b2 != b1 else m1 / b1
     return m1 - per_image * b1, per_image
 
 
 def _decide(cfg: TuneConfig, results: dict, refused: dict, skipped: dict, run, topology: dict, memory_mb: float) -> dict:
-    ranked = sorted(results, key=lambda t: -results[t]["images_per_s"])
+    ranked = sorted(results, key=lambda t: -results[t].images_per_s)
     # the batch is advice: the layout is judged at the trials' batch, then the smallest batch within 5% is named
     same_batch = [t for t in ranked if t.batch == cfg.batch] or ranked
     winner, runner_up = same_batch[0], (same_batch[1] if len(same_batch) > 1 else None)
     confirm = None
     if runner_up is not None and cfg.confirm_rounds:
-        runs = alternate({"winner": lambda: run(winner)["images_per_s"], "runner-up": lambda: run(runner_up)["images_per_s"]},
+        runs = alternate({"winner": lambda: run(winner).images_per_s, "runner-up": lambda: run(runner_up).images_per_s},
                          cfg.confirm_rounds, warmup=0)
         confirm = {"winner": winner.name(), "runner_up": runner_up.name(), "rounds": runs,
                    "medians": {k: statistics.median(v) for k, v in runs.items()}}
         if confirm["medians"]["runner-up"] > confirm["medians"]["winner"]:
             winner, runner_up = runner_up, winner
             confirm["swapped"] = True
-    best_rate = max(results[t]["images_per_s"] for t in results if dataclasses.replace(t, batch=winner.batch) == winner)
+    best_rate = max(results[t].images_per_s for t in results if dataclasses.replace(t, batch=winner.batch) == winner)
     batches = sorted(t.batch for t in results if dataclasses.replace(t, batch=winner.batch) == winner
-                     and results[t]["images_per_s"] >= 0.95 * best_rate)
+                     and results[t].images_per_s >= 0.95 * best_rate)
     return {"topology": topology, "memory_mb": memory_mb, "model": cfg.model, "crop": cfg.crop, "steps": cfg.steps,
-            "trials": [{"trial": dataclasses.asdict(t), "name": t.name(), **results[t]} for t in ranked],
+            "trials": [{"trial": dataclasses.asdict(t), "name": t.name(), **dataclasses.asdict(results[t])} for t in ranked],
             "refused": refused, "skipped": skipped, "confirm": confirm, "winner": dataclasses.asdict(winner),
-            "winner_name": winner.name(), "winner_images_per_s": results[winner]["images_per_s"],
+            "winner_name": winner.name(), "winner_images_per_s": results[winner].images_per_s,
             "batch_per_rank": batches[0] if batches else winner.batch}

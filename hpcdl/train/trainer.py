@@ -41,7 +41,7 @@ from hpcdl.errors import ConfigError, DataError, TrainingDiverged
 from hpcdl.models import build_model
 from hpcdl.optim.factory import build_optimizer
 from hpcdl.optim.schedule import LRSchedule
-from hpcdl.overrides import flatten, to_dict
+from hpcdl.schema import flatten, to_dict
 from hpcdl.train.accel import apply_ipex
 from hpcdl.train.checkpoint import CheckpointManager, load_rank_state, save_rank_state
 from hpcdl.train.evaluate import evaluate

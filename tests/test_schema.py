@@ -4,7 +4,7 @@ import pytest
 
 from hpcdl.config import get_preset, resolve
 from hpcdl.errors import ConfigError
-from hpcdl.overrides import from_dict, to_dict
+from hpcdl.schema import from_dict, to_dict
 
 
 def test_overrides_apply_with_types_and_derived_values_follow():

@@ -1,7 +1,11 @@
-"""Typed configs to and from plain data: ``--set key.sub=value`` overrides and dicts read from files.
+"""Dataclasses to and from plain data, with one set of rules: the run config from YAML and ``--set key.sub=value``,
+a command's flags (:func:`hpcdl.flags.config_from_args`), and the benchmarks' JSON reports
+(:mod:`hpcdl.bench.reports`).
 
-Every key is checked against the dataclass fields, and every value against the field's type; an error
-names the key and lists the valid keys with their current values.
+Every key is checked against the dataclass fields, and every value against the field's type: a union takes
+the first of its types that the value fits, a tuple takes a list (or ``a,b`` from ``--set``), a dict's values
+are of its value type, a bool is true or false (never 1), an int is whole, a float finite. An error names
+the key and says what to write; a config lists the valid keys, a report the command that writes one.
 """
 
 from __future__ import annotations
@@ -14,6 +18,23 @@ import typing
 from typing import Any, get_args, get_origin
 
 from hpcdl.errors import ConfigError
+
+__all__ = ["apply_overrides", "coerce", "flatten", "from_dict", "to_dict"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Rules:
+    """What differs between readers: the error raised, whether unknown keys are refused (a config) or left for
+    a newer reader (a report), the file named first and the fix appended to every message."""
+
+    error: type[Exception] = ConfigError
+    strict: bool = True
+    fix: str = ""
+    source: str = ""
+
+    def fail(self, message: str) -> Exception:
+        message = f"{self.source}: {message}" if self.source else message
+        return self.error(f"{message}; {self.fix}" if self.fix else message)
 
 
 def to_dict(obj) -> dict:
@@ -32,24 +53,32 @@ def flatten(data: dict, prefix: str = "") -> dict:
     return out
 
 
-def from_dict(cls, data: dict, where: str = "config"):
-    """Build ``cls`` from ``data``, coercing each value to its field's type; nested dataclasses recurse."""
+def from_dict(cls, data: dict, where: str = "config", *, error: type[Exception] = ConfigError, strict: bool = True,
+              fix: str = "", source: str = ""):
+    """Build ``cls`` from ``data``, coercing each value to its field's type; nested dataclasses recurse.
+    ``error``, ``strict``, ``fix`` and ``source``: see :class:`_Rules` (the defaults are a config's)."""
+    return _build(cls, data, where, _Rules(error, strict, fix, source))
+
+
+def _build(cls, data, where: str, rules: _Rules):
     if not isinstance(data, dict):
-        raise ConfigError(f"{_key(where)}: expected a mapping of {cls.__name__} fields ({', '.join(_fields(cls))}), "
-                          f"got {data!r}")
+        raise rules.fail(f"{_key(where)}: expected a mapping of {cls.__name__} fields ({', '.join(_fields(cls))}), "
+                         f"got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = set(_fields(cls))
     unknown = sorted(set(data) - fields)
-    if unknown:
-        raise ConfigError(f"{_key(where)}: unknown keys {unknown}; valid keys: {', '.join(sorted(fields))}")
+    if unknown and rules.strict:
+        raise rules.fail(f"{_key(where)}: unknown keys {unknown}; valid keys: {', '.join(sorted(fields))}")
     required = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in data
                 and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if required and rules.error is not ConfigError:
+        raise rules.fail(f"{_key(f'{where}.{required[0]}')} is missing")
     if required:
         key = f"{where}.{required[0]}".removeprefix("config.")
         place = "at the top level" if where == "config" else f"under {where.removeprefix('config.')}:"
         raise ConfigError(f"{key} is not set and has no default: add '{required[0]}: VALUE' {place}, or start from a "
                           "preset ('preset: NAME' in a YAML file; hpcdl presets lists them)")
-    return cls(**{k: coerce(hints[k], v, f"{where}.{k}") for k, v in data.items()})
+    return cls(**{k: _coerce(hints[k], v, f"{where}.{k}", rules) for k, v in data.items() if k in fields})
 
 
 def _fields(cls) -> list[str]:
@@ -57,31 +86,40 @@ def _fields(cls) -> list[str]:
 
 
 def coerce(tp, value, where: str) -> Any:
+    """``value`` as type ``tp`` by a config's rules (``where`` names it in the error)."""
+    return _coerce(tp, value, where, _Rules())
+
+
+def _coerce(tp, value, where: str, rules: _Rules) -> Any:
     origin, args = get_origin(tp), get_args(tp)
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, where)
+        return _build(tp, value, where, rules)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         for arg in (a for a in args if a is not type(None)):
             try:
-                return coerce(arg, value, where)
-            except ConfigError:
+                return _coerce(arg, value, where, rules)
+            except rules.error:
                 continue
-        raise ConfigError(f"{_key(where)}: {value!r} is not {_name(tp)}; write {_example(tp)}")
+        raise rules.fail(f"{_key(where)}: {value!r} is not {_name(tp)}; write {_example(tp)}")
     if origin is tuple:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
-            raise ConfigError(f"{_key(where)}: {value!r} is not a list; write a list such as [a, b] (or a,b in --set)")
+            raise rules.fail(f"{_key(where)}: {value!r} is not a list; write a list such as [a, b] (or a,b in --set)")
         kinds = [args[0]] * len(items) if len(args) == 2 and args[1] is Ellipsis else list(args)
         if len(kinds) != len(items):
-            raise ConfigError(f"{_key(where)}: {value!r} needs {len(kinds)} items, such as "
-                              f"[{', '.join(_example(k).split(' such as ')[-1] for k in kinds)}]")
-        return tuple(coerce(k, v, f"{where}[{i}]") for i, (k, v) in enumerate(zip(kinds, items)))
-    return _scalar(tp, value, where)
+            raise rules.fail(f"{_key(where)}: {value!r} needs {len(kinds)} items, such as "
+                             f"[{', '.join(_example(k).split(' such as ')[-1] for k in kinds)}]")
+        return tuple(_coerce(k, v, f"{where}[{i}]", rules) for i, (k, v) in enumerate(zip(kinds, items)))
+    if origin is dict and args:
+        if not isinstance(value, dict):
+            raise rules.fail(f"{_key(where)}: {value!r} is not a mapping")
+        return {k: _coerce(args[1], v, f"{where}.{k}", rules) for k, v in value.items()}
+    return _scalar(tp, value, where, rules)
 
 
-def _scalar(tp, value, where: str):
+def _scalar(tp, value, where: str, rules: _Rules):
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -101,11 +139,11 @@ def _scalar(tp, value, where: str):
         return value
     elif tp in (Any, dict, list):
         return value
-    raise ConfigError(f"{_key(where)}: {value!r} is not {_name(tp)}; write {_example(tp)}")
+    raise rules.fail(f"{_key(where)}: {value!r} is not {_name(tp)}; write {_example(tp)}")
 
 
 def _key(where: str) -> str:
-    return where.removeprefix("config.")
+    return where.removeprefix("config.").removeprefix(".")
 
 
 def _name(tp) -> str:
