@@ -9,8 +9,10 @@ import pytest
 from conftest import PYTHON, REPO, load_json, sbatch_wait
 
 from hpcdl.bench import run as run_benchmark
+from hpcdl.bench.reports import AllreduceReport
 from hpcdl.launch import job_request, submit
 from hpcdl.launch.sbatch import render_sbatch
+from hpcdl.schema import to_dict
 
 QUICK = dict(max_bytes="64K", seconds_per_size=0.02, heartbeat=0.5)
 
@@ -37,10 +39,12 @@ def test_submitit_job_with_two_tasks(slurm, tmp_path):
     job = submit(run_benchmark, args=("allreduce",), kwargs=QUICK, profile="local", nodes=1, tasks_per_node=2, time="10",
                  job_name="submitit-allreduce", folder=str(tmp_path / "%j"))
     results = job.results()
-    assert results[1] is None  # only rank 0 reports
-    assert_correct(results[0], 2)
-    assert {r["launcher"] for r in results[0]["ranks"]} == {"slurm"}
-    assert "tuned" in results[0]["ranks"][0]["allocator"] or "jemalloc" in results[0]["ranks"][0]["allocator"]
+    assert results[1] is None  # only rank 0 reports, its typed report
+    assert isinstance(results[0], AllreduceReport)
+    report = to_dict(results[0])
+    assert_correct(report, 2)
+    assert {r["launcher"] for r in report["ranks"]} == {"slurm"}
+    assert "tuned" in report["ranks"][0]["allocator"] or "jemalloc" in report["ranks"][0]["allocator"]
 
 
 def test_cli_submit_waits_and_prints_rank_0_output(slurm, tmp_path):
@@ -54,7 +58,9 @@ def test_cli_submit_waits_and_prints_rank_0_output(slurm, tmp_path):
 @pytest.mark.slow
 def test_submitit_local_executor_without_slurm(tmp_path):
     job = submit(run_benchmark, args=("allreduce",), kwargs=QUICK, cluster="local", tasks_per_node=2, time="10", folder=str(tmp_path / "%j"))
-    report = job.results()[0]
+    typed = job.results()[0]
+    assert isinstance(typed, AllreduceReport) and typed.provenance is not None
+    report = to_dict(typed)
     assert_correct(report, 2)
     assert {r["launcher"] for r in report["ranks"]} == {"submitit-local"}
 
