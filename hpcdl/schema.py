@@ -19,7 +19,7 @@ from typing import Any, get_args, get_origin
 
 from hpcdl.errors import ConfigError
 
-__all__ = ["apply_overrides", "coerce", "flatten", "from_dict", "to_dict"]
+__all__ = ["apply_overrides", "flatten", "from_dict", "to_dict"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,11 +83,6 @@ def _build(cls, data, where: str, rules: _Rules):
 
 def _fields(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init]
-
-
-def coerce(tp, value, where: str) -> Any:
-    """``value`` as type ``tp`` by a config's rules (``where`` names it in the error)."""
-    return _coerce(tp, value, where, _Rules())
 
 
 def _coerce(tp, value, where: str, rules: _Rules) -> Any:
