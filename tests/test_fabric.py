@@ -45,12 +45,15 @@ def test_a_second_fabric_comes_up_shaped_and_goes_down_leaving_nothing(tmp_path)
 
 
 def test_two_nodes_over_the_shaped_link_measure_its_rate(fabric, tmp_path):
-    """A 2-node job crosses the link; the ring fit's bus bandwidth is the shaped rate, within 15%."""
+    """A 2-node job crosses the link; the ring fit's bus bandwidth is the shaped rate, within 15%.
+
+    From 1 MiB up: below it the time of a size is mostly latency and scheduling, which the other tests' load
+    stretches (256 KiB at 81 MB/s idle), and the fit then tilts to a rate above the link's (148 MB/s in CI)."""
     script = tmp_path / "fabric.sbatch"
     script.write_text(render_sbatch(
         job_request(profile="local", nodes=2, tasks_per_node=1, time="5", python=PYTHON, partition="fabric",
                     output=f"{tmp_path}/%j.out"),
-        ["bench", "allreduce", "--backend", "gloo", "--min-bytes", "256K", "--max-bytes", "8M", "--seconds-per-size",
+        ["bench", "allreduce", "--backend", "gloo", "--min-bytes", "1M", "--max-bytes", "16M", "--seconds-per-size",
          "0.2", "--json", f"{tmp_path}/fabric-%j-%N.json"]))
     job = sbatch_wait(script)
     report = load_json(tmp_path / f"fabric-{job}-n3.json")  # rank 0's node, by Slurm's name
