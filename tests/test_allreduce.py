@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON, REPO, free_port, mpi_run, rank_env, start_long_sweep, start_ranks
 
+from hpcdl.bench.reports import SyncReport
+
 QUICK = ["bench", "allreduce", "--max-bytes", "64K", "--seconds-per-size", "0.02", "--heartbeat", "0.5"]
 
 
@@ -113,6 +115,6 @@ def test_backends_side_by_side_in_one_run(mpiexec, ccl, tmp_path):
                   "1", "--scaling-steps", "0", "--hooks", "none,fp16", "--latency-iters", "10", "--json", path,
                   timeout=180)
     assert run.returncode == 0, run.stderr
-    report = json.loads(path.read_text())
-    assert set(report["by_backend"]) == {"gloo", "mpi4py"} and set(report["by_backend"]["mpi4py"]["hooks"]) == {"none", "fp16"}
+    report = SyncReport.from_json(str(path))
+    assert list(report.by_backend) == ["gloo", "mpi4py"] and set(report.of("mpi4py").hooks) == {"none", "fp16"}
     assert "side by side, tiny_cnn's gradients: gloo, mpi4py" in run.stdout

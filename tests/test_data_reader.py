@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
 
+from hpcdl.bench.reports import DataReport
 from hpcdl.data.dataset import PADDING_LABEL, ShardDataset
 from hpcdl.data.pack import PackConfig, pack
 from hpcdl.data.sampler import DistributedShardSampler, Sample
@@ -189,21 +190,22 @@ def test_bench_data_counts_files_opened_per_epoch(tmp_path):
 
     report = run("data", images=48, classes=4, rounds=2, batch_size=8, json_path=str(tmp_path / "r.json"),
                  crop=64, recipes="imagenet; light, rot90", per_core_images=8)
-    rows = {r["reader"]: r for r in report["rows"]}
-    assert rows["ImageFolder"]["files_opened_per_epoch"] == 48 == rows["ImageFolder"]["files_opened_next_epochs"] / 1
-    assert 1 <= rows["shard reader"]["files_opened_per_epoch"] <= report["shards"] * 2
-    assert rows["shard reader"]["files_opened_next_epochs"] == 0  # the workers keep their shards open
-    assert rows["bare decode"]["files_opened_per_epoch"] == 0
-    assert all(r["images_per_s_per_worker"] > 0 for r in rows.values())
+    rows = {r.reader: r for r in report.rows}
+    assert rows["ImageFolder"].files_opened_per_epoch == 48 == rows["ImageFolder"].files_opened_next_epochs / 1
+    assert 1 <= rows["shard reader"].files_opened_per_epoch <= report.shards * 2
+    assert rows["shard reader"].files_opened_next_epochs == 0  # the workers keep their shards open
+    assert rows["bare decode"].files_opened_per_epoch == 0
+    assert all(r.images_per_s_per_worker > 0 for r in rows.values())
     assert "shard reader / ImageFolder" in format_report(report)
     # one core: every decoder, and each recipe through each decode path, side by side
-    assert {"pillow", "pillow draft", "torchvision"} <= set(report["decoders"]) and report["per_core_images"] == 8
-    assert [r["spec"] for r in report["recipes"]] == ["imagenet", "light, rot90"]
-    for r in report["recipes"]:
-        rates = r["images_per_s_per_core"]
-        assert set(rates) == {"pillow", "torchvision"} and r["fastest"] == max(rates, key=rates.get)
-        assert r["default_over_fastest"] == pytest.approx(rates[r["default"]] / rates[r["fastest"]])
+    assert {"pillow", "pillow draft", "torchvision"} <= set(report.decoders) and report.per_core_images == 8
+    assert [r.spec for r in report.recipes] == ["imagenet", "light, rot90"]
+    for r in report.recipes:
+        rates = r.images_per_s_per_core
+        assert set(rates) == {"pillow", "torchvision"} and r.fastest == max(rates, key=rates.get)
+        assert r.default_over_fastest == pytest.approx(rates[r.default] / rates[r.fastest])
     assert "light, rot90" in format_report(report)
+    assert DataReport.from_json(str(tmp_path / "r.json")) == report  # the JSON holds the whole report
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["images_packed"] == 48 and written["benchmark"] == "data" and written["config"]["images"] == 48
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import hpcdl
 
+from hpcdl.bench.reports import FeedReport
 from hpcdl.data.dataset import InMemory, ShardDataset
 from hpcdl.data.transforms import Augment
 from hpcdl.errors import ConfigError
@@ -114,11 +115,11 @@ def test_bench_feed_compares_jpegs_with_the_same_step_from_memory(data, tmp_path
                  "--layouts", "1x2,2x1", "--precisions", "fp32", "--steps", "2", "--warmup", "1", "--rounds", "1",
                  "--workers", "1", "--json", report, timeout=600)
     assert done.returncode == 0, done.stderr
-    rows = json.loads(report.read_text())["rows"]
-    assert [(r["layout"], r["precision"]) for r in rows] == [("1x2", "fp32"), ("2x1", "fp32")]
+    rows = FeedReport.from_json(str(report)).rows
+    assert [(r.layout, r.precision) for r in rows] == [("1x2", "fp32"), ("2x1", "fp32")]
     for r in rows:
-        assert r["ratio"] == pytest.approx(r["images_per_s"]["jpeg"] / r["images_per_s"]["memory"])
-        assert "cores needed:" in r["loader"] and 0 <= r["data_share"] < 1
+        assert r.ratio == pytest.approx(r.images_per_s["jpeg"] / r.images_per_s["memory"])
+        assert "cores needed:" in r.loader and 0 <= r.data_share < 1 and len(r.runs["jpeg"]) == 1
     assert "jpeg/memory" in done.stdout and "loader sizing (rank 0)" in done.stdout
     with pytest.raises(ConfigError, match="--layouts '2by1'"):
         from hpcdl.bench.feed import Config

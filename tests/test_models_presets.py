@@ -86,8 +86,8 @@ def test_bench_optim_times_each_optimizer_on_the_same_model():
     from hpcdl.bench.optim import CASES, format_report
 
     report = run("optim", model="resnet18", steps=2, rounds=2)
-    assert set(report["ms_per_step"]) == set(CASES) and report["ratio_to_sgd"]["sgd"] == 1.0
-    assert report["parameters"] == sum(p.numel() for p in build_model("resnet18").parameters())
+    assert set(report.ms_per_step) == set(CASES) and report.ratio_to_sgd["sgd"] == 1.0
+    assert report.parameters == sum(p.numel() for p in build_model("resnet18").parameters())
     assert "vs sgd" in format_report(report)
 
 
@@ -96,11 +96,11 @@ def test_bench_large_batch_trains_the_three_recipes():
     from hpcdl.bench import run
 
     report = run("large-batch", epochs=3, seeds=1)
-    rows = {r["recipe"]: r for r in report["rows"]}
-    assert report["train_images"] == 1437 and report["val_images"] == 360
-    assert rows["large-batch SGD (linear scaling)"]["batch"] == 1437 // 8
-    assert rows["large-batch SGD (linear scaling)"]["peak_lr"] == pytest.approx(0.02 * 179 / 4)
-    assert rows["small-batch SGD"]["mean"] > 80  # it learns: the digits are real and separable
+    rows = {r.recipe: r for r in report.rows}
+    assert report.train_images == 1437 and report.val_images == 360
+    assert rows["large-batch SGD (linear scaling)"].batch == 1437 // 8
+    assert rows["large-batch SGD (linear scaling)"].peak_lr == pytest.approx(0.02 * 179 / 4)
+    assert rows["small-batch SGD"].mean > 80  # it learns: the digits are real and separable
 
 
 def test_criterion_smooths_labels_and_ignores_evaluation_padding():

@@ -95,8 +95,10 @@ def test_the_plan_knows_a_hooks_wire_bytes_and_its_own_work(tmp_path):
     """fp16 halves the bytes on the wire; bench sync's figures give its work: 460 ms against 880 ms of plain
     DDP for half the bytes is 20 ms of its own, for ResNet-50's gradient set (25.6M parameters)."""
     sync = tmp_path / "sync.json"
-    sync.write_text(json.dumps({"benchmark": "sync", "model": "resnet50", "parameters": 25_557_032, "world_size": 2,
-                                "hooks": {"none": {"ms": 880.0, "mb_sent": 97.5}, "fp16": {"ms": 460.0, "mb_sent": 48.75}}}))
+    figures = {"model": "resnet50", "tensors": 161, "parameters": 25_557_032, "buckets": 5, "world_size": 2,
+               "backend": "oneccl", "ms": {}, "latency_us": {},
+               "hooks": {"none": {"ms": 880.0, "mb_sent": 97.5}, "fp16": {"ms": 460.0, "mb_sent": 48.75}}}
+    sync.write_text(json.dumps({"benchmark": "sync", "by_backend": {"oneccl": figures}}))
     base = dict(model="resnet50", profile="stampede2-skx", throughput="98.5", ranks_per_node=1)
     dense, _ = PlanInputs(**base).build()
     fp16, notes = PlanInputs(**base, hook="fp16", sync_json=str(sync)).build()
@@ -110,9 +112,14 @@ def test_the_plan_knows_a_hooks_wire_bytes_and_its_own_work(tmp_path):
         PlanInputs(**base, hook="hierarchical").build()
     with pytest.raises(ConfigError, match="--hook none has none to measure"):
         PlanInputs(**base, sync_json=str(sync)).build()
-    sync.write_text(json.dumps({"benchmark": "sync", "model": "resnet50", "parameters": 1, "world_size": 2,
-                                "hooks": {"none": {"ms": 880.0, "mb_sent": 97.5}}}))
-    with pytest.raises(DataError, match="hooks.fp16 is missing; run hpcdl bench sync --hooks none,fp16"):
+    with pytest.raises(DataError, match="no figures of backend 'gloo'; it measured oneccl"):
+        PlanInputs(**base, hook="fp16", sync_json=str(sync), allreduce_backend="gloo").build()
+    sync.write_text(json.dumps({"benchmark": "sync", "by_backend": {"oneccl": {**figures, "hooks": {
+        "none": {"ms": 880.0, "mb_sent": 97.5}}}}}))
+    with pytest.raises(DataError, match="hooks.fp16 of backend oneccl is missing; run hpcdl bench sync --hooks none,fp16"):
+        PlanInputs(**base, hook="fp16", sync_json=str(sync)).build()
+    sync.write_text(json.dumps({"benchmark": "sync", **figures}))  # the layout of an older hpcdl
+    with pytest.raises(DataError, match="by_backend"):
         PlanInputs(**base, hook="fp16", sync_json=str(sync)).build()
 
 

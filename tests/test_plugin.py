@@ -10,6 +10,8 @@ from importlib.metadata import entry_points
 import pytest
 from conftest import PYTHON, REPO, free_port, sbatch_wait
 
+from hpcdl.bench.reports import PluginImports, PluginReport
+
 SCRIPT = REPO / "tests" / "plain_ddp.py"
 LIGHTNING = REPO / "tests" / "plain_lightning.py"
 BIN = os.path.dirname(PYTHON)
@@ -147,9 +149,9 @@ def test_bench_plugin_measures_both_paths_with_hpcdl_absent_before_init(mpiexec,
                           "--rounds", "1", "--json", str(tmp_path / "plugin.json")], capture_output=True, text=True,
                          env=env, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads((tmp_path / "plugin.json").read_text())
-    assert report["plugin_imports"] == {"hpcdl_before_init": False, "hpcdl_after_init": True}
-    cells = {(r["path"], r["backend"], r["bytes"]) for r in report["rows"] if r["correct"]}
+    report = PluginReport.from_json(str(tmp_path / "plugin.json"))
+    assert report.plugin_imports == PluginImports(hpcdl_before_init=False, hpcdl_after_init=True)
+    cells = {(r.path, r.backend, r.bytes) for r in report.rows if r.correct}
     assert cells == {(p, b, n) for p in ("hpcdl", "plugin") for b in ("gloo", "mpi4py", "oneccl")
                      for n in (4, 8, 16, 32, 64)}
     assert "plugin/hpcdl time, geometric mean over sizes: gloo" in run.stdout

@@ -7,6 +7,9 @@ import subprocess
 import pytest
 from conftest import PYTHON, REPO, mpi_run
 
+from hpcdl.bench.reports import SyncReport
+from hpcdl.bench.sync import format_report
+
 FP16_ROUNDING = 2 ** -10  # fp16 keeps 10 fraction bits; bf16 keeps 7
 TOLERANCE = {"none": 0.0, "hierarchical": 1e-6, "fp16": 2 * FP16_ROUNDING, "bf16": 2 * 2 ** -7}
 
@@ -66,23 +69,26 @@ def test_bench_sync_reports_every_path(mpiexec, tmp_path):
                   "--scaling-model", "tiny_cnn", "--scaling-batch", "8", "--scaling-steps", "2", "--buckets", "25,0.05:25",
                   "--json", report, timeout=180)
     assert run.returncode == 0, run.stderr
-    r = json.loads(report.read_text())
-    assert set(r["ms"]) == {"per-tensor", "fused", "flat", "fused fp16", "raw mpi4py"}
-    assert r["tensors"] == 62 and r["world_size"] == 2 and r["backend"] == "mpi4py"
-    assert set(r["latency_us"]) == {"torch.distributed", "bare Python backend", "raw mpi4py"}
+    read = SyncReport.from_json(str(report))
+    assert list(read.by_backend) == ["mpi4py"] and read.config.buckets == ("25", "0.05:25")
+    r = read.of()
+    assert set(r.ms) == {"per-tensor", "fused", "flat", "fused fp16", "raw mpi4py"}
+    assert r.tensors == 62 and r.world_size == 2 and r.backend == "mpi4py"
+    assert set(r.latency_us) == {"torch.distributed", "bare Python backend", "raw mpi4py"}
     assert "fused / flat:" in run.stdout
-    w = r["scaling"]
-    assert w["ranks"] == 2 and w["s_per_step_1"] > 0 and w["s_per_step_n"] > 0 and "efficiency" in run.stdout
-    assert len(w["rounds_1"]) == len(w["rounds_apart"]) == len(w["rounds_n"]) == w["rounds"]
-    assert w["efficiency"] == pytest.approx(w["node_share"] * w["sync_share"]) and "the node's share" in run.stdout
-    hooks = r["hooks"]
-    assert set(hooks) == {"none", "fp16", "bf16", "hierarchical", "chunk_sparse"} and all(h["ms"] > 0 for h in hooks.values())
-    full = r["parameters"] * 4 / 2 ** 20
-    assert hooks["none"]["mb_sent"] == full and hooks["fp16"]["mb_sent"] == full / 2
-    assert 0.05 * full < hooks["chunk_sparse"]["mb_sent"] < 0.15 * full  # keep 0.1 of the chunks, plus their norms
-    assert set(r["ddp_parts"]) == {"no exchange", "torch's all-reduce"} and all(p["ms"] > 0 for p in r["ddp_parts"].values())
+    w = r.scaling
+    assert w.ranks == 2 and w.s_per_step_1 > 0 and w.s_per_step_n > 0 and "efficiency" in run.stdout
+    assert len(w.rounds_1) == len(w.rounds_apart) == len(w.rounds_n) == w.rounds
+    assert w.efficiency == pytest.approx(w.node_share * w.sync_share) and "the node's share" in run.stdout
+    hooks = r.hooks
+    assert set(hooks) == {"none", "fp16", "bf16", "hierarchical", "chunk_sparse"} and all(h.ms > 0 for h in hooks.values())
+    full = r.parameters * 4 / 2 ** 20
+    assert hooks["none"].mb_sent == full and hooks["fp16"].mb_sent == full / 2
+    assert 0.05 * full < hooks["chunk_sparse"].mb_sent < 0.15 * full  # keep 0.1 of the chunks, plus their norms
+    assert set(r.ddp_parts) == {"no exchange", "torch's all-reduce"} and all(p.ms > 0 for p in r.ddp_parts.values())
     assert "where DDP's sync (hook none" in run.stdout and "+ hpcdl's hook over torch's all-reduce" in run.stdout
-    assert set(r["bucket_sweep"]) == {"25", "0.05:25"} and "bucket sweep" in run.stdout
+    assert set(r.bucket_sweep) == {"25", "0.05:25"} and "bucket sweep" in run.stdout
+    assert format_report(read) in run.stdout  # the table printed is the table of the JSON, through its type
     bad = mpi_run(mpiexec, "-m", "hpcdl", "bench", "sync", "--buckets", "1:x")
     assert bad.returncode == 2 and "--buckets item '1:x': give CAP or FIRST:CAP in MB" in bad.stderr
 

@@ -11,7 +11,7 @@ import re
 import pytest
 from conftest import PYTHON, REPO, SIMULATED_CPUS, hpcdl, sbatch_wait
 
-from hpcdl.bench.tune import Trial, node_topology, rank_counts, refusal
+from hpcdl.bench.tune import Topology, Trial, node_topology, rank_counts, refusal
 from hpcdl.config import resolve
 from hpcdl.errors import ConfigError
 from hpcdl.launch import job_request
@@ -48,7 +48,7 @@ def test_measure_prints_every_trial_and_writes_the_fastest(tmp_path):
 
 
 def test_a_layout_the_node_cannot_hold_is_refused_with_the_reason():
-    topo = {"cores": 2, "sockets": 1, "numa": 1}
+    topo = Topology(cores=2, sockets=1, numa=1)
     assert refusal(Trial(ranks=4), topo, 20000, {}) == "4 ranks on 2 cores"
     why = refusal(Trial(ranks=2, batch=512), topo, 4096, {2: (300.0, 10.0)})  # 2 x (300 + 5120) MB > 85% of 4 GB
     assert why.startswith("about 10.6 GB for 2 ranks at batch 512") and "85% of the node's 4.0 GB" in why
@@ -63,9 +63,9 @@ def test_topology_from_a_fake_sysfs_tree(tmp_path):
     for node in range(4):
         (tmp_path / f"node/node{node}").mkdir(parents=True)
         (tmp_path / f"node/node{node}/cpulist").write_text(f"{node * 4}-{node * 4 + 3}")
-    assert node_topology(set(range(16)), str(tmp_path)) == {"cores": 16, "sockets": 2, "numa": 4}
-    assert node_topology(set(range(8)), str(tmp_path)) == {"cores": 8, "sockets": 1, "numa": 2}
-    assert rank_counts({"cores": 16, "sockets": 2, "numa": 4}) == [1, 2, 4, 8]
+    assert node_topology(set(range(16)), str(tmp_path)) == Topology(cores=16, sockets=2, numa=4)
+    assert node_topology(set(range(8)), str(tmp_path)) == Topology(cores=8, sockets=1, numa=2)
+    assert rank_counts(Topology(cores=16, sockets=2, numa=4)) == [1, 2, 4, 8]
 
 
 def _layout(tmp_path, **changes) -> str:

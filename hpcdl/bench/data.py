@@ -34,6 +34,7 @@ import torch
 from PIL import Image
 
 from hpcdl.bench.configs import DataBench as Config
+from hpcdl.bench.reports import DataReport, ReaderRow, RecipeRates
 from hpcdl.bench.rounds import alternate, medians
 from hpcdl.config import DataConfig
 from hpcdl.data import recipe
@@ -95,7 +96,7 @@ def _prepare(cfg: Config, tmp: str) -> tuple[str, str]:
     return os.path.abspath(src), packed
 
 
-def run(cfg: Config, job=None) -> dict:
+def run(cfg: Config, job=None) -> DataReport:
     global _opened, _roots
     import torchvision.transforms as T
     from torchvision.datasets import ImageFolder
@@ -127,9 +128,8 @@ def run(cfg: Config, job=None) -> dict:
                      for name, order in orders.items()}
             cases["shard reader + DataLoader"] = lambda: _dataloader_round(loader)
             rounds = alternate(cases, cfg.rounds, warmup=0, before=lambda: sampler.set_epoch(sampler.epoch + 1))
-        report = _report(rounds, len(reader), len(folder), len(reader.shard_sizes))
-        report.update(per_core(cfg, blobs[:cfg.per_core_images]))
-        return report
+        return DataReport(**_reader_figures(rounds, len(reader), len(folder), len(reader.shard_sizes)),
+                          **per_core(cfg, blobs[:cfg.per_core_images]))
 
 
 def decoders(crop: int) -> dict:
@@ -162,7 +162,8 @@ def decoders(crop: int) -> dict:
 
 
 def per_core(cfg: Config, blobs: list[bytes]) -> dict:
-    """Images/s on one core of each decoder and of each recipe through each decode path."""
+    """Images/s on one core of each decoder and of each recipe through each decode path: :class:`DataReport`'s
+    fields of them."""
 
 
     threads = torch.get_num_threads()
@@ -183,11 +184,11 @@ def per_core(cfg: Config, blobs: list[bytes]) -> dict:
     for spec in specs:
         rates = {d: median[f"{spec} | {d}"] for d in DECODERS}
         fastest = max(rates, key=rates.get)
-        recipes.append({"recipe": ", ".join(recipe.expand(spec)), "spec": spec, "images_per_s_per_core": rates,
-                        "fastest": fastest, "default": default,
-                        "default_over_fastest": rates[default] / rates[fastest]})
+        recipes.append(RecipeRates(recipe=", ".join(recipe.expand(spec)), spec=spec, images_per_s_per_core=rates,
+                                   fastest=fastest, default=default,
+                                   default_over_fastest=rates[default] / rates[fastest]))
     decode = {k.removeprefix("decode: "): v for k, v in median.items() if k.startswith("decode: ")}
-    return {"decoders": decode, "fastest_decoder": max(decode, key=decode.get), "recipes": recipes,
+    return {"decoders": decode, "fastest_decoder": max(decode, key=decode.get), "recipes": tuple(recipes),
             "per_core_images": len(blobs)}
 
 
@@ -201,14 +202,15 @@ def _images_per_s(fn, blobs: list[bytes]):
     return case
 
 
-def _report(rounds: dict, packed: int, source: int, shards: int) -> dict:
+def _reader_figures(rounds: dict, packed: int, source: int, shards: int) -> dict:
+    """:class:`DataReport`'s fields of the readers' rounds."""
     median = medians(rounds, key=lambda r: r[0])
     return {
         "images_packed": packed, "images_source": source, "shards": shards,
         # the first round ran in fresh processes: its opens are a whole epoch's
-        "rows": [{"reader": k, "images_per_s_per_worker": median[k], "files_opened_per_epoch": v[0][1],
-                  "files_opened_next_epochs": sum(o for _, o in v[1:]), "rounds": [r for r, _ in v]}
-                 for k, v in rounds.items()],
+        "rows": tuple(ReaderRow(reader=k, images_per_s_per_worker=median[k], files_opened_per_epoch=v[0][1],
+                                files_opened_next_epochs=sum(o for _, o in v[1:]), rounds=tuple(r for r, _ in v))
+                      for k, v in rounds.items()),
         "ratios": {"shard reader / ImageFolder": median["shard reader"] / median["ImageFolder"],
                    "shard reader / bare decode": median["shard reader"] / median["bare decode"],
                    "with DataLoader / bare decode": median["shard reader + DataLoader"] / median["bare decode"],
@@ -216,24 +218,23 @@ def _report(rounds: dict, packed: int, source: int, shards: int) -> dict:
     }
 
 
-def format_report(report: dict) -> str:
-    c = report["config"]
-    lines = [f"data bench: {report['images_packed']} packed images (source: {report['images_source']} files, "
-             f"packed --short-side {c['short_side']} into {report['shards']} shards), {c['workers']} workers, "
-             f"{c['rounds']} rounds, {report['provenance']['machine']['cpu']}",
+def format_report(report: DataReport) -> str:
+    c = report.config
+    lines = [f"data bench: {report.images_packed} packed images (source: {report.images_source} files, "
+             f"packed --short-side {c.short_side} into {report.shards} shards), {c.workers} workers, "
+             f"{c.rounds} rounds, {report.provenance.machine.cpu}",
              f"{'reader':26s} {'img/s/worker':>13s} {'files opened: 1st epoch':>24s} {'later epochs':>13s}"]
-    for r in report["rows"]:
-        lines.append(f"{r['reader']:26s} {r['images_per_s_per_worker']:13.1f} {r['files_opened_per_epoch']:24d} "
-                     f"{r['files_opened_next_epochs']:13d}")
-    lines += [f"{k}: {v:.2f}x" for k, v in report["ratios"].items()]
-    lines.append(f"one core, {report['per_core_images']} packed images in memory, whole-image decode: "
-                 + ", ".join(f"{k} {v:.0f}/s" for k, v in report["decoders"].items())
-                 + f"; fastest {report['fastest_decoder']}")
-    lines.append(f"{'recipe (crop ' + str(c['crop']) + '), images/s per core':64s} "
-                 + " ".join(f"{d:>12s}" for d in report["recipes"][0]["images_per_s_per_core"]) + "  fastest")
-    for r in report["recipes"]:
-        note = "" if r["fastest"] == r["default"] else \
-            f" (data.decoder={r['default']} is {r['default_over_fastest']:.2f}x of it)"
-        lines.append(f"{r['spec'][:64]:64s} " + " ".join(f"{v:12.0f}" for v in r["images_per_s_per_core"].values())
-                     + f"  {r['fastest']}{note}")
+    for r in report.rows:
+        lines.append(f"{r.reader:26s} {r.images_per_s_per_worker:13.1f} {r.files_opened_per_epoch:24d} "
+                     f"{r.files_opened_next_epochs:13d}")
+    lines += [f"{k}: {v:.2f}x" for k, v in report.ratios.items()]
+    lines.append(f"one core, {report.per_core_images} packed images in memory, whole-image decode: "
+                 + ", ".join(f"{k} {v:.0f}/s" for k, v in report.decoders.items())
+                 + f"; fastest {report.fastest_decoder}")
+    lines.append(f"{'recipe (crop ' + str(c.crop) + '), images/s per core':64s} "
+                 + " ".join(f"{d:>12s}" for d in report.recipes[0].images_per_s_per_core) + "  fastest")
+    for r in report.recipes:
+        note = "" if r.fastest == r.default else f" (data.decoder={r.default} is {r.default_over_fastest:.2f}x of it)"
+        lines.append(f"{r.spec[:64]:64s} " + " ".join(f"{v:12.0f}" for v in r.images_per_s_per_core.values())
+                     + f"  {r.fastest}{note}")
     return "\n".join(lines) + "\n"

@@ -25,6 +25,7 @@ import sys
 import tempfile
 
 from hpcdl.bench.configs import FeedBench as Config
+from hpcdl.bench.reports import FeedReport, FeedRow, FeedRun
 from hpcdl.bench.rounds import alternate, medians
 from hpcdl.bench.runner import machine_line
 from hpcdl.data.images import Encoding
@@ -49,8 +50,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(cfg: Config, data: str, run: str, layout: str, precision: str, memory: bool) -> dict:
-    """One ``hpcdl train`` on this node's ranks: (images/s, the loader line of rank 0's log)."""
+def _train(cfg: Config, data: str, run: str, layout: str, precision: str, memory: bool) -> FeedRun:
+    """One ``hpcdl train`` on this node's ranks."""
     ranks, threads = (int(x) for x in layout.split("x"))
     args = [sys.executable, "-m", "hpcdl", "train", "resnet50_b8k_goyal", "--set", f"model={cfg.model}",
             "--set", f"global_batch={cfg.batch * ranks}", "--set", f"crop={cfg.crop}", "--set", f"data.train={data}",
@@ -77,10 +78,10 @@ def _train(cfg: Config, data: str, run: str, layout: str, precision: str, memory
     rate = statistics.median(cfg.batch * ranks / r["t_step"] for r in timed)
     loader = next((line.split("INFO hpcdl.train.trainer: ", 1)[-1] for line in logs[0].splitlines()
                    if "loader: " in line), "")
-    return {"images_per_s": rate, "loader": loader, "data_share": statistics.median(r["t_data"] / r["t_step"] for r in timed)}
+    return FeedRun(images_per_s=rate, loader=loader, data_share=statistics.median(r["t_data"] / r["t_step"] for r in timed))
 
 
-def run(cfg: Config, job=None) -> dict:
+def run(cfg: Config, job=None) -> FeedReport:
     rows = []
     with tempfile.TemporaryDirectory(prefix="hpcdl-bench-feed-") as tmp:
         data = _packed(cfg, tmp)
@@ -90,23 +91,24 @@ def run(cfg: Config, job=None) -> dict:
                     cfg, data, os.path.join(tmp, f"run-{layout}-{precision}-{name}-{next(n)}"), layout, precision,
                     name == "memory")) for name in ("jpeg", "memory")}
                 runs = alternate(cases, cfg.rounds, warmup=0)
-                median = medians(runs, key=lambda r: r["images_per_s"])
-                rows.append({"layout": layout, "precision": precision, "images_per_s": median,
-                             "ratio": median["jpeg"] / median["memory"], "loader": runs["jpeg"][-1]["loader"],
-                             "data_share": runs["jpeg"][-1]["data_share"], "runs": runs})
-    return {"rows": rows}
+                median = medians(runs, key=lambda r: r.images_per_s)
+                rows.append(FeedRow(layout=layout, precision=precision, images_per_s=median,
+                                    ratio=median["jpeg"] / median["memory"], loader=runs["jpeg"][-1].loader,
+                                    data_share=runs["jpeg"][-1].data_share,
+                                    runs={k: tuple(v) for k, v in runs.items()}))
+    return FeedReport(rows=tuple(rows))
 
 
-def format_report(r: dict) -> str:
-    c = r["config"]
+def format_report(r: FeedReport) -> str:
+    c = r.config
     lines = [machine_line(r),
-             f"hpcdl train {c['model']}, batch {c['batch']} per rank at {c['crop']} px: packed JPEGs ({c['workers']} "
-             f"workers per rank) against the same step fed from memory, median of {c['rounds']} alternating rounds of "
-             f"{c['steps']} steps after {c['warmup']}:",
+             f"hpcdl train {c.model}, batch {c.batch} per rank at {c.crop} px: packed JPEGs ({c.workers} "
+             f"workers per rank) against the same step fed from memory, median of {c.rounds} alternating rounds of "
+             f"{c.steps} steps after {c.warmup}:",
              f"  {'layout':8s} {'precision':9s} {'jpeg img/s':>10s} {'memory img/s':>12s} {'jpeg/memory':>11s} "
              f"{'data wait':>9s}  loader sizing (rank 0)"]
-    for row in r["rows"]:
-        ips = row["images_per_s"]
-        lines.append(f"  {row['layout']:8s} {row['precision']:9s} {ips['jpeg']:10.2f} {ips['memory']:12.2f} "
-                     f"{row['ratio']:10.3f}x {row['data_share']:9.1%}  {row['loader']}")
+    for row in r.rows:
+        ips = row.images_per_s
+        lines.append(f"  {row.layout:8s} {row.precision:9s} {ips['jpeg']:10.2f} {ips['memory']:12.2f} "
+                     f"{row.ratio:10.3f}x {row.data_share:9.1%}  {row.loader}")
     return "\n".join(lines) + "\n"

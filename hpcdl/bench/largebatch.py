@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from hpcdl.bench.configs import LargeBatchBench as Config
+from hpcdl.bench.reports import LargeBatchReport, LargeBatchRow
 from hpcdl.errors import ConfigError
 from hpcdl.models.tiny import TinyCNN
 from hpcdl.optim.config import OptimConfig
@@ -86,28 +87,28 @@ def train_one(recipe: Recipe, data, epochs: int, seed: int) -> float:
         return float((model(xv).argmax(1) == yv).float().mean()) * 100
 
 
-def run(cfg: Config, job=None) -> dict:
+def run(cfg: Config, job=None) -> LargeBatchReport:
     torch.set_num_threads(cfg.threads)
     data = load_digits()
     rows = []
     for r in recipes(cfg, len(data[1])):
         accs = [train_one(r, data, cfg.epochs, seed) for seed in range(cfg.seeds)]
-        rows.append({"recipe": r.name, "batch": r.batch, "steps_per_epoch": steps_per_epoch(len(data[1]), r.batch),
-                     "peak_lr": r.base_lr * (r.batch / r.base_batch if r.base_batch else 1.0),
-                     "warmup_epochs": r.warmup_epochs, "accuracy": accs, "mean": statistics.mean(accs),
-                     "stdev": statistics.stdev(accs) if len(accs) > 1 else 0.0})
-    base = rows[0]["mean"]
-    return {"train_images": len(data[1]), "val_images": len(data[3]), "rows": rows,
-            "gap_to_small_batch": {r["recipe"]: r["mean"] - base for r in rows[1:]}}
+        rows.append(LargeBatchRow(recipe=r.name, batch=r.batch, steps_per_epoch=steps_per_epoch(len(data[1]), r.batch),
+                                  peak_lr=r.base_lr * (r.batch / r.base_batch if r.base_batch else 1.0),
+                                  warmup_epochs=r.warmup_epochs, accuracy=tuple(accs), mean=statistics.mean(accs),
+                                  stdev=statistics.stdev(accs) if len(accs) > 1 else 0.0))
+    base = rows[0].mean
+    return LargeBatchReport(train_images=len(data[1]), val_images=len(data[3]), rows=tuple(rows),
+                            gap_to_small_batch={r.recipe: r.mean - base for r in rows[1:]})
 
 
-def format_report(r: dict) -> str:
-    c = r["config"]
-    lines = [f"large-batch check: digits ({r['train_images']} train, {r['val_images']} val, 8x8), TinyCNN, "
-             f"{c['epochs']} epochs, {c['seeds']} seeds",
+def format_report(r: LargeBatchReport) -> str:
+    c = r.config
+    lines = [f"large-batch check: digits ({r.train_images} train, {r.val_images} val, 8x8), TinyCNN, "
+             f"{c.epochs} epochs, {c.seeds} seeds",
              f"{'recipe':34s} {'batch':>5s} {'steps/ep':>8s} {'peak lr':>8s} {'val acc % (mean +- sd)':>24s}"]
-    for row in r["rows"]:
-        lines.append(f"{row['recipe']:34s} {row['batch']:5d} {row['steps_per_epoch']:8d} {row['peak_lr']:8.3g} "
-                     f"{row['mean']:15.2f} +- {row['stdev']:.2f}")
-    lines += [f"{k} vs small-batch SGD: {v:+.2f} points" for k, v in r["gap_to_small_batch"].items()]
+    for row in r.rows:
+        lines.append(f"{row.recipe:34s} {row.batch:5d} {row.steps_per_epoch:8d} {row.peak_lr:8.3g} "
+                     f"{row.mean:15.2f} +- {row.stdev:.2f}")
+    lines += [f"{k} vs small-batch SGD: {v:+.2f} points" for k, v in r.gap_to_small_batch.items()]
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from hpcdl.bench.configs import OptimBench as Config
+from hpcdl.bench.reports import OptimReport
 from hpcdl.bench.rounds import alternate, medians, timed_ms
 from hpcdl.models import build_model
 from hpcdl.optim.config import OptimConfig
@@ -20,14 +21,15 @@ CASES = {  # name -> optimizer config; "sgd" is the baseline of the ratios
 }
 
 
-def run(cfg: Config, job=None) -> dict:
+def run(cfg: Config, job=None) -> OptimReport:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     times = alternate({name: timed_ms(_stepper(cfg.model, oc), cfg.steps) for name, oc in CASES.items()}, cfg.rounds)
     median = medians(times)  # the warm-up step created each optimizer's state outside the timing
     params = sum(p.numel() for p in build_model(cfg.model).parameters())
-    return {"parameters": params, "threads": torch.get_num_threads(), "ms_per_step": median, "rounds_ms": times,
-            "ratio_to_sgd": {k: v / median["sgd"] for k, v in median.items()}}
+    return OptimReport(parameters=params, threads=torch.get_num_threads(), ms_per_step=median,
+                       ratio_to_sgd={k: v / median["sgd"] for k, v in median.items()},
+                       rounds_ms={k: tuple(v) for k, v in times.items()})
 
 
 def _stepper(model_name: str, oc: OptimConfig):
@@ -39,10 +41,11 @@ def _stepper(model_name: str, oc: OptimConfig):
     return opt.step
 
 
-def format_report(r: dict) -> str:
-    lines = [f"optimizer step over {r['config']['model']} ({r['parameters'] / 1e6:.1f}M parameters), "
-             f"{r['threads']} threads, median of {r['config']['rounds']} rounds of {r['config']['steps']} steps",
+def format_report(r: OptimReport) -> str:
+    c = r.config
+    lines = [f"optimizer step over {c.model} ({r.parameters / 1e6:.1f}M parameters), "
+             f"{r.threads} threads, median of {c.rounds} rounds of {c.steps} steps",
              f"{'optimizer':14s} {'ms/step':>9s} {'vs sgd':>8s}"]
-    for name, ms in r["ms_per_step"].items():
-        lines.append(f"{name:14s} {ms:9.1f} {r['ratio_to_sgd'][name]:7.2f}x")
+    for name, ms in r.ms_per_step.items():
+        lines.append(f"{name:14s} {ms:9.1f} {r.ratio_to_sgd[name]:7.2f}x")
     return "\n".join(lines) + "\n"

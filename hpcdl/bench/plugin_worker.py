@@ -34,8 +34,9 @@ def main(backends: list[str], config: str, out: str) -> None:
             for name, group in groups.items()]
     if ctx.rank == 0:
         with open(out + ".tmp", "w") as f:
-            json.dump({"hpcdl_before_init": before, "hpcdl_after_init": after, "rows": rows,
-                       "threads": torch.get_num_threads()}, f)
+            # hpcdl.bench.reports.PluginWorkerReport's layout; bench plugin reads it through that type
+            json.dump({"rows": rows, "threads": torch.get_num_threads(),
+                       "imports": {"hpcdl_before_init": before, "hpcdl_after_init": after}}, f)
         os.replace(out + ".tmp", out)
     dist.destroy_process_group()
 

@@ -2,8 +2,8 @@
 JSON (:func:`hpcdl.schema.to_dict`) and its readers take (the table, the plot, ``hpcdl plan``'s ``--*-json``
 flags, read through :func:`hpcdl.schema.from_dict`), never indexed by string keys.
 
-``bench allreduce``, ``bench scaling`` and ``bench step`` declare their whole report here. ``bench sync`` still
-returns a plain dict; its class names only the fields ``hpcdl plan`` reads (a report may hold more).
+Every benchmark declares its whole report here (``hpcdl tune --measure``'s result, which is no report, is
+typed in :mod:`hpcdl.bench.tune`).
 A file that is not JSON, is the report of another benchmark, or lacks a field gets an error that names the
 file, the field and the command that writes such a report.
 """
@@ -14,11 +14,13 @@ import dataclasses
 import json
 import typing
 
-from hpcdl.bench.configs import AllreduceBench, ScalingBench, StepBench
+from hpcdl.bench.configs import (AllreduceBench, DataBench, FeedBench, LargeBatchBench, OptimBench, PluginBench,
+                                 ScalingBench, StepBench, SyncBench)
 from hpcdl.errors import DataError
 from hpcdl.schema import from_dict
 
-__all__ = ["AllreduceReport", "Machine", "Provenance", "Report", "ScalingReport", "StepReport", "SyncReport"]
+__all__ = ["AllreduceReport", "DataReport", "FeedReport", "LargeBatchReport", "Machine", "OptimReport", "PluginReport",
+           "Provenance", "Report", "ScalingReport", "StepReport", "SyncReport"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -138,25 +140,215 @@ class AllreduceReport(Report):
 class SyncHook:
     ms: float  # median DDP sync of the gradient set
     mb_sent: float  # MiB each rank sends per step
+    rounds_ms: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class SyncReport(Report):
-    benchmark: typing.ClassVar[str] = "sync"
+class DDPPart:
+    ms: float  # median
+    rounds_ms: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WeakScaling:
+    """Seconds per training step: rank 0 alone, every rank computing apart, every rank under DDP."""
+
     model: str
+    batch_per_rank: int
+    threads: int
+    ranks: int
+    rounds: int
+    s_per_step_1: float
+    s_per_step_apart: float
+    s_per_step_n: float
+    rounds_1: tuple[float, ...]
+    rounds_apart: tuple[float, ...]
+    rounds_n: tuple[float, ...]
+    efficiency: float  # alone / DDP = node_share x sync_share
+    node_share: float  # alone / apart
+    sync_share: float  # apart / DDP
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncFigures:
+    """One backend's figures of ``bench sync``."""
+
+    model: str
+    tensors: int
     parameters: int
+    buckets: int
+    world_size: int
+    backend: str
+    ms: dict[str, float]  # medians per exchange path
+    latency_us: dict[str, float]  # the one-float all-reduce
     hooks: dict[str, SyncHook]
+    fused_vs_flat: float = 0.0
+    rounds_ms: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    ddp_parts: dict[str, DDPPart] = dataclasses.field(default_factory=dict)
+    scaling: WeakScaling | None = None
+    bucket_sweep: dict[str, float] = dataclasses.field(default_factory=dict)  # FIRST:CAP -> s per step
 
     def hook_seconds_per_byte(self, hook: str, source: str = "the report") -> float:
         """The hook's own work per gradient byte: its sync time less the plain sync's scaled to the hook's
         wire bytes (the plain sync taken as all wire), at least 0."""
         for name in ("none", hook):
             if name not in self.hooks:
-                raise DataError(f"{source}: hooks.{name} is missing; run hpcdl bench sync --hooks none,{hook} "
-                                f"--json FILE")
+                raise DataError(f"{source}: hooks.{name} of backend {self.backend} is missing; run hpcdl bench sync "
+                                f"--hooks none,{hook} --json FILE")
         none, this = self.hooks["none"], self.hooks[hook]
         wire_s = none.ms * this.mb_sent / none.mb_sent / 1e3
         return max(0.0, this.ms / 1e3 - wire_s) / (self.parameters * 4)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncReport(Report):
+    benchmark: typing.ClassVar[str] = "sync"
+    by_backend: dict[str, SyncFigures]  # one per backend, in the order of --backends (or the one --backend)
+    config: SyncBench | None = None  # filled by the runner
+    provenance: Provenance | None = None  # filled by the runner
+
+    def of(self, backend: str | None = None, source: str = "the report") -> SyncFigures:
+        """``backend``'s figures (torch's name, as the report keys them), default the first backend's."""
+        backend = backend or next(iter(self.by_backend))
+        if backend not in self.by_backend:
+            raise DataError(f"{source}: no figures of backend {backend!r}; it measured {', '.join(self.by_backend)}")
+        return self.by_backend[backend]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OptimReport(Report):
+    benchmark: typing.ClassVar[str] = "optim"
+    parameters: int
+    threads: int
+    ms_per_step: dict[str, float]  # medians per optimizer
+    ratio_to_sgd: dict[str, float]
+    rounds_ms: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    config: OptimBench | None = None  # filled by the runner
+    provenance: Provenance | None = None  # filled by the runner
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LargeBatchRow:
+    recipe: str
+    batch: int
+    steps_per_epoch: int
+    peak_lr: float
+    warmup_epochs: float
+    accuracy: tuple[float, ...]  # validation %, one per seed
+    mean: float
+    stdev: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LargeBatchReport(Report):
+    benchmark: typing.ClassVar[str] = "large-batch"
+    train_images: int
+    val_images: int
+    rows: tuple[LargeBatchRow, ...]  # the small-batch baseline first
+    gap_to_small_batch: dict[str, float]  # points of mean accuracy, per large-batch recipe
+    config: LargeBatchBench | None = None  # filled by the runner
+    provenance: Provenance | None = None  # filled by the runner
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FeedRun:
+    images_per_s: float  # the median of the run's steps after the warm-up
+    data_share: float  # the median share of a step spent waiting on data
+    loader: str = ""  # rank 0's loader sizing line
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FeedRow:
+    layout: str  # RANKSxTHREADS on this node
+    precision: str
+    images_per_s: dict[str, float]  # medians: "jpeg", "memory"
+    ratio: float  # jpeg / memory
+    data_share: float  # the last jpeg run's
+    loader: str  # the last jpeg run's
+    runs: dict[str, tuple[FeedRun, ...]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FeedReport(Report):
+    benchmark: typing.ClassVar[str] = "feed"
+    rows: tuple[FeedRow, ...]
+    config: FeedBench | None = None  # filled by the runner
+    provenance: Provenance | None = None  # filled by the runner
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReaderRow:
+    reader: str
+    images_per_s_per_worker: float
+    files_opened_per_epoch: int  # the first round's, in fresh processes
+    files_opened_next_epochs: int
+    rounds: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecipeRates:
+    recipe: str  # the recipe expanded
+    spec: str  # as given to --recipes
+    images_per_s_per_core: dict[str, float]  # per decode path
+    fastest: str
+    default: str  # data.decoder's default
+    default_over_fastest: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DataReport(Report):
+    benchmark: typing.ClassVar[str] = "data"
+    images_packed: int
+    images_source: int
+    shards: int
+    rows: tuple[ReaderRow, ...]
+    ratios: dict[str, float]
+    decoders: dict[str, float]  # images/s on one core, whole-image decode
+    fastest_decoder: str
+    recipes: tuple[RecipeRates, ...]
+    per_core_images: int
+    config: DataBench | None = None  # filled by the runner
+    provenance: Provenance | None = None  # filled by the runner
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PluginImports:
+    hpcdl_before_init: bool  # hpcdl in sys.modules before init_process_group: the path was not torch's alone
+    hpcdl_after_init: bool  # ... once the groups exist: the entry points loaded it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PluginWorkerReport:
+    """What ``plugin_worker.py`` writes: its sweep, its torch threads, and when hpcdl was imported."""
+
+    rows: tuple[AllreduceRow, ...]
+    threads: int
+    imports: PluginImports
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PluginRow(AllreduceRow):
+    path: str = "hpcdl"  # hpcdl's start-up, or "plugin": torch's entry points
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PluginMeta:
+    ranks: int
+    launcher: str
+    backends: tuple[str, ...]  # torch's names
+    rounds: int
+    threads: dict[str, int]  # per path: torch threads per rank
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PluginReport(Report):
+    benchmark: typing.ClassVar[str] = "plugin"
+    meta: PluginMeta
+    plugin_imports: PluginImports
+    rows: tuple[PluginRow, ...]  # the best of the rounds per (path, backend, size)
+    ratio: dict[str, float]  # per backend: plugin / hpcdl time, geometric mean over sizes
+    config: PluginBench | None = None  # filled by the runner
+    provenance: Provenance | None = None  # filled by the runner
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -80,8 +80,8 @@ class Job:
 def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | None = None,
                   argv: list[str] | None = None):
     """Run ``row`` (a :class:`hpcdl.bench.Benchmark`) with ``cfg``; rank 0 prints and writes the report and
-    returns it (its typed report of :mod:`hpcdl.bench.reports` where it has one, else a dict), the other ranks
-    return None."""
+    returns it (its dataclass of :mod:`hpcdl.bench.reports`, with ``config`` and ``provenance`` filled), the
+    other ranks return None."""
     ranks, output = ranks or RankOptions(), output or Output()
     if ranks.backends and not row.compares_backends:
         raise ConfigError(f"bench {row.name} measures one backend at a time; give --backend, not --backends")
@@ -95,15 +95,10 @@ def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | N
             deferred("hpcdl.distributed.process_group:shutdown")(job.ctx)
     if figures is None:
         return None
-    where = provenance(job, argv)
-    if dataclasses.is_dataclass(figures):
-        report = dataclasses.replace(figures, config=cfg, provenance=where)
-        data = {"benchmark": row.name, **to_dict(report)}
-    else:
-        report = data = {"benchmark": row.name, "config": to_dict(cfg), **figures, "provenance": to_dict(where)}
+    report = dataclasses.replace(figures, config=cfg, provenance=provenance(job, argv))
     print(row.format(report), flush=True)
     if output.json_path:
-        write_report(job.expand(output.json_path), data)
+        write_report(job.expand(output.json_path), {"benchmark": row.name, **to_dict(report)})
     if output.plot_path:
         row.load().plot(report, job.expand(output.plot_path))
     return report
@@ -137,7 +132,7 @@ def provenance(job: Job | None = None, argv: list[str] | None = None) -> Provena
 
 def machine_line(report) -> str:
     """The report's machine as a table's first line: the CPU, its logical CPUs and the ISA flags that matter."""
-    m = report.provenance.machine if dataclasses.is_dataclass(report) else Machine(**report["provenance"]["machine"])
+    m = report.provenance.machine
     return f"CPU: {m.cpu}, {m.logical_cpus} logical CPUs, flags {' '.join(m.flags)}"
 
 

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpcdl.bench.configs import SyncBench as Config
 from hpcdl.bench.configs import bucket_spec
+from hpcdl.bench.reports import DDPPart, SyncFigures, SyncHook, SyncReport, WeakScaling
 from hpcdl.bench.rounds import alternate, medians
 from hpcdl.config import SyncConfig
 from hpcdl.distributed.ccl import CCLProcessGroup
@@ -80,16 +81,14 @@ def _timed_ms(fn, group):
     return case
 
 
-def run(cfg: Config, job) -> dict | None:
-    """Every path on each of the job's groups (``--backends``: one report per backend, side by side); rank 0
-    gets the figures, the other ranks None."""
-    reports = {name: _bench(cfg, job.env, group) for name, group in job.groups.items()}
-    if job.rank != 0:
-        return None
-    return next(iter(reports.values())) if len(reports) == 1 else {"by_backend": reports}
+def run(cfg: Config, job) -> SyncReport | None:
+    """Every path on each of the job's groups (``--backends``: side by side); rank 0 gets the figures, the
+    other ranks None."""
+    figures = {name: _bench(cfg, job.env, group) for name, group in job.groups.items()}
+    return SyncReport(by_backend=figures) if job.rank == 0 else None
 
 
-def _bench(cfg: Config, env, group=None) -> dict:
+def _bench(cfg: Config, env, group=None) -> SyncFigures:
     torch.manual_seed(dist.get_rank())
     grads = [torch.randn_like(p) for p in build_model(cfg.model).parameters()]
     flat = torch.cat([g.view(-1) for g in grads])
@@ -107,16 +106,14 @@ def _bench(cfg: Config, env, group=None) -> dict:
         cases["raw mpi4py"] = lambda: comm.Allreduce(MPI.IN_PLACE, buf)
     times = alternate({name: _timed_ms(fn, group) for name, fn in cases.items()}, cfg.rounds)
     median = medians(times)
-    report = {"model": cfg.model, "tensors": len(grads), "parameters": flat.numel(), "buckets": len(buckets),
-              "world_size": dist.get_world_size(group), "backend": dist.get_backend(group), "ms": median,
-              "rounds_ms": times, "fused_vs_flat": median["fused"] / median["flat"],
-              "latency_us": _latency(cfg.latency_iters, group, mpi)}
-    report["hooks"], report["ddp_parts"] = hook_rows(cfg, env, group)
-    if cfg.scaling_steps:
-        report["scaling"] = weak_scaling(cfg, env, group)
-    if cfg.buckets:
-        report["bucket_sweep"] = bucket_sweep(cfg, env, group)
-    return report
+    latency = _latency(cfg.latency_iters, group, mpi)
+    hooks, parts = hook_rows(cfg, env, group)
+    return SyncFigures(model=cfg.model, tensors=len(grads), parameters=flat.numel(), buckets=len(buckets),
+                       world_size=dist.get_world_size(group), backend=dist.get_backend(group), ms=median,
+                       rounds_ms={k: tuple(v) for k, v in times.items()}, fused_vs_flat=median["fused"] / median["flat"],
+                       latency_us=latency, hooks=hooks, ddp_parts=parts,
+                       scaling=weak_scaling(cfg, env, group) if cfg.scaling_steps else None,
+                       bucket_sweep=bucket_sweep(cfg, env, group) if cfg.buckets else {})
 
 
 @functools.cache
@@ -149,7 +146,7 @@ def _gradient_set_class():
     return _GradientSet
 
 
-def hook_rows(cfg: Config, env, group=None) -> dict:
+def hook_rows(cfg: Config, env, group=None) -> tuple[dict[str, SyncHook], dict[str, DDPPart]]:
     """For each hook: median ms per DDP sync of the gradient set, and MB each rank sends per step; and the
     medians of :data:`DDP_PARTS`, timed in the same alternation."""
 
@@ -178,8 +175,8 @@ def hook_rows(cfg: Config, env, group=None) -> dict:
     for hook in nets:
         elements = sent[hook].last_step_sent[0] if sent[hook] else parameters
         size = 2 if hook in ("fp16", "bf16") or (hook == "chunk_sparse" and sent[hook].fp16) else 4
-        rows[hook] = {"ms": medians(times)[hook], "mb_sent": elements * size / 2 ** 20, "rounds_ms": times[hook]}
-    return rows, {part: {"ms": medians(times)[part], "rounds_ms": times[part]} for part in parts}
+        rows[hook] = SyncHook(ms=medians(times)[hook], mb_sent=elements * size / 2 ** 20, rounds_ms=tuple(times[hook]))
+    return rows, {part: DDPPart(ms=medians(times)[part], rounds_ms=tuple(times[part])) for part in parts}
 
 
 DDP_PARTS = {"no exchange": "DDP with a hook that returns each bucket at once: its own work (autograd hooks, "
@@ -226,7 +223,7 @@ def _train_steps(cfg: Config):
     return model, steps
 
 
-def weak_scaling(cfg: Config, env, group=None) -> dict:
+def weak_scaling(cfg: Config, env, group=None) -> WeakScaling | None:
     """Seconds per step of rank 0 alone, of every rank at once without a gradient exchange ("apart": what the
     ranks cost each other through the node's shared memory bandwidth and caches), and of every rank under
     hpcdl's DDP, same per-rank batch. Efficiency is alone / DDP; it splits into the node's share (alone /
@@ -248,16 +245,17 @@ def weak_scaling(cfg: Config, env, group=None) -> dict:
         apart.append(steps(model, n))
         dist.barrier(group=group)
         together.append(steps(ddp, n))
-    one = statistics.median(alone[1:]) if rank0 else None
-    free, synced = statistics.median(apart[1:]), statistics.median(together[1:])
-    return {"model": cfg.scaling_model, "batch_per_rank": cfg.scaling_batch, "threads": torch.get_num_threads(),
-            "s_per_step_1": one, "s_per_step_apart": free, "s_per_step_n": synced, "ranks": dist.get_world_size(group),
-            "rounds": cfg.rounds, "rounds_1": alone[1:], "rounds_apart": apart[1:], "rounds_n": together[1:],
-            "efficiency": one / synced if one else None, "node_share": one / free if one else None,
-            "sync_share": free / synced}
+    if not rank0:  # only rank 0 timed itself alone
+        return None
+    one, free, synced = (statistics.median(t[1:]) for t in (alone, apart, together))
+    return WeakScaling(model=cfg.scaling_model, batch_per_rank=cfg.scaling_batch, threads=torch.get_num_threads(),
+                       ranks=dist.get_world_size(group), rounds=cfg.rounds, s_per_step_1=one, s_per_step_apart=free,
+                       s_per_step_n=synced, rounds_1=tuple(alone[1:]), rounds_apart=tuple(apart[1:]),
+                       rounds_n=tuple(together[1:]), efficiency=one / synced, node_share=one / free,
+                       sync_share=free / synced)
 
 
-def bucket_sweep(cfg: Config, env, group=None) -> dict:
+def bucket_sweep(cfg: Config, env, group=None) -> dict[str, float]:
     """Median seconds per DDP training step of ``scaling_model`` for each ``FIRST:CAP`` (MB) in ``buckets``."""
 
     nets = {}
@@ -342,14 +340,14 @@ def _raw_oneccl(group, x):
     return loop
 
 
-def format_comparison(reports: dict[str, dict]) -> str:
+def format_comparison(reports: dict[str, SyncFigures]) -> str:
     """Backends side by side (``--backends``): the flat and fused all-reduce of the gradient set, DDP's sync
     (hook ``none``) and the one-float all-reduce, each against the first backend."""
     first = next(iter(reports))
-    rows = [("flat all-reduce", "ms", lambda r: r["ms"]["flat"]), ("fused all-reduce", "ms", lambda r: r["ms"]["fused"]),
-            ("DDP sync (none)", "ms", lambda r: r["hooks"].get("none", {}).get("ms")),
-            ("one-float all-reduce", "us", lambda r: r["latency_us"]["torch.distributed"])]
-    lines = [f"side by side, {reports[first]['model']}'s gradients: " + ", ".join(reports) + f" (ratio: / {first})"]
+    rows = [("flat all-reduce", "ms", lambda r: r.ms["flat"]), ("fused all-reduce", "ms", lambda r: r.ms["fused"]),
+            ("DDP sync (none)", "ms", lambda r: r.hooks["none"].ms if "none" in r.hooks else None),
+            ("one-float all-reduce", "us", lambda r: r.latency_us["torch.distributed"])]
+    lines = [f"side by side, {reports[first].model}'s gradients: " + ", ".join(reports) + f" (ratio: / {first})"]
     for name, unit, get in rows:
         base = get(reports[first])
         if base is None:
@@ -359,47 +357,44 @@ def format_comparison(reports: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ddp_split(r: dict, none_ms: float) -> list[str]:
+def _ddp_split(r: SyncFigures, none_ms: float) -> list[str]:
     """Where hook ``none``'s DDP sync goes: DDP's own work, the exchange as torch's DDP issues it, and what
     hpcdl's hook adds to that; the same buckets exchanged outside DDP (``fused``) for comparison."""
-    own, torchs = r["ddp_parts"]["no exchange"]["ms"], r["ddp_parts"]["torch's all-reduce"]["ms"]
+    own, torchs = r.ddp_parts["no exchange"].ms, r.ddp_parts["torch's all-reduce"].ms
     return [f"where DDP's sync (hook none, {none_ms:.1f} ms) goes:",
             f"  DDP's own work (a hook that returns each bucket at once)  {own:9.1f} ms",
             f"  + the exchange, as DDP with torch's all-reduce issues it   {torchs - own:9.1f} ms  "
-            f"(the same buckets outside DDP: fused {r['ms']['fused']:.1f} ms)",
+            f"(the same buckets outside DDP: fused {r.ms['fused']:.1f} ms)",
             f"  + hpcdl's hook over torch's all-reduce                     {none_ms - torchs:9.1f} ms"]
 
 
-def format_report(report: dict) -> str:
-    if "by_backend" in report:
-        return "".join(_format_one(r) for r in report["by_backend"].values()) + format_comparison(report["by_backend"])
-    return _format_one(report)
+def format_report(report: SyncReport) -> str:
+    text = "".join(_format_one(r, report.config) for r in report.by_backend.values())
+    return text + format_comparison(report.by_backend) if len(report.by_backend) > 1 else text
 
 
-def _format_one(r: dict) -> str:
-    lines = [f"gradient sync of {r['model']}: {r['tensors']} tensors, {r['parameters'] / 1e6:.1f}M parameters "
-             f"({r['parameters'] * 4 / 2 ** 20:.0f} MB fp32), {r['buckets']} buckets; {r['world_size']} ranks, "
-             f"backend {r['backend']}; medians",
-             *(f"  {name:12s} {ms:9.1f} ms  ({ms / r['ms']['flat']:.2f}x flat)" for name, ms in r["ms"].items()),
-             f"  fused / flat: {r['fused_vs_flat']:.2f}x",
-             "one-float all-reduce: " + ", ".join(f"{k} {v:.1f} us" for k, v in r["latency_us"].items())]
-    base = r["hooks"].get("none", {}).get("ms")
+def _format_one(r: SyncFigures, cfg: Config) -> str:
+    lines = [f"gradient sync of {r.model}: {r.tensors} tensors, {r.parameters / 1e6:.1f}M parameters "
+             f"({r.parameters * 4 / 2 ** 20:.0f} MB fp32), {r.buckets} buckets; {r.world_size} ranks, "
+             f"backend {r.backend}; medians",
+             *(f"  {name:12s} {ms:9.1f} ms  ({ms / r.ms['flat']:.2f}x flat)" for name, ms in r.ms.items()),
+             f"  fused / flat: {r.fused_vs_flat:.2f}x",
+             "one-float all-reduce: " + ", ".join(f"{k} {v:.1f} us" for k, v in r.latency_us.items())]
+    base = r.hooks["none"].ms if "none" in r.hooks else None
     lines.append("DDP sync of the same gradients, by comm hook (sync.hook): ms, MB sent per rank per step")
-    lines += [f"  {hook:12s} {row['ms']:9.1f} ms" + (f"  ({row['ms'] / base:.2f}x none)" if base else "")
-              + f"  {row['mb_sent']:8.1f} MB" for hook, row in r["hooks"].items()]
-    if base and r.get("ddp_parts"):
+    lines += [f"  {hook:12s} {row.ms:9.1f} ms" + (f"  ({row.ms / base:.2f}x none)" if base else "")
+              + f"  {row.mb_sent:8.1f} MB" for hook, row in r.hooks.items()]
+    if base and r.ddp_parts:
         lines += _ddp_split(r, base)
-    if "scaling" in r:
-        w = r["scaling"]
-        lines.append(f"weak scaling, {w['model']} at batch {w['batch_per_rank']} per rank, {w['threads']} threads per "
-                     f"rank: 1 rank {w['s_per_step_1']:.3f} s/step, {w['ranks']} ranks {w['s_per_step_n']:.3f} s/step, "
-                     f"efficiency {100 * w['efficiency']:.1f}% (medians of {w.get('rounds', 1)} alternating rounds)")
-        if "s_per_step_apart" in w:
-            lines.append(f"  = the node's share {100 * w['node_share']:.1f}% ({w['ranks']} ranks computing apart, no "
-                         f"exchange: {w['s_per_step_apart']:.3f} s/step) x the exchange's {100 * w['sync_share']:.1f}%")
-    if "bucket_sweep" in r:
-        best = min(r["bucket_sweep"].values())
-        lines.append(f"bucket sweep, {r['scaling']['model'] if 'scaling' in r else 'scaling model'}: s per DDP step by "
-                     "FIRST:CAP (MB; CAP alone: the first bucket as big)")
-        lines += [f"  {spec:10s} {t:.3f} s  ({t / best:.2f}x best)" for spec, t in r["bucket_sweep"].items()]
+    if w := r.scaling:
+        lines += [f"weak scaling, {w.model} at batch {w.batch_per_rank} per rank, {w.threads} threads per "
+                  f"rank: 1 rank {w.s_per_step_1:.3f} s/step, {w.ranks} ranks {w.s_per_step_n:.3f} s/step, "
+                  f"efficiency {100 * w.efficiency:.1f}% (medians of {w.rounds} alternating rounds)",
+                  f"  = the node's share {100 * w.node_share:.1f}% ({w.ranks} ranks computing apart, no "
+                  f"exchange: {w.s_per_step_apart:.3f} s/step) x the exchange's {100 * w.sync_share:.1f}%"]
+    if r.bucket_sweep:
+        best = min(r.bucket_sweep.values())
+        lines.append(f"bucket sweep, {cfg.scaling_model}: s per DDP step by FIRST:CAP (MB; CAP alone: the first "
+                     "bucket as big)")
+        lines += [f"  {spec:10s} {t:.3f} s  ({t / best:.2f}x best)" for spec, t in r.bucket_sweep.items()]
     return "\n".join(lines) + "\n"

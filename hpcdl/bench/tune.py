@@ -37,7 +37,7 @@ from hpcdl.errors import ConfigError
 from hpcdl.train.precision import NATIVE_BF16
 from hpcdl.utils import cpu_flags
 
-__all__ = ["TuneConfig", "measure", "node_topology"]
+__all__ = ["Topology", "TuneConfig", "TuneResult", "measure", "node_topology"]
 
 MEMORY_HEADROOM = 0.85  # of the node's memory a layout may use
 
@@ -63,7 +63,44 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def node_topology(cpus: set[int] | None = None, sys_root: str = "/sys/devices/system") -> dict:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Topology:
+    cores: int
+    sockets: int
+    numa: int  # NUMA domains
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrialResult:
+    trial: Trial
+    round: NodeRound
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Confirmation:
+    """The confirming run: the trials' winner and runner-up alternated."""
+
+    winner: str
+    runner_up: str
+    rounds: dict[str, list[float]]  # "winner", "runner-up": images/s per round
+    medians: dict[str, float]
+    swapped: bool  # the runner-up was faster in this run and wins
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TuneResult:
+    topology: Topology
+    memory_mb: float  # what this job may use on the node
+    trials: tuple[TrialResult, ...]  # fastest first
+    refused: dict[str, str]  # trial name -> why the node cannot hold it
+    skipped: dict[str, str]  # choice -> why it was not tried
+    confirm: Confirmation | None
+    winner: Trial
+    winner_images_per_s: float
+    batch_per_rank: int  # the smallest batch within 5% of the winner's images/s
+
+
+def node_topology(cpus: set[int] | None = None, sys_root: str = "/sys/devices/system") -> Topology:
     """Sockets and NUMA domains among ``cpus`` (default: this process's), from sysfs; 1 each where it says nothing."""
     cpus = os.sched_getaffinity(0) if cpus is None else cpus
     sockets = set()
@@ -78,7 +115,7 @@ def node_topology(cpus: set[int] | None = None, sys_root: str = "/sys/devices/sy
         with open(path) as f:
             if _cpulist(f.read()) & cpus:
                 numa += 1
-    return {"cores": len(cpus), "sockets": max(1, len(sockets)), "numa": max(1, numa)}
+    return Topology(cores=len(cpus), sockets=max(1, len(sockets)), numa=max(1, numa))
 
 
 def _cpulist(text: str) -> set[int]:
@@ -101,15 +138,16 @@ def node_memory_mb() -> float:
     raise ConfigError("cannot read MemAvailable from /proc/meminfo")
 
 
-def rank_counts(topology: dict) -> list[int]:
-    cores, wanted = topology["cores"], {1, topology["sockets"], topology["numa"], 2 * topology["numa"]}
+def rank_counts(topology: Topology) -> list[int]:
+    cores, wanted = topology.cores, {1, topology.sockets, topology.numa, 2 * topology.numa}
     return sorted(r for r in wanted if r <= cores and cores % r == 0)
 
 
-def refusal(trial: Trial, topology: dict, memory_mb: float, rss_per_image_mb: dict[int, tuple[float, float]]) -> str | None:
+def refusal(trial: Trial, topology: Topology, memory_mb: float,
+            rss_per_image_mb: dict[int, tuple[float, float]]) -> str | None:
     """Why the node cannot hold ``trial``, or None."""
-    if trial.ranks > topology["cores"]:
-        return f"{trial.ranks} ranks on {topology['cores']} cores"
+    if trial.ranks > topology.cores:
+        return f"{trial.ranks} ranks on {topology.cores} cores"
     fit = rss_per_image_mb.get(trial.ranks)
     if fit:
         fixed, per_image = fit
@@ -120,7 +158,7 @@ def refusal(trial: Trial, topology: dict, memory_mb: float, rss_per_image_mb: di
     return None
 
 
-def measure(cfg: TuneConfig, log=print) -> dict:
+def measure(cfg: TuneConfig, log=print) -> TuneResult:
     """Every trial's images/s, the refused ones with their reasons, the confirming run, and the winner."""
     topology, memory_mb = node_topology(), node_memory_mb()
     results: dict[Trial, NodeRound] = {}
@@ -180,7 +218,8 @@ def _fit_rss(trials: list[Trial], results: dict) -> tuple[float, float]:
     return m1 - per_image * b1, per_image
 
 
-def _decide(cfg: TuneConfig, results: dict, refused: dict, skipped: dict, run, topology: dict, memory_mb: float) -> dict:
+def _decide(cfg: TuneConfig, results: dict, refused: dict, skipped: dict, run, topology: Topology,
+            memory_mb: float) -> TuneResult:
     ranked = sorted(results, key=lambda t: -results[t].images_per_s)
     # the batch is advice: the layout is judged at the trials' batch, then the smallest batch within 5% is named
     same_batch = [t for t in ranked if t.batch == cfg.batch] or ranked
@@ -189,16 +228,16 @@ def _decide(cfg: TuneConfig, results: dict, refused: dict, skipped: dict, run, t
     if runner_up is not None and cfg.confirm_rounds:
         runs = alternate({"winner": lambda: run(winner).images_per_s, "runner-up": lambda: run(runner_up).images_per_s},
                          cfg.confirm_rounds, warmup=0)
-        confirm = {"winner": winner.name(), "runner_up": runner_up.name(), "rounds": runs,
-                   "medians": {k: statistics.median(v) for k, v in runs.items()}}
-        if confirm["medians"]["runner-up"] > confirm["medians"]["winner"]:
+        medians = {k: statistics.median(v) for k, v in runs.items()}
+        swapped = medians["runner-up"] > medians["winner"]
+        confirm = Confirmation(winner=winner.name(), runner_up=runner_up.name(), rounds=runs, medians=medians,
+                               swapped=swapped)
+        if swapped:
             winner, runner_up = runner_up, winner
-            confirm["swapped"] = True
     best_rate = max(results[t].images_per_s for t in results if dataclasses.replace(t, batch=winner.batch) == winner)
     batches = sorted(t.batch for t in results if dataclasses.replace(t, batch=winner.batch) == winner
                      and results[t].images_per_s >= 0.95 * best_rate)
-    return {"topology": topology, "memory_mb": memory_mb, "model": cfg.model, "crop": cfg.crop, "steps": cfg.steps,
-            "trials": [{"trial": dataclasses.asdict(t), "name": t.name(), **dataclasses.asdict(results[t])} for t in ranked],
-            "refused": refused, "skipped": skipped, "confirm": confirm, "winner": dataclasses.asdict(winner),
-            "winner_name": winner.name(), "winner_images_per_s": results[winner].images_per_s,
-            "batch_per_rank": batches[0] if batches else winner.batch}
+    return TuneResult(topology=topology, memory_mb=memory_mb, trials=tuple(TrialResult(t, results[t]) for t in ranked),
+                      refused=refused, skipped=skipped, confirm=confirm, winner=winner,
+                      winner_images_per_s=results[winner].images_per_s,
+                      batch_per_rank=batches[0] if batches else winner.batch)

@@ -92,32 +92,33 @@ def _measure(cfg) -> int:
           f"{cfg.model} at {cfg.crop} px, {cfg.steps} steps a trial", flush=True)
     r = deferred("hpcdl.bench.tune:measure")(cfg, log=lambda line: print(line, flush=True))
     sys.stdout.write(format_layouts(r))
-    w = r["winner"]
-    layout = NodeLayout(ranks_per_node=w["ranks"], cpus_per_task=r["topology"]["cores"] // w["ranks"],
-                        precision=w["precision"], channels_last=w["channels_last"], allocator=w["allocator"],
-                        batch_per_rank=r["batch_per_rank"], images_per_s=r["winner_images_per_s"], model=cfg.model,
-                        node={"host": socket.gethostname(), "cpu": cpu_model(), "cores": r["topology"]["cores"],
-                              "sockets": r["topology"]["sockets"], "numa": r["topology"]["numa"],
+    w, topology = r.winner, r.topology
+    layout = NodeLayout(ranks_per_node=w.ranks, cpus_per_task=topology.cores // w.ranks, precision=w.precision,
+                        channels_last=w.channels_last, allocator=w.allocator, batch_per_rank=r.batch_per_rank,
+                        images_per_s=r.winner_images_per_s, model=cfg.model,
+                        node={"host": socket.gethostname(), "cpu": cpu_model(), "cores": topology.cores,
+                              "sockets": topology.sockets, "numa": topology.numa,
                               "flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))})
     atomic_write_text(cfg.write, layout.to_json())
     print(f"wrote {cfg.write}: {layout.describe()}; use it with hpcdl sbatch --layout {cfg.write} ...")
     return 0
 
 
-def format_layouts(r: dict) -> str:
-    lines = [f"node: {r['topology']['cores']} cores, {r['topology']['sockets']} sockets, {r['topology']['numa']} NUMA "
-             f"domains, {r['memory_mb'] / 1024:.1f} GB for this job",
+def format_layouts(r) -> str:
+    """``hpcdl tune --measure``'s table of a :class:`hpcdl.bench.tune.TuneResult`."""
+    t = r.topology
+    lines = [f"node: {t.cores} cores, {t.sockets} sockets, {t.numa} NUMA domains, {r.memory_mb / 1024:.1f} GB for "
+             "this job",
              f"  {'images/s':>9s}  {'peak GB':>7s}  layout (ranks x cores each, precision, memory format, allocator, batch per rank)"]
-    lines += [f"  {t['images_per_s']:9.2f}  {t['peak_rss_mb'] / 1024:7.2f}  {t['name']}" for t in r["trials"]]
-    lines += [f"  {'refused':>9s}  {'':7s}  {name}: {why}" for name, why in r["refused"].items()]
-    lines += [f"  skipped {what}: {why}" for what, why in r["skipped"].items()]
-    c = r["confirm"]
-    if c:
-        m = c["medians"]
-        lines.append(f"confirming run, {len(c['rounds']['winner'])} alternating rounds: {c['winner']} {m['winner']:.2f} "
-                     f"images/s, {c['runner_up']} {m['runner-up']:.2f}" + ("; the runner-up was faster here and wins"
-                                                                          if c.get("swapped") else ""))
-    lines.append(f"winner: {r['winner_name']}; batch per rank within 5% of the best: {r['batch_per_rank']}")
+    lines += [f"  {x.round.images_per_s:9.2f}  {x.round.peak_rss_mb / 1024:7.2f}  {x.trial.name()}" for x in r.trials]
+    lines += [f"  {'refused':>9s}  {'':7s}  {name}: {why}" for name, why in r.refused.items()]
+    lines += [f"  skipped {what}: {why}" for what, why in r.skipped.items()]
+    if c := r.confirm:
+        m = c.medians
+        lines.append(f"confirming run, {len(c.rounds['winner'])} alternating rounds: {c.winner} {m['winner']:.2f} "
+                     f"images/s, {c.runner_up} {m['runner-up']:.2f}" + ("; the runner-up was faster here and wins"
+                                                                      if c.swapped else ""))
+    lines.append(f"winner: {r.winner.name()}; batch per rank within 5% of the best: {r.batch_per_rank}")
     return "\n".join(lines) + "\n"
 
 

@@ -241,7 +241,7 @@ class PlanInputs:
     calibrate_json: str | None = dataclasses.field(default=None, metadata=meta(flag="--calibrate", metavar="RESULTS.json"))
     # fit the network's latency and bandwidth to hpcdl bench allreduce --json (default: the profile's)
     allreduce_json: str | None = None
-    # of a --backends report, the backend whose rows give the link: gloo, mpi4py or oneccl (default: the first)
+    # of a --backends report (allreduce, sync), the backend whose figures count: gloo, mpi4py or oneccl (default: the first)
     allreduce_backend: str | None = None
     # hierarchical: hpcdl bench allreduce --json on one node's ranks (the node's own link)
     intra_json: str | None = dataclasses.field(default=None, metadata=meta(flag="--intra-allreduce-json"))
@@ -295,7 +295,8 @@ class PlanInputs:
         if not self.sync_json:
             return wire, 0.0, (f"comm hook {self.hook}: {wire:.3g} of the gradient bytes on the wire; its own work "
                                f"not counted (give --sync-json, from hpcdl bench sync --hooks none,{self.hook})")
-        per_byte = SyncReport.from_json(self.sync_json).hook_seconds_per_byte(self.hook, self.sync_json)
+        figures = SyncReport.from_json(self.sync_json).of(self.allreduce_backend, self.sync_json)
+        per_byte = figures.hook_seconds_per_byte(self.hook, self.sync_json)
         hook_s = per_byte * facts.gradient_bytes
         return wire, hook_s, (f"comm hook {self.hook}: {wire:.3g} of the gradient bytes on the wire, its own work "
                               f"{hook_s * 1e3:.1f} ms per step (from {self.sync_json})")
