@@ -93,6 +93,9 @@ class LoopConfig:
     seed: int = 0  # the model's initial weights
     target_top1: float = 0.0  # time-to-accuracy: first evaluation at or above this top-1 (0: none)
     timeline: bool = False  # per-rank trace spans in RUN_DIR/timeline (hpcdl timeline merge RUN_DIR)
+    # each rank appends the samples it trains to RUN_DIR/samples/rankRRRRR.txt, "EPOCH INDEX" a line: to audit
+    # the data order, or count that an epoch saw every sample once across restarts on any number of ranks
+    record_samples: bool = False
 
     def __post_init__(self):
         check("loop.precision", self.precision, names.PRECISIONS)
@@ -134,9 +137,13 @@ class CheckpointConfig:
     keep: int = 3
     signal: str = "USR2"  # the requeue signal: #SBATCH --signal=USR2@120 (hpcdl's train scripts set it)
     max_requeues: int = 20
+    # a checkpoint of another number of ranks: "any" resumes it (same global batch, the epoch's unseen samples
+    # dealt to this job's ranks; docs/training.md says what differs), "same" refuses it
+    resume_ranks: str = "any"
 
     def __post_init__(self):
         names.signal_number("checkpoint.signal", self.signal)
+        names.check("checkpoint.resume_ranks", self.resume_ranks, names.RESUME_RANKS)
         if self.keep < 1 or self.every_steps < 0 or self.every_minutes < 0 or self.max_requeues < 0:
             raise ConfigError(f"checkpoint: keep={self.keep} must be >= 1, every_steps, every_minutes and "
                               "max_requeues >= 0")

@@ -21,6 +21,7 @@ BACKENDS = ("gloo", "mpi", "ccl")  # and "auto"
 HOOKS = ("none", "fp16", "bf16", "hierarchical", "chunk_sparse")
 PRECISIONS = ("auto", "fp32", "bf16")
 SAMPLERS = ("global", "shard")
+RESUME_RANKS = ("any", "same")  # checkpoint.resume_ranks
 VERIFY = ("none", "quick", "full")
 NORMALIZE = ("dataset", "imagenet")
 DECODERS = ("pillow", "torchvision")

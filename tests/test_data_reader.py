@@ -99,6 +99,57 @@ def test_mid_epoch_state_round_trip_resumes_exactly(mode):
         samplers(mode, world=3, seed=3)[0].load_state_dict(state)
 
 
+def _train(ranks, steps, batch):
+    """What ``steps`` global steps of ``batch`` per rank train, in order (one global step after another), and
+    each rank's sampler state after them."""
+    its = [iter(r) for r in ranks]
+    order = [next(it) for _ in range(steps) for it in its for _ in range(batch)]
+    return order, [r.state_dict(consumed=steps * batch) for r in ranks]
+
+
+@pytest.mark.parametrize("mode", ["global", "shard"])
+def test_a_resume_on_fewer_and_more_ranks_trains_each_unseen_sample_once(mode):
+    """96 images, global batch 16: 8 ranks for 2 steps, then 4 ranks for 1, then 2 ranks to the epoch's end,
+    then 4 again: every image of the epoch once. In global mode the order is the uninterrupted run's."""
+    sizes = [12] * 8
+    make = lambda world: [DistributedShardSampler(sizes, world, r, mode, seed=5) for r in range(world)]
+    first = make(8)
+    for r in first:
+        r.set_epoch(1)
+    seen, states = _train(first, 2, 2)
+    second = make(4)
+    for r, s in zip(second, states):
+        r.load_state_dict(s, remap=True)  # each rank loads rank 0's copy in a trainer; any rank's is the same
+        r.set_epoch(1)
+    assert len(second[0]) == (96 - 32) // 4
+    more, states = _train(second, 1, 4)
+    third = make(2)
+    for r in third:
+        r.load_state_dict(states[0], remap=True)
+        r.set_epoch(1)
+    rest = [list(r) for r in third]
+    seen += more + [i for j in range(len(rest[0])) for i in (rest[0][j], rest[1][j])]
+    assert sorted(seen) == list(range(96)) and all(i.epoch == 1 for i in seen)
+    if mode == "global":
+        whole = make(1)[0]
+        whole.set_epoch(1)
+        blocks = lambda order: [sorted(order[k:k + 16]) for k in range(0, 96, 16)]
+        assert blocks(seen) == blocks(list(whole))  # each global step: the same block of the permutation
+    cut = make(2)[0]  # the third run, cut again after 2 steps of 2
+    cut.load_state_dict(states[0], remap=True)
+    cut.set_epoch(1)
+    again = make(4)
+    for r in again:
+        r.load_state_dict(cut.state_dict(consumed=4), remap=True)
+        r.set_epoch(1)
+    assert [len(r) for r in again] == [(96 - 32 - 16 - 8) // 4] * 4 and again[0].state_dict()["cuts"] == [[8, 4], [4, 4], [2, 4]]
+    with pytest.raises(ConfigError, match="here the same number of ranks"):
+        make(4)[0].load_state_dict(cut.state_dict())
+    for r in again:  # the cut epoch over, the next is whole again
+        list(r)
+    assert again[0].cuts == [] and len(epoch(again[0], 2)) == 24
+
+
 def test_sampler_refuses_what_cannot_work():
     with pytest.raises(ConfigError, match="shard per rank"):
         DistributedShardSampler([5, 5], num_replicas=3, rank=0, mode="shard")

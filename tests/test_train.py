@@ -151,6 +151,38 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one_with_every_hook(data, tm
             assert any(r.abs().sum() > 0 for r in x["residuals"].values())
 
 
+@pytest.mark.ranks
+def test_a_run_resumes_on_fewer_ranks_and_trains_each_sample_of_the_epoch_once(data, tmp_path):
+    """Global batch 16 over 240 images: 3 steps on 4 ranks, to step 8 on 2, to the epoch's end (15) on 1. Each
+    rank records the samples it trains; together they are the epoch, each sample once. The micro-batch of 4
+    stays: accumulation follows the ranks."""
+    extra = ["--set", "data.val=", "--set", "data.workers=1", "--set", "checkpoint.every_minutes=0",
+             "--set", "loop.record_samples=true", "--set", "sync.hook=chunk_sparse", "--set", "sync.chunk=256",
+             "--set", "sync.dense_warmup_epochs=0.1"]
+    run = tmp_path / "run"
+    for world, steps in ((4, 3), (2, 8), (1, 15)):
+        where = tmp_path / f"w{world}"
+        where.mkdir()
+        procs = start_ranks(world, args_for(data, run, *extra, "--set", f"loop.max_steps={steps}"), where)
+        assert wait_all(procs) == [0] * world, (where / "rank0.log").read_text()[-3000:]
+    log2, log1 = ((tmp_path / f"w{w}" / "rank0.log").read_text() for w in (2, 1))
+    assert "written by 4 ranks, on 2: global batch 16 = 2 x 8 per rank (was 4 x 4)" in log2, log2[-3000:]
+    assert "the epoch goes on with the 192 samples not yet trained" in log2
+    assert "loop.accum_steps 1 -> 2 keeps the micro-batch of 4 images" in log2
+    assert "chunk_sparse residuals: old rank r's to rank r mod 2, scaled by 2/4" in log2
+    assert "written by 2 ranks, on 1" in log1 and "loop.accum_steps 1 -> 4" in log1
+    lines = [line.split() for f in sorted((run / "samples").iterdir()) for line in f.read_text().splitlines()]
+    assert sorted(int(i) for _, i in lines) == list(range(240)) and {e for e, _ in lines} == {"0"}
+    steps = [json.loads(line)["step"] for line in (run / "train.jsonl").read_text().splitlines() if '"kind": "step"' in line]
+    assert steps == list(range(1, 16))
+    refused = tmp_path / "refused"
+    refused.mkdir()
+    procs = start_ranks(2, args_for(data, run, *extra, "--set", "loop.max_steps=20",
+                                    "--set", "checkpoint.resume_ranks=same"), refused)
+    assert wait_all(procs) == [2, 2]
+    assert "written by 1 ranks, this job has 2 and checkpoint.resume_ranks=same" in (refused / "rank0.log").read_text()
+
+
 def flatten_tensors(tree, prefix="") -> dict:
     if isinstance(tree, dict):
         return {k: v for key, sub in tree.items() for k, v in flatten_tensors(sub, f"{prefix}{key}.").items()}

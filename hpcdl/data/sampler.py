@@ -10,6 +10,14 @@ rank reads only its shards.
 Either way every rank yields the same number of indices, so every rank runs the same number of steps
 and DDP never waits on a rank that ran out. Padding repeats a rank's own first indices.
 
+A run resumed on another number of ranks continues the epoch with exactly the samples the earlier run had
+not reached: its ranks' unread indices, interleaved in the order that run would have trained them (one
+global step after another), are dealt round-robin to the new ranks (:meth:`DistributedShardSampler.
+load_state_dict` with ``remap=True``). In ``global`` mode that is the very order an uninterrupted run
+follows, since each global step takes a contiguous block of the epoch's permutation whatever the number of
+ranks; in ``shard`` mode the rest of that one epoch leaves the shard-per-rank locality. The state keeps the
+cuts (ranks, position) of the epoch, so a run can be cut again, on any number of ranks.
+
 Each index is yielded as a :class:`Sample`, an ``int`` that also carries its epoch and whether it is
 evaluation padding. :class:`ShardDataset` seeds a sample's augmentation from (seed, epoch, index), so
 augmentations do not depend on the number of workers or on where a run resumed; it labels evaluation
@@ -18,6 +26,7 @@ padding (``shuffle=False``) ``PADDING_LABEL`` so that it is not counted.
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -60,10 +69,15 @@ class DistributedShardSampler(Sampler[int]):
         self.total = int(self.starts[-1])
         self.num_replicas, self.rank, self.mode, self.shuffle, self.seed = num_replicas, rank, mode, shuffle, seed
         self.epoch, self.position, self._yielded = 0, 0, 0
+        self.cuts: list[tuple[int, int]] = []  # (ranks, position per rank) of earlier runs of this epoch
+        self._dealt: tuple | None = None  # (epoch, cuts, this rank's indices) of a cut epoch, computed once
+        self.handed: collections.deque | None = None  # when a deque: every index handed out, in order
 
     @property
     def num_samples(self) -> int:
         """Indices per rank in the current epoch, padding included: the same on every rank."""
+        if self.cuts:
+            return len(self.indices())
         if self.mode == "global":
             return math.ceil(self.total / self.num_replicas)
         return max(sum(self.sizes[s] for s in shards) for shards in self._deal())
@@ -71,7 +85,7 @@ class DistributedShardSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning, unless a loaded state resumes this very epoch."""
         if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
+            self.epoch, self.position, self.cuts = epoch, 0, []
 
     def __len__(self) -> int:
         """Indices left in this epoch: all of them, or fewer after a mid-epoch resume."""
@@ -82,45 +96,75 @@ class DistributedShardSampler(Sampler[int]):
         start, self._yielded = self.position, 0
         for i, padding in indices[start:]:
             self._yielded += 1
-            yield Sample(i, self.epoch, padding)
-        self.position = 0  # the epoch is over; the next pass starts at its beginning
+            sample = Sample(i, self.epoch, padding)
+            if self.handed is not None:
+                self.handed.append(sample)
+            yield sample
+        self.position, self.cuts = 0, []  # the epoch is over; the next pass starts at its beginning
 
     def indices(self) -> list[tuple[int, bool]]:
         """This rank's whole epoch as (index, is evaluation padding), padded entries included."""
-        return self._global() if self.mode == "global" else self._padded(self._indices_of(self.rank))
+        if not self.cuts:
+            return self._rank_list(self.rank, self.num_replicas)
+        key = (self.epoch, tuple(self.cuts))
+        if self._dealt is None or self._dealt[:2] != key:
+            self._dealt = (*key, self._after_cuts()[self.rank::self.num_replicas])
+        return self._dealt[2]
 
-    def _global(self) -> list[int]:
+    def _rank_list(self, rank: int, replicas: int) -> list[tuple[int, bool]]:
+        """``rank``'s whole epoch among ``replicas`` ranks, before any cut."""
+        if self.mode == "global":
+            return self._global(rank, replicas)
+        return self._padded(self._indices_of(rank, replicas), max(
+            sum(self.sizes[s] for s in shards) for shards in self._deal(replicas)))
+
+    def _after_cuts(self) -> list[tuple[int, bool]]:
+        """The epoch's samples not reached before the last cut, in training order (global step after global
+        step), padded to a multiple of this run's ranks."""
+        ranks, position = self.cuts[0]
+        lists = [self._rank_list(r, ranks) for r in range(ranks)]
+        rest = [lst[j] for j in range(position, len(lists[0])) for lst in lists]
+        for ranks, position in self.cuts[1:]:  # a later run dealt ``rest`` round-robin: it trained its head
+            rest = self._pad_to(rest, ranks)[position * ranks:]
+        return self._pad_to(rest, self.num_replicas)
+
+    def _pad_to(self, order: list[tuple[int, bool]], replicas: int) -> list[tuple[int, bool]]:
+        extra = (order * math.ceil(replicas / max(len(order), 1)))[:-len(order) % replicas]
+        return order + [(i, not self.shuffle) for i, _ in extra]
+
+    def _global(self, rank: int, replicas: int) -> list[tuple[int, bool]]:
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.total, generator=g).tolist()
         else:
             order = list(range(self.total))
-        total = self.num_samples * self.num_replicas
+        total = math.ceil(self.total / replicas) * replicas
         extra = (order * math.ceil(total / max(self.total, 1)))[:total - self.total]
         padded = [(i, False) for i in order] + [(i, not self.shuffle) for i in extra]
-        return padded[self.rank:total:self.num_replicas]
+        return padded[rank:total:replicas]
 
-    def _deal(self) -> list[list[int]]:
+    def _deal(self, replicas: int | None = None) -> list[list[int]]:
         """Shards per rank this epoch: shuffled, each to the rank with the fewest images so far."""
+        replicas = replicas or self.num_replicas
         order = list(range(len(self.sizes)))
         if self.shuffle:
             np.random.default_rng([self.seed, self.epoch]).shuffle(order)
-        load, dealt = [0] * self.num_replicas, [[] for _ in range(self.num_replicas)]
+        load, dealt = [0] * replicas, [[] for _ in range(replicas)]
         for s in order:
             r = load.index(min(load))
             load[r] += self.sizes[s]
             dealt[r].append(s)
         return dealt
 
-    def _indices_of(self, rank: int) -> list[int]:
-        mine = [i for s in self._deal()[rank] for i in range(self.starts[s], self.starts[s + 1])]
+    def _indices_of(self, rank: int, replicas: int | None = None) -> list[int]:
+        mine = [i for s in self._deal(replicas)[rank] for i in range(self.starts[s], self.starts[s + 1])]
         if self.shuffle:
             np.random.default_rng([self.seed, self.epoch, rank]).shuffle(mine)
         return [int(i) for i in mine]
 
-    def _padded(self, mine: list[int]) -> list[int]:
-        longest = self.num_samples
+    def _padded(self, mine: list[int], longest: int | None = None) -> list[tuple[int, bool]]:
+        longest = self.num_samples if longest is None else longest
         extra = (mine * math.ceil(longest / max(len(mine), 1)))[:longest - len(mine)]
         return [(i, False) for i in mine] + [(i, not self.shuffle) for i in extra]
 
@@ -131,13 +175,21 @@ class DistributedShardSampler(Sampler[int]):
         """
         done = self.position + (self._yielded if consumed is None else consumed)
         return {"epoch": self.epoch, "position": done, "mode": self.mode, "seed": self.seed,
-                "num_replicas": self.num_replicas, "total": self.total, "shuffle": self.shuffle}
+                "num_replicas": self.num_replicas, "total": self.total, "shuffle": self.shuffle,
+                "cuts": [list(c) for c in self.cuts]}
 
-    def load_state_dict(self, state: dict) -> None:
-        mine = {"mode": self.mode, "seed": self.seed, "num_replicas": self.num_replicas, "total": self.total,
-                "shuffle": self.shuffle}
+    def load_state_dict(self, state: dict, remap: bool = False) -> None:
+        """Continue where ``state`` stopped. With another number of ranks only when ``remap``: the epoch goes
+        on with exactly the samples the saved run had not reached (see the module's docstring)."""
+        mine = {"mode": self.mode, "seed": self.seed, "total": self.total, "shuffle": self.shuffle}
         differs = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if state.get("num_replicas") != self.num_replicas and not remap:
+            differs["num_replicas"] = (state.get("num_replicas"), self.num_replicas)
         if differs:
-            raise ConfigError(f"sampler state does not fit this run: {differs} (saved, now); an exact resume "
-                              "needs the same dataset, seed, mode and number of ranks")
+            raise ConfigError(f"sampler state does not fit this run: {differs} (saved, now); a resume needs the "
+                              "same dataset, seed and mode" + ("" if remap else ", and here the same number of ranks"))
         self.epoch, self.position, self._yielded = int(state["epoch"]), int(state["position"]), 0
+        self.cuts = [(int(r), int(p)) for r, p in state.get("cuts", [])]
+        if state["num_replicas"] != self.num_replicas:
+            self.cuts.append((int(state["num_replicas"]), self.position))
+            self.position = 0

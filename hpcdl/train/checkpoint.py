@@ -6,11 +6,16 @@ with ``torch.load(weights_only=True)``: no pickled code runs when a run resumes.
 rank and is too large to gather on rank 0 (the chunk_sparse hook's residuals: a whole gradient per rank)
 goes into one file per rank beside it, ``ckpt-STEP.rankRRRRR.pt``, written before rank 0 writes the
 checkpoint that lists them, and removed with it.
+
+A restart reads the checkpoint from the shared filesystem once per job: rank 0 reads its bytes and the
+job's group broadcasts them (:func:`load_latest_shared`), so the filesystem serves one reader at any number
+of ranks; each per-rank file is read by the one rank that needs it.
 """
 
 from __future__ import annotations
 
 import glob
+import io
 import logging
 import os
 import random
@@ -18,6 +23,7 @@ import re
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hpcdl.errors import CheckpointError, ConfigError
 
@@ -57,20 +63,42 @@ class CheckpointManager:
 
     def load_latest(self) -> tuple[str, dict] | None:
         """(path, state) of the newest checkpoint that loads; None when there is none."""
+        latest = self.read_latest()
+        return (latest[0], latest[2]) if latest else None
+
+    def read_latest(self) -> tuple[str, bytes, dict] | None:
+        """(path, its bytes, state) of the newest checkpoint that loads; None when there is none. Each file
+        is read once."""
         skipped = []
         for path in self.checkpoints():
             try:
-                state = torch.load(path, map_location="cpu", weights_only=True)
+                with open(path, "rb") as f:
+                    data = f.read()
+                state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, zipfile errors...
                 skipped.append(f"{path} ({type(exc).__name__}: {exc})")
                 continue
             if skipped:
                 log.warning("checkpoint: skipped unreadable %s; resuming from %s", "; ".join(skipped), path)
-            return path, state
+            return path, data, state
         if skipped:
             log.warning("checkpoint: no readable checkpoint in %s (skipped %s); starting fresh", self.folder,
                         "; ".join(skipped))
         return None
+
+
+def load_latest_shared(manager: CheckpointManager | None, group) -> tuple[str, dict] | None:
+    """Collective over ``group``: (path, state) of the checkpoint rank 0 (the one with ``manager``) chose, on
+    every rank, or None. Rank 0 reads the file; the others get its bytes over the group, not from the
+    filesystem."""
+    latest = manager.read_latest() if manager is not None else None
+    found = [latest[0], latest[1]] if latest else [None, None]
+    dist.broadcast_object_list(found, src=0, group=group)
+    if found[0] is None:
+        return None
+    if latest:
+        return latest[0], latest[2]
+    return found[0], torch.load(io.BytesIO(found[1]), map_location="cpu", weights_only=True)
 
 
 def _write_failed(path: str, tmp: str, state: dict, exc: Exception, kept: list[str]) -> str:
@@ -163,3 +191,10 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     p = state["python"]
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+
+
+def seed_rng(seed: int) -> None:
+    """Seed this process's torch, numpy and Python RNGs."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    random.seed(seed)

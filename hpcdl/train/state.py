@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from hpcdl.train.checkpoint import rng_state, set_rng_state
+from hpcdl.train.checkpoint import rng_state, seed_rng, set_rng_state
 
 __all__ = ["Counters", "RankRng", "SamplerPosition", "Stateful", "upgrade"]
 
@@ -49,16 +49,20 @@ class SamplerPosition:
         return self.trainer.sampler.state_dict(consumed=self.trainer.consumed)
 
     def load_state_dict(self, state: dict) -> None:
-        self.trainer.sampler.load_state_dict(state)
-        self.trainer.consumed = state["position"]
+        """On another number of ranks, the epoch's unseen samples are dealt to this job's ranks (the trainer
+        refused the checkpoint before this when ``checkpoint.resume_ranks=same``)."""
+        sampler = self.trainer.sampler
+        sampler.load_state_dict(state, remap=True)
+        self.trainer.consumed = sampler.position
 
 
 class RankRng:
     """Every rank's torch, numpy and Python RNG states (collective: each rank gives its own; rank 0 saves
-    them all, and each rank takes its own back)."""
+    them all, and each rank takes its own back). A rank beyond the saved ones seeds its streams from
+    ``seed`` and its rank."""
 
-    def __init__(self, ctx):
-        self.ctx = ctx
+    def __init__(self, ctx, seed: int = 0):
+        self.ctx, self.seed = ctx, seed
 
     def state_dict(self) -> list:
         states = [None] * self.ctx.world_size
@@ -66,7 +70,10 @@ class RankRng:
         return states
 
     def load_state_dict(self, states: list) -> None:
-        set_rng_state(states[self.ctx.rank])
+        if self.ctx.rank < len(states):
+            set_rng_state(states[self.ctx.rank])
+        else:
+            seed_rng(self.seed * 100_003 + self.ctx.rank)
 
 
 def upgrade(state: dict) -> dict:

@@ -7,7 +7,9 @@ readable checkpoint in the run folder, so a requeued job simply runs again.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -43,7 +45,7 @@ from hpcdl.optim.factory import build_optimizer
 from hpcdl.optim.schedule import LRSchedule
 from hpcdl.schema import flatten, to_dict
 from hpcdl.train.accel import apply_ipex
-from hpcdl.train.checkpoint import CheckpointManager, load_rank_state, save_rank_state
+from hpcdl.train.checkpoint import CheckpointManager, load_latest_shared, load_rank_state, save_rank_state
 from hpcdl.train.evaluate import evaluate
 from hpcdl.train.loader import loader_cost, make_loader, size_loader, step_rate
 from hpcdl.train.metrics import RunLog, phase_shares
@@ -118,14 +120,17 @@ def run_dir(cfg: RunConfig) -> str:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, stop: StopSignal):
-        self.cfg, self.ctx, self.stop = preflight(cfg, ctx.world_size), ctx, stop
-        cfg = self.cfg
+        self.ctx, self.stop = ctx, stop
         self.dir = run_dir(cfg)
         try:
             os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"run_dir {self.dir}: cannot create it ({exc.strerror or exc}); --set run_dir to a "
                               "folder this job can write") from None
+        self.ckpt = CheckpointManager(os.path.join(self.dir, "checkpoints"), cfg.checkpoint.keep) \
+            if ctx.rank == 0 else None
+        self.restore = load_latest_shared(self.ckpt, ctx.group)  # read once, by rank 0; before the batch split
+        self.cfg = cfg = preflight(self._fit_to_ranks(cfg), ctx.world_size)
         if ctx.rank == 0:
             atomic_write_text(os.path.join(self.dir, "config.yaml"), dump_yaml(cfg))
         self.precision, self.precision_why = choose_precision(cfg.loop.precision)
@@ -133,8 +138,6 @@ class Trainer:
         self.started = False  # whether this process completed a step (start-up timeout until then)
         self.elapsed, self.best, self.time_to_target = 0.0, None, None
         self.last_save_step, self.last_save_time = -1, time.monotonic()
-        self.ckpt = CheckpointManager(os.path.join(self.dir, "checkpoints"), cfg.checkpoint.keep) \
-            if ctx.rank == 0 else None
         self._build_model()
         self._build_data()
         self._size_loader()
@@ -222,6 +225,10 @@ class Trainer:
             net, self.compile_note = torch.compile(net), "compile: torch.compile (the first steps compile)"
         self.net = net
         self.timeline = Timeline(self.dir, self.ctx.rank) if self.cfg.loop.timeline else None
+        self.samples = None
+        if self.cfg.loop.record_samples:
+            os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
+            self.samples = open(os.path.join(self.dir, "samples", f"rank{self.ctx.rank:05d}.txt"), "a")
         self.comm = comm
         self.stepper = Stepper(net, self.criterion, self.optimizer, self.schedule, precision=self.precision,
                                comm=comm, group=self.ctx.group, distributed=self.ctx.world_size > 1,
@@ -261,7 +268,7 @@ class Trainer:
         """What a checkpoint holds beside its format, world size and config: one entry per stateful part.
         The comm hook's state (chunk_sparse's residuals) is each rank's own and goes to per-rank files."""
         return {"model": self.model, "optimizer": self.optimizer, "schedule": self.schedule,
-                "sampler": SamplerPosition(self), "rng": RankRng(self.ctx), "counters": Counters(self)}
+                "sampler": SamplerPosition(self), "rng": RankRng(self.ctx, self.cfg.loop.seed), "counters": Counters(self)}
 
     def _state(self) -> dict:
         return {"format": FORMAT, "world_size": self.ctx.world_size, "config": to_dict(self.cfg),
@@ -280,28 +287,75 @@ class Trainer:
             log.info("checkpoint (%s): %s", why, path)
         self.last_save_step, self.last_save_time = self.step, time.monotonic()
 
+    def _fit_to_ranks(self, cfg: RunConfig) -> RunConfig:
+        """``cfg`` for resuming a checkpoint of another number of ranks: refused under
+        ``checkpoint.resume_ranks=same``; else the same global batch, with the gradient accumulation that
+        keeps the saved run's micro-batch where the new batch per rank allows it."""
+        if self.restore is None or self.restore[1]["world_size"] == self.ctx.world_size:
+            return cfg
+        path, state = self.restore
+        saved, now = state["world_size"], self.ctx.world_size
+        if cfg.checkpoint.resume_ranks == "same":
+            raise ConfigError(f"{path} was written by {saved} ranks, this job has {now} and checkpoint.resume_ranks="
+                              f"same; run on {saved} ranks, --set checkpoint.resume_ranks=any, or set run_dir to a "
+                              "new folder")
+        then = state["config"]
+        micro = then["global_batch"] // saved // then["loop"]["accum_steps"]
+        per_rank = cfg.global_batch // now if cfg.global_batch % now == 0 else 0
+        if per_rank and per_rank % micro == 0 and per_rank // micro != cfg.loop.accum_steps:
+            if self.ctx.rank == 0:
+                log.info("resuming on %d ranks (saved: %d): loop.accum_steps %d -> %d keeps the micro-batch of %d "
+                         "images", now, saved, cfg.loop.accum_steps, per_rank // micro, micro)
+            cfg = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, accum_steps=per_rank // micro))
+        return cfg
+
     def _resume(self) -> str | None:
-        latest = self.ckpt.load_latest() if self.ckpt is not None else None
-        found = [latest[0] if latest else None]
-        dist.broadcast_object_list(found, src=0, group=self.ctx.group)  # every rank loads the one rank 0 chose
-        if found[0] is None:
+        if self.restore is None:
             return None
-        state = latest[1] if latest else torch.load(found[0], map_location="cpu", weights_only=True)
-        if state["world_size"] != self.ctx.world_size:
-            raise ConfigError(f"{found[0]} was written by {state['world_size']} ranks, this job has "
-                              f"{self.ctx.world_size}: an exact resume needs the same number; run on "
-                              f"{state['world_size']} ranks or set run_dir to a new folder")
-        self._warn_changed(found[0], state["config"])
+        path, state = self.restore
+        self._warn_changed(path, state["config"])
         state = upgrade(state)
+        saved = state["world_size"]
         for name, part in self._parts().items():
             part.load_state_dict(state[name])
         if state.get("rank_states"):
-            self._hook_state = load_rank_state(found[0], self.ctx.rank)
+            self._hook_state = self._rank_state(path, saved)
         elif self.cfg.sync.hook == "chunk_sparse" and self.step > 0:
             log.warning("%s holds no chunk_sparse residuals (written by an older hpcdl or another hook): they "
-                        "start from zero, so this run is not the one that was interrupted", found[0])
+                        "start from zero, so this run is not the one that was interrupted", path)
+        if saved != self.ctx.world_size and self.ctx.rank == 0:
+            self._announce_remap(path, state)
         self.last_save_step = self.step
-        return found[0]
+        self.restore = None  # the state's memory goes back
+        return path
+
+    def _rank_state(self, path: str, saved: int) -> dict:
+        """This rank's comm hook state. From a run of another number of ranks: old rank r's residuals go to
+        rank r mod (ranks now), scaled by now/saved, so that the update still owed (their mean over the
+        ranks) is the same; each file is read by one rank."""
+        now, rank = self.ctx.world_size, self.ctx.rank
+        if saved == now:
+            return load_rank_state(path, rank)
+        mine = [load_rank_state(path, r) for r in range(rank, saved, now)]
+        if not mine:  # more ranks than before: this one owes nothing
+            first = load_rank_state(path, 0)
+            return {**first, "residuals": {k: torch.zeros_like(v) for k, v in first["residuals"].items()}}
+        residuals = {k: sum(m["residuals"][k] for m in mine) * (now / saved) for k in mine[0]["residuals"]}
+        return {**mine[0], "residuals": residuals}
+
+    def _announce_remap(self, path: str, state: dict) -> None:
+        saved, now = state["world_size"], self.ctx.world_size
+        then = state["config"]
+        left = len(self.sampler) * now
+        per_rank = "its own" if now <= saved else f"their own on ranks 0-{saved - 1}, seeded afresh on the others"
+        residuals = (f"; chunk_sparse residuals: old rank r's to rank r mod {now}, scaled by {now}/{saved}"
+                     if state.get("rank_states") else "")
+        log.warning("resuming %s, written by %d ranks, on %d: global batch %d = %d x %d per rank (was %d x %d); the "
+                    "epoch goes on with the %d samples not yet trained, each with its augmentation (seeded by "
+                    "sample); RNG streams: each rank takes %s%s. What differs from an uninterrupted run: batch "
+                    "norm's statistics come from each rank's micro-batch, and the all-reduce adds in another "
+                    "order (float rounding)", path, saved, now, self.cfg.global_batch, now, self.cfg.per_rank_batch,
+                    saved, then["global_batch"] // saved, left, per_rank, residuals)
 
     def _warn_changed(self, path: str, saved: dict) -> None:
         now, then = flatten(to_dict(self.cfg)), flatten(saved)
@@ -331,6 +385,8 @@ class Trainer:
             self.runlog.close()
             if self.timeline is not None:
                 self.timeline.close()
+            if self.samples is not None:
+                self.samples.close()
 
     def _loop(self) -> str:
         while self.step < self.last_step:
@@ -345,6 +401,8 @@ class Trainer:
 
     def _train_epoch(self) -> str:
         self.sampler.set_epoch(self.epoch)
+        if self.samples is not None:
+            self.sampler.handed = collections.deque()  # what the loader read ahead of a finished epoch goes
         batches = self._batches()
         while self.step < self.last_step:
             result = self.stepper.step(batches, self.cfg.loop.accum_steps, self._wishes)
@@ -367,6 +425,10 @@ class Trainer:
     def _batches(self):
         for images, labels in self.train_loader:
             self.consumed += len(labels)
+            if self.samples is not None:  # the loader returns batches in the order the sampler handed them out
+                handed = self.sampler.handed
+                self.samples.write("".join(f"{s.epoch} {int(s)}\n" for s in (handed.popleft() for _ in labels)))
+                self.samples.flush()
             images = self._prepare(images)
             yield self.mix(images, labels) if self.mix else (images, labels)
 
