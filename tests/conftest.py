@@ -24,11 +24,11 @@ HOSTILE = ["a 0", 'a"=0"', "a'; echo foo", "$HOME `x` $(id)"]
 
 # The tiers: what a test needs, read off the fixtures it asks for (pytest.ini declares the marks). A test
 # that starts ranks of its own without one of these fixtures carries @pytest.mark.ranks in its file.
-NEEDS = {"slurm": "slurm", "two_nodes": "slurm", "fabric": "slurm", "mpiexec": "mpi", "ccl": "ccl"}
+NEEDS = {"slurm": "slurm", "two_nodes": "slurm", "fabric": "slurm", "wide": "scale", "mpiexec": "mpi", "ccl": "ccl"}
 # Tests that share a finite resource run one after another on one xdist worker (--dist loadgroup): the
 # local Slurm's nodes n1 n2 (partition debug) and n3 n4 (the shaped partition fabric, whose rate a test
 # measures). The rest spread over the workers.
-GROUPS = {"fabric": "fabric", "slurm": "slurm", "two_nodes": "slurm"}
+GROUPS = {"fabric": "fabric", "wide": "wide", "slurm": "slurm", "two_nodes": "slurm"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,7 +39,9 @@ def pytest_collection_modifyitems(config, items):
         group = next((GROUPS[f] for f in GROUPS if f in names), None)
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
-        if not any(item.get_closest_marker(m) for m in ("slurm", "mpi", "ccl", "ranks", "slow", "alone")):
+        if "wide" in names:  # a job on the wide partition is a Slurm job too
+            item.add_marker("slurm")
+        if not any(item.get_closest_marker(m) for m in ("slurm", "mpi", "ccl", "ranks", "slow", "alone", "scale")):
             item.add_marker("unit")
 
 
@@ -129,6 +131,16 @@ def two_nodes(slurm):
     if len(up) < 2:
         missing("two Slurm nodes", f"sinfo shows {out!r}")
     return True
+
+
+@pytest.fixture(scope="session")
+def wide(slurm):
+    """The local Slurm's partition wide: 16 idle nodes that share this host's cores (slurm/local/up.sh)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-p", "wide", "-o", "%N %T"], capture_output=True, text=True).stdout
+    up = [line for line in out.splitlines() if line.split()[1:2] and line.split()[1] in ("idle", "mixed")]
+    if len(up) < 16:
+        missing("the wide partition", f"sinfo -p wide shows {out!r}; bash slurm/local/up.sh starts it")
+    return 16
 
 
 @pytest.fixture(scope="session")

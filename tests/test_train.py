@@ -153,19 +153,20 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one_with_every_hook(data, tm
 
 @pytest.mark.ranks
 def test_a_run_resumes_on_fewer_ranks_and_trains_each_sample_of_the_epoch_once(data, tmp_path):
-    """Global batch 16 over 240 images: 3 steps on 4 ranks, to step 8 on 2, to the epoch's end (15) on 1. Each
-    rank records the samples it trains; together they are the epoch, each sample once. The micro-batch of 4
-    stays: accumulation follows the ranks."""
+    """Global batch 16 over 240 images: 3 steps on 4 ranks, to step 5 on 2, to step 8 on 2 again (a same-size
+    resume mid-epoch, from a position), to the epoch's end (15) on 1. Each rank records the samples it trains;
+    together they are the epoch, each sample once. The micro-batch of 4 stays: accumulation follows the
+    ranks."""
     extra = ["--set", "data.val=", "--set", "data.workers=1", "--set", "checkpoint.every_minutes=0",
              "--set", "loop.record_samples=true", "--set", "sync.hook=chunk_sparse", "--set", "sync.chunk=256",
              "--set", "sync.dense_warmup_epochs=0.1"]
     run = tmp_path / "run"
-    for world, steps in ((4, 3), (2, 8), (1, 15)):
-        where = tmp_path / f"w{world}"
+    for world, steps in ((4, 3), (2, 5), (2, 8), (1, 15)):
+        where = tmp_path / f"w{world}-{steps}"
         where.mkdir()
         procs = start_ranks(world, args_for(data, run, *extra, "--set", f"loop.max_steps={steps}"), where)
         assert wait_all(procs) == [0] * world, (where / "rank0.log").read_text()[-3000:]
-    log2, log1 = ((tmp_path / f"w{w}" / "rank0.log").read_text() for w in (2, 1))
+    log2, log1 = ((tmp_path / w / "rank0.log").read_text() for w in ("w2-5", "w1-15"))
     assert "written by 4 ranks, on 2: global batch 16 = 2 x 8 per rank (was 4 x 4)" in log2, log2[-3000:]
     assert "the epoch goes on with the 192 samples not yet trained" in log2
     assert "loop.accum_steps 1 -> 2 keeps the micro-batch of 4 images" in log2

@@ -102,6 +102,16 @@ class DistributedShardSampler(Sampler[int]):
             yield sample
         self.position, self.cuts = 0, []  # the epoch is over; the next pass starts at its beginning
 
+    def fraction_done(self, consumed: int) -> float:
+        """The share of the epoch trained once this rank has trained ``consumed`` more of its indices, counting
+        what runs before a cut trained."""
+        if not self.cuts:
+            return (self.position + consumed) / max(self.num_samples, 1)
+        ranks, _ = self.cuts[0]
+        whole = len(self._rank_list(0, ranks)) * ranks
+        before = sum(r * p for r, p in self.cuts)
+        return min(1.0, (before + (self.position + consumed) * self.num_replicas) / max(whole, 1))
+
     def indices(self) -> list[tuple[int, bool]]:
         """This rank's whole epoch as (index, is evaluation padding), padded entries included."""
         if not self.cuts:

@@ -134,8 +134,10 @@ PROFILES: dict[str, ClusterProfile] = {p.name: p for p in (
         name="generic", description="Any Slurm cluster: nothing assumed, the scheduler checks the request",
         partition=None, cores_per_node=None, mem_gb_per_node=None, max_time=None, max_nodes=None),
     ClusterProfile(
-        name="local", description="This machine's Slurm (slurm/local/up.sh starts one: nodes n1 and n2)",
-        partition="debug", cores_per_node=os.cpu_count(), mem_gb_per_node=None, max_time=None, max_nodes=2),
+        name="local", description="This machine's Slurm (slurm/local/up.sh starts one: nodes n1 and n2; "
+                                  "--partition wide: 16 nodes sharing this host's cores)",
+        partition="debug", cores_per_node=max(2, os.cpu_count() or 1), mem_gb_per_node=None, max_time=None,
+        max_nodes=16),
 )}
 
 

@@ -53,7 +53,7 @@ class SamplerPosition:
         refused the checkpoint before this when ``checkpoint.resume_ranks=same``)."""
         sampler = self.trainer.sampler
         sampler.load_state_dict(state, remap=True)
-        self.trainer.consumed = sampler.position
+        self.trainer.consumed = 0  # counted from the sampler's position, as state_dict takes it
 
 
 class RankRng:

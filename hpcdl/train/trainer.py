@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -225,6 +226,7 @@ class Trainer:
             net, self.compile_note = torch.compile(net), "compile: torch.compile (the first steps compile)"
         self.net = net
         self.timeline = Timeline(self.dir, self.ctx.rank) if self.cfg.loop.timeline else None
+        self.replicas = "not checked (the run ended early)"  # _check_replicas at the end
         self.samples = None
         if self.cfg.loop.record_samples:
             os.makedirs(os.path.join(self.dir, "samples"), exist_ok=True)
@@ -272,6 +274,7 @@ class Trainer:
 
     def _state(self) -> dict:
         return {"format": FORMAT, "world_size": self.ctx.world_size, "config": to_dict(self.cfg),
+                "accum_remapped": self.accum_remapped,
                 **{name: part.state_dict() for name, part in self._parts().items()}}
 
     def _save(self, why: str) -> None:
@@ -290,23 +293,29 @@ class Trainer:
     def _fit_to_ranks(self, cfg: RunConfig) -> RunConfig:
         """``cfg`` for resuming a checkpoint of another number of ranks: refused under
         ``checkpoint.resume_ranks=same``; else the same global batch, with the gradient accumulation that
-        keeps the saved run's micro-batch where the new batch per rank allows it."""
-        if self.restore is None or self.restore[1]["world_size"] == self.ctx.world_size:
+        keeps the saved run's micro-batch where the new batch per rank allows it. A run whose accumulation was
+        set so keeps it on a resume on its own number of ranks too."""
+        self.accum_remapped = False  # whether loop.accum_steps was set here: checkpoints say so
+        if self.restore is None:
             return cfg
         path, state = self.restore
         saved, now = state["world_size"], self.ctx.world_size
-        if cfg.checkpoint.resume_ranks == "same":
+        if saved == now and not state.get("accum_remapped"):
+            return cfg
+        if saved != now and cfg.checkpoint.resume_ranks == "same":
             raise ConfigError(f"{path} was written by {saved} ranks, this job has {now} and checkpoint.resume_ranks="
                               f"same; run on {saved} ranks, --set checkpoint.resume_ranks=any, or set run_dir to a "
                               "new folder")
         then = state["config"]
         micro = then["global_batch"] // saved // then["loop"]["accum_steps"]
         per_rank = cfg.global_batch // now if cfg.global_batch % now == 0 else 0
-        if per_rank and per_rank % micro == 0 and per_rank // micro != cfg.loop.accum_steps:
-            if self.ctx.rank == 0:
-                log.info("resuming on %d ranks (saved: %d): loop.accum_steps %d -> %d keeps the micro-batch of %d "
-                         "images", now, saved, cfg.loop.accum_steps, per_rank // micro, micro)
-            cfg = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, accum_steps=per_rank // micro))
+        if per_rank and per_rank % micro == 0:
+            self.accum_remapped = per_rank // micro != cfg.loop.accum_steps or bool(state.get("accum_remapped"))
+            if per_rank // micro != cfg.loop.accum_steps:
+                if self.ctx.rank == 0:
+                    log.info("resuming on %d ranks (saved: %d): loop.accum_steps %d -> %d keeps the micro-batch of "
+                             "%d images", now, saved, cfg.loop.accum_steps, per_rank // micro, micro)
+                cfg = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, accum_steps=per_rank // micro))
         return cfg
 
     def _resume(self) -> str | None:
@@ -461,7 +470,32 @@ class Trainer:
     def _finish(self) -> None:
         if self.best is None or self.best["step"] != self.step:
             self._evaluate()
+        self._check_replicas()
         self._save("end")
+
+    def _check_replicas(self) -> None:
+        """Collective: that every rank holds the same weights, bitwise (a sha256 of them, its first 8 bytes
+        compared by an all-reduce of min and max). Replicas that drifted apart (a rank that skipped an update,
+        a non-deterministic hook) end the run with the ranks that differ from rank 0 named. Buffers are left
+        out: batch norm's running statistics follow each rank's last batch until DDP's next forward hands out
+        rank 0's, which are the ones a checkpoint keeps."""
+        digest = hashlib.sha256()
+        for tensor in self.model.parameters():
+            digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        mine = int.from_bytes(digest.digest()[:8], "little", signed=True)
+        both = torch.tensor([mine, -mine], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.ctx.group)
+        if both[0].item() == -both[1].item() == mine:
+            self.replicas = f"identical on {self.ctx.world_size} ranks (sha256 of the weights)"
+            if self.ctx.rank == 0:
+                log.info("replicas: %s", self.replicas)
+            return
+        every = [None] * self.ctx.world_size
+        dist.all_gather_object(every, mine, group=self.ctx.group)
+        differ = [r for r, h in enumerate(every) if h != every[0]]
+        raise TrainingDiverged(f"the replicas differ after step {self.step}: ranks {differ} hold other weights than "
+                               "rank 0; this is a bug in hpcdl or in a custom comm hook: report it with the run "
+                               "folder")
 
     def _preempted(self) -> dict:
         log.warning("stopping at step %d on the requeue signal (%s); checkpoint written", self.step,
@@ -475,7 +509,7 @@ class Trainer:
 
     def _epochs(self) -> float:
         """Epochs done, fractional: this rank's share of the current epoch that it has trained on."""
-        return self.epoch + self.consumed / max(self.sampler.num_samples, 1)
+        return self.epoch + self.sampler.fraction_done(self.consumed)
 
     def _elapsed(self) -> float:
         return self.elapsed + time.monotonic() - self.t0 if hasattr(self, "t0") else self.elapsed
@@ -488,7 +522,7 @@ class Trainer:
              "images_per_s": self.step * cfg.global_batch / elapsed if elapsed else 0.0,
              "best_top1": self.best and self.best["top1"], "best_top5": self.best and self.best["top5"],
              "best_step": self.best and self.best["step"], "target_top1": cfg.loop.target_top1,
-             "time_to_target_s": self.time_to_target, "run_dir": self.dir,
+             "time_to_target_s": self.time_to_target, "run_dir": self.dir, "replicas": self.replicas,
              "phases": phase_shares(jsonl) if self.ctx.rank == 0 and os.path.exists(jsonl) else {}}
         if self.ctx.rank == 0:
             atomic_write_text(os.path.join(self.dir, "summary.json"), json.dumps(s, indent=1) + "\n")

@@ -3,7 +3,7 @@
 # It waits for each daemon to exit, so that up.sh right after it starts fresh ones.
 set -u
 STATE=${HPCDL_SLURM_STATE:-/var/tmp/hpcdl-slurm}
-for f in "$STATE"/slurmd-n1.pid "$STATE"/slurmd-n2.pid "$STATE"/slurmctld.pid "$STATE"/slurmdbd.pid "$STATE"/mariadb/mariadb.pid; do
+for f in "$STATE"/slurmd-n1.pid "$STATE"/slurmd-n2.pid "$STATE"/slurmd-n1[0-9].pid "$STATE"/slurmd-n2[0-9].pid "$STATE"/slurmctld.pid "$STATE"/slurmdbd.pid "$STATE"/mariadb/mariadb.pid; do
     [ -f "$f" ] || continue
     pid=$(cat "$f")
     kill "$pid" 2>/dev/null || continue

@@ -4,7 +4,11 @@
 #   partition debug (default): n1 and n2, on the host's loopback;
 #   partition fabric: n3 and n4, each in its own network namespace on a bridge, links shaped by tc tbf to
 #   FABRIC_RATE (default 1gbit; slurm/local/fabric.sh). FABRIC=0 leaves the fabric out; where the machine
-#   cannot host it, up.sh says what is missing and starts the debug partition alone (in CI: an error).
+#   cannot host it, up.sh says what is missing and starts the debug partition alone (in CI: an error);
+#   partition wide: n11 to n26 (WIDE_NODES of them, default 16), on loopback, for many-rank rehearsals.
+#   Every simulated node claims all of the host's CPUs (at least 2, so that it takes 2 tasks): they share
+#   the same cores, so a 32-rank job here runs 16-fold oversubscribed on a 2-core host. Times are
+#   inflated; what grows with the number of ranks (connections, requests, files read) is not.
 #
 # It does nothing when a Slurm already answers. It needs root, and no systemd: every daemon is started
 # by hand and tracked by its PID file under $HPCDL_SLURM_STATE. `slurm/local/down.sh` stops them.
@@ -22,15 +26,18 @@ die() { echo "local-slurm: error: $*" >&2; exit 1; }
 slurm_answers() { command -v sinfo >/dev/null && timeout 10 sinfo -h -o %P >/dev/null 2>&1; }
 
 FABRIC=${FABRIC:-1}
+WIDE_NODES=${WIDE_NODES:-16}
+wide_last=$(( 10 + WIDE_NODES ))
 HERE=$(cd "$(dirname "$0")" && pwd)
 up_nodes() { timeout 10 sinfo -h -N ${1:+-p "$1"} -o %T 2>/dev/null | grep -c -E '^(idle|mixed|allocated)$' || true; }
 
 if slurm_answers && [ "$(up_nodes)" -gt 0 ]; then
-    if [ "$FABRIC" = 0 ] || [ "$(up_nodes fabric)" -ge 2 ] || ! grep -qF "$MARK" "$CONF" 2>/dev/null; then
+    if ! grep -qF "$MARK" "$CONF" 2>/dev/null || { { [ "$FABRIC" = 0 ] || [ "$(up_nodes fabric)" -ge 2 ]; } \
+            && [ "$(up_nodes wide)" -ge "$WIDE_NODES" ]; }; then
         say "a Slurm already answers ($(sinfo -h -o '%P %D %T' | tr '\n' ';')); nothing to start"
         exit 0
     fi
-    say "the local Slurm answers without its fabric partition; restarting it with the fabric"
+    say "the local Slurm answers without its fabric or wide partition; restarting it with both"
     bash "$HERE/down.sh"
 fi
 [ "$(id -u)" = 0 ] || die "no Slurm answers, and starting a local one needs root (run 'sudo $0')"
@@ -63,7 +70,8 @@ host=$(hostname -s)
 ncpu=$(nproc)
 mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))   # half the RAM for each node
 mkdir -p "$STATE"/{log,state,mariadb} /run/munge /run/mysqld
-for n in n1 n2 $fabric_nodes; do mkdir -p "$STATE/spool/$n" "$STATE/tmp/$n"; done
+wide_nodes=$(seq -f 'n%g' 11 "$wide_last" | tr '\n' ' ')
+for n in n1 n2 $fabric_nodes $wide_nodes; do mkdir -p "$STATE/spool/$n" "$STATE/tmp/$n"; done
 chown munge:munge /run/munge; chown mysql:mysql /run/mysqld "$STATE/mariadb"
 
 pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -153,6 +161,9 @@ MinJobAge=600
 SlurmdParameters=config_overrides
 NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[17001-17002] CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
+# Many-rank rehearsals: nodes that share this host's cores (see the top of up.sh).
+NodeName=n[11-$wide_last] NodeHostname=$host NodeAddr=127.0.0.1 Port=[17011-$(( 17000 + wide_last ))] CPUs=$(( ncpu > 2 ? ncpu : 2 )) RealMemory=$mem_mb State=UNKNOWN
+PartitionName=wide Nodes=n[11-$wide_last] MaxTime=INFINITE State=UP
 $fabric_conf
 CONF
 
@@ -161,13 +172,13 @@ wait_for 30 slurmdbd sacctmgr -n list cluster
 sacctmgr -i -Q add cluster hpcdl >/dev/null 2>&1 || true
 
 if ! pid_alive "$STATE/slurmctld.pid"; then /usr/sbin/slurmctld; fi
-for n in n1 n2; do
+for n in n1 n2 $wide_nodes; do
     pid_alive "$STATE/slurmd-$n.pid" || /usr/sbin/slurmd -N "$n"
 done
 if [ -n "$fabric_nodes" ]; then bash "$HERE/fabric.sh" slurmd; fi
 wait_for 30 slurmctld scontrol ping
-all_nodes="n1 n2 $fabric_nodes"
+all_nodes="n1 n2 $fabric_nodes $wide_nodes"
 node_ready() { [ "$(up_nodes)" -eq "$(echo $all_nodes | wc -w)" ]; }
 for _ in $(seq 150); do node_ready && break; scontrol update nodename="$(echo $all_nodes | tr ' ' ,)" state=resume >/dev/null 2>&1 || true; sleep 0.2; done
 node_ready || die "nodes $all_nodes are not all idle: $(sinfo -N -h -o '%N %T %E' | tr '\n' ';')"
-say "up: partition debug, nodes n1 n2${fabric_nodes:+; partition fabric, nodes $fabric_nodes over links shaped to $(cat "$STATE/hpcdl-fab0.rate")} ($ncpu CPUs each), accounting in slurmdbd; state in $STATE"
+say "up: partition debug, nodes n1 n2${fabric_nodes:+; partition fabric, nodes $fabric_nodes over links shaped to $(cat "$STATE/hpcdl-fab0.rate")} ($ncpu CPUs each); partition wide, nodes n[11-$wide_last] sharing this host's cores; accounting in slurmdbd; state in $STATE"

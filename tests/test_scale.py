@@ -1,0 +1,89 @@
+"""Many-rank rehearsals on the local Slurm's partition wide: 16 nodes that share this host's cores, 2 ranks
+each. The times are inflated by the oversubscription; what is checked holds at any speed: every replica
+bitwise the same, every sample of the epoch trained once across the ranks, every validation image counted
+once, and a run cut on 32 ranks going on on 16, then 8."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import PYTHON, REPO, hpcdl, sbatch_wait
+
+TRAIN, VAL = 256, 37  # 4 steps of 64 images; an odd number of validation images
+
+
+@pytest.fixture(scope="module")
+def scale_data(tmp_path_factory) -> Path:
+    from hpcdl.data.images import Encoding
+    from hpcdl.data.pack import PackConfig, pack
+    from hpcdl.data.synthetic import generate
+
+    root = tmp_path_factory.mktemp("scale-data")
+    for split, per_class, seed in (("train", TRAIN // 8, 1), ("val", 5, 2)):
+        src = generate(str(root / f"src-{split}"), classes=8, per_class=per_class, size=(40, 32), seed=seed)
+        if split == "val":  # 40 - 3
+            for folder in sorted(os.listdir(src.root))[:3]:
+                os.unlink(os.path.join(src.root, folder, sorted(os.listdir(os.path.join(src.root, folder)))[0]))
+        pack(PackConfig(src=src.root, out=str(root / split), shard_size="64K", encoding=Encoding(short_side=32),
+                        workers=1))
+    return root
+
+
+def train_job(tmp_path: Path, data: Path, run: Path, nodes: int, backend: str, *extra: str, name: str = "job") -> tuple[str, str]:
+    """``hpcdl train`` on ``nodes`` nodes of partition wide, 2 ranks each: (job id, its output)."""
+    script = tmp_path / f"{name}.sbatch"
+    made = hpcdl("sbatch", "--profile", "local", "--partition", "wide", "--nodes", nodes, "--tasks-per-node", 2,
+                 "--time", 15, "--output", f"{tmp_path}/{name}-%j.out", "--python", PYTHON, "--write", script, "--",
+                 "train", "demo_tiny_lars", "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}",
+                 "--set", f"run_dir={run}", "--set", f"loop.backend={backend}", "--set", "global_batch=64",
+                 "--set", "crop=32", "--set", "data.eval_resize=32", "--set", "data.workers=0",
+                 "--set", "checkpoint.every_minutes=0", "--set", "loop.record_samples=true",
+                 "--set", "loop.startup_timeout_s=900", "--set", "loop.timeout_s=600", *extra)
+    assert made.returncode == 0, made.stderr
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_MPI_TYPE": "pmi2"}
+    job = sbatch_wait(script, f"--chdir={tmp_path}", env=env, timeout=900)
+    return job, (tmp_path / f"{name}-{job}.out").read_text()
+
+
+def samples(run: Path) -> Counter:
+    return Counter(tuple(map(int, line.split())) for f in (run / "samples").iterdir()
+                   for line in f.read_text().splitlines())
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("backend", ["mpi", "ccl"])  # gloo: the resume test below
+def test_32_ranks_keep_identical_replicas_and_train_each_sample_once(wide, scale_data, tmp_path, backend, request):
+    extra = ["--set", f"loop.ccl_lib={request.getfixturevalue('ccl').library.parent}"] if backend == "ccl" else []
+    run = tmp_path / "run"
+    job, out = train_job(tmp_path, scale_data, run, 16, backend, "--set", "epochs=2",
+                         "--set", f"loop.max_steps={TRAIN // 64}", *extra)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 32 and summary["steps"] == TRAIN // 64, out[-3000:]
+    assert summary["replicas"] == "identical on 32 ranks (sha256 of the weights)"
+    assert samples(run) == Counter({(0, i): 1 for i in range(TRAIN)})  # 32 ranks x 8: the epoch, once each
+    evals = [json.loads(line) for line in (run / "train.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert evals and all(e["images"] == VAL for e in evals)  # 37 images on 32 ranks: padding not counted
+
+
+@pytest.mark.timeout(1000)
+def test_a_run_cut_on_32_ranks_goes_on_on_16_then_8_training_each_sample_once(wide, scale_data, tmp_path):
+    """Global batch 64 over 256 images: steps 1-2 on 32 ranks (2 per rank), 3 on 16 (accumulating 2 micro-batches
+    of 2), 4 on 8 (4 of 2). Every leg ends with its replicas identical; together they train the epoch once."""
+    run = tmp_path / "run"
+    outs = {}
+    for nodes, steps in ((16, 2), (8, 3), (4, 4)):
+        _, outs[nodes] = train_job(tmp_path, scale_data, run, nodes, "gloo", "--set", "epochs=2",
+                                   "--set", f"loop.max_steps={steps}", name=f"n{nodes}")
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["steps"] == steps and summary["replicas"].startswith(f"identical on {2 * nodes} ranks"), \
+            outs[nodes][-3000:]
+    assert "written by 32 ranks, on 16: global batch 64 = 16 x 4 per rank (was 32 x 2)" in outs[8]
+    assert "loop.accum_steps 1 -> 2 keeps the micro-batch of 2 images" in outs[8]
+    assert "written by 16 ranks, on 8" in outs[4] and "loop.accum_steps 1 -> 4" in outs[4]
+    assert samples(run) == Counter({(0, i): 1 for i in range(TRAIN)})
+    losses = [json.loads(line)["loss"] for line in (run / "train.jsonl").read_text().splitlines() if '"kind": "step"' in line]
+    assert len(losses) == 4 and all(x == x for x in losses)  # one record per step, across the three jobs
