@@ -96,6 +96,9 @@ class LoopConfig:
     # each rank appends the samples it trains to RUN_DIR/samples/rankRRRRR.txt, "EPOCH INDEX" a line: to audit
     # the data order, or count that an epoch saw every sample once across restarts on any number of ranks
     record_samples: bool = False
+    # each rank writes RUN_DIR/startup/rankRRRRR.json at its first step: each start-up phase's time and the
+    # files it opened on the run folder, the data and the Python environment (hpcdl bench startup reads them)
+    record_startup: bool = False
 
     def __post_init__(self):
         check("loop.precision", self.precision, names.PRECISIONS)

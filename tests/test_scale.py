@@ -69,21 +69,31 @@ def test_32_ranks_keep_identical_replicas_and_train_each_sample_once(wide, scale
     assert evals and all(e["images"] == VAL for e in evals)  # 37 images on 32 ranks: padding not counted
 
 
-@pytest.mark.timeout(1000)
+@pytest.mark.timeout(1200)
 def test_a_run_cut_on_32_ranks_goes_on_on_16_then_8_training_each_sample_once(wide, scale_data, tmp_path):
-    """Global batch 64 over 256 images: steps 1-2 on 32 ranks (2 per rank), 3 on 16 (accumulating 2 micro-batches
-    of 2), 4 on 8 (4 of 2). Every leg ends with its replicas identical; together they train the epoch once."""
+    """Global batch 64 over 256 images: step 1 on 32 ranks (2 per rank), step 2 on 32 again, 3 on 16
+    (accumulating 2 micro-batches of 2), 4 on 8 (4 of 2). Every leg ends with its replicas identical; together
+    they train the epoch once. The restart on 32 ranks reads the checkpoint from the run folder once."""
     run = tmp_path / "run"
     outs = {}
-    for nodes, steps in ((16, 2), (8, 3), (4, 4)):
-        _, outs[nodes] = train_job(tmp_path, scale_data, run, nodes, "gloo", "--set", "epochs=2",
-                                   "--set", f"loop.max_steps={steps}", name=f"n{nodes}")
+    for leg, (nodes, steps) in enumerate(((16, 1), (16, 2), (8, 3), (4, 4))):
+        _, outs[leg] = train_job(tmp_path, scale_data, run, nodes, "gloo", "--set", "epochs=2",
+                                 "--set", f"loop.max_steps={steps}", "--set", f"loop.record_startup={leg == 1}",
+                                 name=f"leg{leg}")
         summary = json.loads((run / "summary.json").read_text())
         assert summary["steps"] == steps and summary["replicas"].startswith(f"identical on {2 * nodes} ranks"), \
-            outs[nodes][-3000:]
-    assert "written by 32 ranks, on 16: global batch 64 = 16 x 4 per rank (was 32 x 2)" in outs[8]
-    assert "loop.accum_steps 1 -> 2 keeps the micro-batch of 2 images" in outs[8]
-    assert "written by 16 ranks, on 8" in outs[4] and "loop.accum_steps 1 -> 4" in outs[4]
+            outs[leg][-3000:]
+        if leg == 0:
+            checkpoint = (run / "checkpoints" / "ckpt-000000001.pt").stat().st_size
+    records = [json.loads(f.read_text()) for f in sorted((run / "startup").iterdir())]
+    assert len(records) == 32 and {r["world_size"] for r in records} == {32}
+    read = sum(r["reads"]["run folder"]["bytes"] for r in records)
+    assert checkpoint <= read <= 1.1 * checkpoint, (read, checkpoint)  # rank 0 alone; the group carries it
+    assert all(r["reads"]["run folder"]["files"] == 0 for r in records[1:])  # rank 0: the checkpoint, train.jsonl
+    assert all(set(r["phases_s"]) >= {"rendezvous and backend", "checkpoint read", "first step"} for r in records)
+    assert "written by 32 ranks, on 16: global batch 64 = 16 x 4 per rank (was 32 x 2)" in outs[2]
+    assert "loop.accum_steps 1 -> 2 keeps the micro-batch of 2 images" in outs[2]
+    assert "written by 16 ranks, on 8" in outs[3] and "loop.accum_steps 1 -> 4" in outs[3]
     assert samples(run) == Counter({(0, i): 1 for i in range(TRAIN)})
     losses = [json.loads(line)["loss"] for line in (run / "train.jsonl").read_text().splitlines() if '"kind": "step"' in line]
-    assert len(losses) == 4 and all(x == x for x in losses)  # one record per step, across the three jobs
+    assert len(losses) == 4 and all(x == x for x in losses)  # one record per step, across the four jobs

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -54,6 +55,7 @@ from hpcdl.train.outcome import Outcome, summary_text
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal, hand_to_submitit, requeue, requeue_target
 from hpcdl.train.preflight import preflight
+from hpcdl.train.startup import StartupRecord
 from hpcdl.train.state import FORMAT, Counters, RankRng, SamplerPosition, Stateful, upgrade
 from hpcdl.train.step import Stepper, criterion, effects_undone
 from hpcdl.train.timeline import Timeline
@@ -66,13 +68,18 @@ log = logging.getLogger(__name__)
 
 def train(cfg: RunConfig) -> dict:
     """Train ``cfg`` on this job's ranks; returns the run's summary (the same on every rank)."""
+    record = StartupRecord({"run folder": run_dir(cfg), "training data": os.path.expandvars(cfg.data.train),
+                            "validation data": os.path.expandvars(cfg.data.val), "python": sys.prefix}) \
+        if cfg.loop.record_startup else None
     stop = StopSignal(cfg.checkpoint.signal)  # before any worker forks: they inherit the handler
     startup = timedelta(seconds=cfg.loop.startup_timeout_s)
     ctx = init_distributed(cfg.loop.backend, ccl_lib=cfg.loop.ccl_lib or None, timeout=startup)
+    if record:
+        record.mark("rendezvous and backend")
     trainer = None
     with fail_fast(ctx, lambda: trainer and trainer.comm_failure()), _data_workers_named(ctx.rank):
         set_timeout(ctx, startup)  # the job's group; the step timeout follows the first completed step
-        trainer = Trainer(cfg, ctx, stop)
+        trainer = Trainer(cfg, ctx, stop, record)
         stop.arm()  # after every communicator exists (see StopSignal.arm)
         summary = trainer.fit()
     stop.close()
@@ -120,8 +127,8 @@ def run_dir(cfg: RunConfig) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, ctx: DistContext, stop: StopSignal):
-        self.ctx, self.stop = ctx, stop
+    def __init__(self, cfg: RunConfig, ctx: DistContext, stop: StopSignal, record: StartupRecord | None = None):
+        self.ctx, self.stop, self.record = ctx, stop, record
         self.dir = run_dir(cfg)
         try:
             os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
@@ -131,6 +138,7 @@ class Trainer:
         self.ckpt = CheckpointManager(os.path.join(self.dir, "checkpoints"), cfg.checkpoint.keep) \
             if ctx.rank == 0 else None
         self.restore = load_latest_shared(self.ckpt, ctx.group)  # read once, by rank 0; before the batch split
+        self._mark("checkpoint read")
         self.cfg = cfg = preflight(self._fit_to_ranks(cfg), ctx.world_size)
         if ctx.rank == 0:
             atomic_write_text(os.path.join(self.dir, "config.yaml"), dump_yaml(cfg))
@@ -140,15 +148,24 @@ class Trainer:
         self.elapsed, self.best, self.time_to_target = 0.0, None, None
         self.last_save_step, self.last_save_time = -1, time.monotonic()
         self._build_model()
+        self._mark("model")
         self._build_data()
+        self._mark("data open")
         self._size_loader()
+        self._mark("loader probe")
         self._hook_state = None  # this rank's comm hook state from the checkpoint resumed from
         self.comm = None  # the comm hook's timer (hpcdl.distributed.sync.CommTimer), once DDP wraps the model
         self.resumed_from = self._resume()
+        self._mark("checkpoint restore")
         self._wrap()
+        self._mark("DDP")
         self.last_step = min(cfg.schedule.total_steps, cfg.loop.max_steps or cfg.schedule.total_steps)
 
     # -- set-up ---------------------------------------------------------------------------------------
+    def _mark(self, phase: str) -> None:
+        if self.record is not None:
+            self.record.mark(phase)
+
     def _build_model(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.loop.seed)
@@ -423,6 +440,9 @@ class Trainer:
             if not self.started:  # start-up is over: from here on a collective gets the step timeout
                 self.started = True
                 set_timeout(self.ctx, timedelta(seconds=self.cfg.loop.timeout_s))
+                if self.record is not None:
+                    self._mark("first step")
+                    self.record.write(self.dir, self.ctx.rank, self.ctx.world_size)
             self.runlog.step(self.step, self._epochs(), self.schedule.current_lr(), result)
             every = self.cfg.checkpoint.every_steps
             if result.save or result.stop or (every and self.step % every == 0):
