@@ -623,7 +623,7 @@ def test_fault_matrix_the_second_node_fails_mid_job(two_nodes, data, tmp_path):
             time.sleep(0.1)
         tasks = _processes_of(job, "n2")
         stepds = {int(Path(f"/proc/{pid}/stat").read_text().split()[3]) for pid in tasks}
-        slurmd = subprocess.run(["pgrep", "-f", "slurmd -N n2"], capture_output=True, text=True).stdout.split()
+        slurmd = subprocess.run(["pgrep", "-f", "slurmd -N n2$"], capture_output=True, text=True).stdout.split()
         assert tasks and slurmd, (tasks, slurmd)
         for pid in [*map(int, slurmd), *stepds, *tasks]:
             os.kill(pid, signal.SIGKILL)
@@ -639,7 +639,7 @@ def test_fault_matrix_the_second_node_fails_mid_job(two_nodes, data, tmp_path):
         assert newest is not None and newest[1]["counters"]["step"] >= 2
     finally:
         subprocess.run(["scancel", job], check=False)
-        if not subprocess.run(["pgrep", "-f", "slurmd -N n2"], capture_output=True).stdout:
+        if not subprocess.run(["pgrep", "-f", "slurmd -N n2$"], capture_output=True).stdout:
             subprocess.run(["/usr/sbin/slurmd", "-N", "n2"], check=False)
         deadline = time.monotonic() + 90
         while "n2 idle" not in subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True,

@@ -30,7 +30,7 @@ def preflight(cfg: RunConfig, world_size: int) -> RunConfig:
         divisors = [n for n in range(1, min(cfg.global_batch, 4096) + 1) if cfg.global_batch % n == 0]
         raise ConfigError(f"global_batch={cfg.global_batch} does not split over {world_size} ranks; run on one of "
                           f"{divisors[-12:]} ranks, or --set global_batch to a multiple of {world_size}")
-    _check_writable(cfg)
+    check_writable(cfg)
     images = sum(s.count for s in manifest.shards)
     if (cfg.ranks, cfg.train_images) != (world_size, images):
         log.info("config %s: ranks %d -> %d (this job), train_images %d -> %d (%s)", cfg.name, cfg.ranks,
@@ -38,7 +38,7 @@ def preflight(cfg: RunConfig, world_size: int) -> RunConfig:
     return dataclasses.replace(cfg, ranks=world_size, train_images=images)
 
 
-def _check_writable(cfg: RunConfig) -> None:
+def check_writable(cfg: RunConfig) -> None:
     """The run folder (or the folder it will be made in) must take files: a refusal here costs seconds, one
     on the compute nodes costs the wait in the queue. Folders named with $VARS or {job} are checked from
     the first existing folder above them."""

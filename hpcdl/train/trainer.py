@@ -54,7 +54,7 @@ from hpcdl.train.metrics import RunLog, phase_shares
 from hpcdl.train.outcome import Outcome, summary_text
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal, hand_to_submitit, requeue, requeue_target
-from hpcdl.train.preflight import preflight
+from hpcdl.train.preflight import check_writable, preflight
 from hpcdl.train.startup import StartupRecord
 from hpcdl.train.state import FORMAT, Counters, RankRng, SamplerPosition, Stateful, upgrade
 from hpcdl.train.step import Stepper, criterion, effects_undone
@@ -129,6 +129,7 @@ def run_dir(cfg: RunConfig) -> str:
 class Trainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, stop: StopSignal, record: StartupRecord | None = None):
         self.ctx, self.stop, self.record = ctx, stop, record
+        check_writable(cfg)  # the refusal the login node gives, before the folder is made
         self.dir = run_dir(cfg)
         try:
             os.makedirs(os.path.join(self.dir, "checkpoints"), exist_ok=True)
