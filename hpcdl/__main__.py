@@ -1,5 +1,11 @@
+import os
 import sys
 
-from hpcdl.cli import main
+if os.environ.get("HPCDL_RECORD_STARTUP") == "1":  # count the files of every import that follows (loop.record_startup)
+    from hpcdl.train.startup import begin
+
+    begin()
+
+from hpcdl.cli import main  # noqa: E402
 
 sys.exit(main())

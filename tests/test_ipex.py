@@ -34,6 +34,7 @@ def ipex_python() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # the fixture builds the IPEX venv on a fresh machine: minutes, more under load
 def test_training_goes_through_ipex_optimize(ipex_python, data, tmp_path):
     run = tmp_path / "run"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))},

@@ -53,6 +53,9 @@ BENCHMARKS = {b.name: b for b in (
     Benchmark("plugin", configs.PluginBench, "hpcdl.bench.plugin",
               "allreduce through torch's entry points (a torch-only script) vs hpcdl's own "
               "start-up, launches alternated (run it outside a launcher)"),
+    Benchmark("startup", configs.StartupBench, "hpcdl.bench.startup",
+              "hpcdl train's start-up and restart at N ranks: each phase's time, and the counts that grow with N "
+              "(files, store connections and requests); rank 0's store capacity (run it outside a launcher)"),
     Benchmark("feed", configs.FeedBench, "hpcdl.bench.feed",
               "hpcdl train on packed JPEGs vs the same step fed from memory, per layout and "
               "precision: what the loader costs"),

@@ -14,7 +14,7 @@ from hpcdl.errors import ConfigError
 from hpcdl.utils import parse_bytes
 
 __all__ = ["AllreduceBench", "DataBench", "FeedBench", "LargeBatchBench", "OptimBench", "PluginBench", "ScalingBench",
-           "StepBench", "SyncBench", "TuneConfig", "bucket_spec"]
+           "StartupBench", "StepBench", "SyncBench", "TuneConfig", "bucket_spec"]
 
 
 # hpcdl bench allreduce
@@ -56,6 +56,33 @@ class AllreduceBench:
 
 # hpcdl bench plugin
 LAUNCHERS = {"mpiexec": ["mpiexec", "-n"], "srun": ["srun", "--mpi=pmi2", "-n"]}
+
+
+# hpcdl bench startup
+@dataclasses.dataclass(kw_only=True, slots=True)
+class StartupBench:
+    ranks: str = "2,4,8,16,32"  # job sizes, comma-separated: each starts, checkpoints, and restarts
+    launcher: str = "mpiexec"  # mpiexec | srun (inside an allocation of the largest size)
+    backend: str = "gloo"  # the training's backend (a row of the backend table)
+    store_clients: int = 3200  # connections held open while measuring what rank 0's store serves (0: skip)
+    store_seconds: float = 3.0  # how long the store's capacity is measured
+    heartbeat: float = 2.0  # the heartbeat interval the store's load at --store-clients ranks is given for
+
+    def __post_init__(self):
+        names.check("--launcher", self.launcher, tuple(LAUNCHERS))
+        names.check("--backend", self.backend, names.BACKENDS)
+        sizes = self.sizes()
+        if not sizes or min(sizes) < 1:
+            raise ConfigError(f"--ranks {self.ranks!r}: give job sizes of 1 or more ranks, e.g. 2,4,8,16,32")
+        if self.store_clients < 0 or self.store_seconds <= 0 or self.heartbeat <= 0:
+            raise ConfigError(f"--store-clients {self.store_clients} must be >= 0, --store-seconds "
+                              f"{self.store_seconds} and --heartbeat {self.heartbeat} more than 0")
+
+    def sizes(self) -> list[int]:
+        try:
+            return sorted({int(n) for n in self.ranks.split(",") if n.strip()})
+        except ValueError:
+            raise ConfigError(f"--ranks {self.ranks!r}: give whole numbers separated by commas") from None
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -38,14 +38,91 @@ STARTUP_TIMEOUT = timedelta(minutes=10)  # first rendezvous: ranks start minutes
 _PREFIX = "hpcdl/"
 
 
-class Heartbeat:
-    """A counter per rank in the store, bumped by a daemon thread over its own store connection."""
+@dataclasses.dataclass(slots=True)
+class StoreUse:
+    """This rank's use of rank 0's rendezvous store: the connections it opened and its requests by kind
+    (summed over the ranks: what rank 0 serves). The process groups' rendezvous is counted only through a
+    :class:`CountingStore` (``init_distributed(count_store=True)``); the heartbeat always is."""
 
-    def __init__(self, env: RankEnv, interval_s: float):
+    connections: int = 0
+    rendezvous: dict[str, int] = dataclasses.field(default_factory=dict)  # store operation -> requests
+    heartbeat: int = 0
+    heartbeat_first: float = 0.0  # time.monotonic() of the first and the last heartbeat sent
+    heartbeat_last: float = 0.0
+
+    def beat(self) -> None:
+        self.heartbeat_last = time.monotonic()
+        if not self.heartbeat:
+            self.heartbeat_first = self.heartbeat_last
+        self.heartbeat += 1
+
+    def as_dict(self) -> dict:
+        span = self.heartbeat_last - self.heartbeat_first
+        return {"connections": self.connections, "rendezvous_requests": sum(self.rendezvous.values()),
+                "rendezvous_by_operation": dict(self.rendezvous), "heartbeat_requests": self.heartbeat,
+                # the interval the thread kept; None until it has sent two
+                "heartbeat_requests_per_s": (self.heartbeat - 1) / span if span > 0 else None}
+
+
+class CountingStore(dist.Store):
+    """A store that counts each request it passes to ``inner`` in ``use.rendezvous`` (torch calls a Python store's
+    methods from C++: gloo's and the groups' rendezvous go through it)."""
+
+    def __init__(self, inner: dist.Store, use: StoreUse):
+        super().__init__()
+        self.inner, self.use = inner, use
+
+    def _count(self, op: str) -> None:
+        self.use.rendezvous[op] = self.use.rendezvous.get(op, 0) + 1
+
+    def set(self, key, value):
+        self._count("set")
+        return self.inner.set(key, value)
+
+    def get(self, key):
+        self._count("get")
+        return self.inner.get(key)
+
+    def add(self, key, value):
+        self._count("add")
+        return self.inner.add(key, value)
+
+    def compare_set(self, key, expected, desired):
+        self._count("compare_set")
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        self._count("delete_key")
+        return self.inner.delete_key(key)
+
+    def check(self, keys):
+        self._count("check")
+        return self.inner.check(keys)
+
+    def wait(self, keys, timeout=None):
+        self._count("wait")
+        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    def num_keys(self):
+        self._count("num_keys")
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout):
+        return self.inner.set_timeout(timeout)
+
+
+class Heartbeat:
+    """A counter per rank in the store, bumped by a daemon thread over its own store connection: each rank
+    holds two connections to rank 0 for the job's life (the rendezvous', this one) and sends one request per
+    interval, whatever the number of ranks."""
+
+    def __init__(self, env: RankEnv, interval_s: float, use: StoreUse | None = None):
         self.env, self.interval_s = env, interval_s
+        self.use = use or StoreUse()
         self._last_lost = None  # (when, lost ranks or None) of the last probe that found a problem
-        self._store = _client(env, timedelta(seconds=max(10.0, 5 * interval_s)))
+        self._store = self._client(timedelta(seconds=max(10.0, 5 * interval_s)))
         self._store.add(_key("hb", env.rank), 1)
+        self.use.beat()
         node = f" (Slurm node {os.environ['SLURMD_NODENAME']})" if os.environ.get("SLURMD_NODENAME") else ""
         self._store.set(_key("who", env.rank), f"host {env.hostname}{node}, pid {os.getpid()}")
         self._stop = threading.Event()
@@ -60,6 +137,7 @@ class Heartbeat:
         while not self._stop.wait(self.interval_s):
             try:
                 self._store.add(_key("hb", self.env.rank), 1)
+                self.use.beat()
             except Exception:  # the store (rank 0) is gone: diagnosis will say so
                 return
 
@@ -78,7 +156,7 @@ class Heartbeat:
         if self._store_refuses():
             return None
         try:  # the client retries a refused connection until its timeout: keep it short
-            store = _client(self.env, timedelta(seconds=max(1.0, 2 * self.interval_s)))
+            store = self._client(timedelta(seconds=max(1.0, 2 * self.interval_s)))
             keys = [_key("hb", r) for r in range(self.env.world_size)]
             before = store.multi_get(keys)
             time.sleep(2.5 * self.interval_s)
@@ -102,9 +180,13 @@ class Heartbeat:
 
     def who(self, rank: int) -> str:
         try:
-            return _client(self.env, timedelta(seconds=5)).get(_key("who", rank)).decode()
+            return self._client(timedelta(seconds=5)).get(_key("who", rank)).decode()
         except Exception:
             return "host unknown"
+
+    def _client(self, timeout: timedelta) -> dist.TCPStore:
+        self.use.connections += 1
+        return dist.TCPStore(self.env.master_addr, self.env.master_port, is_master=False, timeout=timeout)
 
     def stop(self) -> None:
         self._stop.set()
@@ -123,6 +205,10 @@ class DistContext:
     group: dist.ProcessGroup | None
     heartbeat: Heartbeat
     liveness: Liveness  # the heartbeats, as the watchdogs of hpcdl's own groups ask them
+    # rank 0's rendezvous store, as the groups were given it (a Python store such as CountingStore is called from
+    # C++ only while a Python reference to it lives)
+    store: dist.Store
+    store_use: StoreUse  # this rank's connections and requests to rank 0's store
     subgroups: list = dataclasses.field(default_factory=list)  # made with new_group: set_timeout moves them too
 
     @property
@@ -149,12 +235,13 @@ def apply_cpu_plan(plan: CpuPlan, environ: dict[str, str] | None = None) -> None
 
 def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIMEOUT, comm_threads: int | None = None,
                      data_cores: int = 0, heartbeat_s: float = 2.0, env: RankEnv | None = None,
-                     ccl_lib: str | None = None) -> DistContext:
+                     ccl_lib: str | None = None, count_store: bool = False) -> DistContext:
     """Discover this rank, tune its CPUs, and join the default process group.
 
     ``timeout`` bounds every collective, the first rendezvous included; shorten it with
     :func:`set_timeout` once the ranks are running. ``ccl_lib``: the libccl to use (see
-    :mod:`hpcdl.distributed.ccl_runtime`).
+    :mod:`hpcdl.distributed.ccl_runtime`). ``count_store``: count the process groups' requests to rank 0's
+    store (``ctx.store_use``; for ``loop.record_startup``).
     """
     env = env or discover()
     row, choice = choose_backend(backend, ccl_lib=ccl_lib)
@@ -162,14 +249,17 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
                     comm_threads=choice.comm_threads if comm_threads is None else comm_threads,
                     data_cores=data_cores)
     apply_cpu_plan(cpu)
+    use = StoreUse(connections=1)
     store = _server_or_client(env, timeout)
-    heartbeat = Heartbeat(env, heartbeat_s)
+    heartbeat = Heartbeat(env, heartbeat_s, use)
     liveness = _liveness(heartbeat, heartbeat_s)
     row.prepare(env, cpu, liveness)
-    dist.init_process_group(choice.name, store=dist.PrefixStore("pg/", store), rank=env.rank,
-                            world_size=env.world_size, timeout=timeout)
+    if count_store:
+        store = CountingStore(store, use)
+    dist.init_process_group(choice.name, store=dist.PrefixStore("pg/", store), rank=env.rank, world_size=env.world_size,
+                            timeout=timeout)
     ctx = DistContext(env=env, backend=choice, cpu=cpu, timeout=timeout, group=None, heartbeat=heartbeat,
-                      liveness=liveness)
+                      liveness=liveness, store=store, store_use=use)
     _log_startup(ctx)
     return ctx
 
@@ -201,10 +291,6 @@ def _server_or_client(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
         raise LaunchError(f"rank {env.rank} cannot reach the rendezvous store at {where} within {timeout} ({exc}); "
                           "check that rank 0 started and that this address is reachable from "
                           f"{env.hostname} (set MASTER_ADDR to override)") from exc
-
-
-def _client(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
-    return dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
 
 
 def _key(kind: str, rank: int) -> str:

@@ -73,7 +73,8 @@ def train(cfg: RunConfig) -> dict:
         if cfg.loop.record_startup else None
     stop = StopSignal(cfg.checkpoint.signal)  # before any worker forks: they inherit the handler
     startup = timedelta(seconds=cfg.loop.startup_timeout_s)
-    ctx = init_distributed(cfg.loop.backend, ccl_lib=cfg.loop.ccl_lib or None, timeout=startup)
+    ctx = init_distributed(cfg.loop.backend, ccl_lib=cfg.loop.ccl_lib or None, timeout=startup,
+                           count_store=record is not None)
     if record:
         record.mark("rendezvous and backend")
     trainer = None
@@ -443,7 +444,7 @@ class Trainer:
                 set_timeout(self.ctx, timedelta(seconds=self.cfg.loop.timeout_s))
                 if self.record is not None:
                     self._mark("first step")
-                    self.record.write(self.dir, self.ctx.rank, self.ctx.world_size)
+                    self.record.write(self.dir, self.ctx.rank, self.ctx.world_size, self.ctx.store_use.as_dict())
             self.runlog.step(self.step, self._epochs(), self.schedule.current_lr(), result)
             every = self.cfg.checkpoint.every_steps
             if result.save or result.stop or (every and self.step % every == 0):
@@ -537,6 +538,8 @@ class Trainer:
 
     def _summary(self, outcome: Outcome) -> dict:
         cfg, elapsed = self.cfg, self._elapsed()
+        if self.record is not None:
+            self.record.finish(self.ctx.store_use.as_dict())
         jsonl = os.path.join(self.dir, "train.jsonl")
         s = {"outcome": outcome.value, "name": cfg.name, "steps": self.step, "world_size": self.ctx.world_size,
              "epochs": self._epochs(), "train_s": elapsed,
