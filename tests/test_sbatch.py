@@ -103,3 +103,38 @@ def test_hostile_values_reach_slurm_literally(slurm, tmp_path, value):
     shown = subprocess.run(["scontrol", "show", "job", "--oneliner", job], capture_output=True, text=True).stdout
     assert re.search(r"JobName=(.*) UserId=", shown).group(1) == value
     assert '"launcher": "slurm"' in (out_dir / f"{job}.out").read_text()
+
+
+def test_stage_env_starts_the_ranks_from_a_node_local_copy(two_nodes, tmp_path):
+    """hpcdl sbatch --stage-env on 2 nodes: the environment is packed once beside itself, each node unpacks it
+    into its own folder, each rank's interpreter runs from its node's copy, and the copies are gone at the end.
+    The venv is a small one of the test's own (the suite's is 6 GB of CUDA wheels), reaching hpcdl and its
+    packages through a .pth file, as an editable install does."""
+    import json
+    import site
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    packages = next(venv.glob("lib/python3*/site-packages"))
+    (packages / "hpcdl-test.pth").write_text(f"{REPO}\n{site.getsitepackages()[0]}\n")
+    script, nodes = tmp_path / "staged.sbatch", tmp_path / "node-local"
+    made = subprocess.run([PYTHON, "-m", "hpcdl", "sbatch", "--profile", "local", "--nodes", "2", "--time", "5",
+                           "--stage-env", "--python", str(venv / "bin" / "python"), "--output", f"{tmp_path}/%j.out",
+                           "--write", str(script), "--", "env"], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    env = {**{k: v for k, v in __import__("os").environ.items() if not k.startswith("SLURM_")},
+           "HPCDL_STAGE_DIR": str(nodes)}
+    outputs = []
+    for _ in range(2):
+        job = sbatch_wait(script, f"--chdir={tmp_path}", env=env)
+        outputs.append((job, (tmp_path / f"{job}.out").read_text()))
+    (job, first), (_, second) = outputs
+    ranks = [json.loads(line) for line in first.splitlines() if line.startswith("{")]
+    assert len(ranks) == 2, first
+    stage = nodes / f"hpcdl-env-{job}"
+    assert sorted(r["prefix"] for r in ranks) == [str(stage / "n1"), str(stage / "n2")], first
+    assert all(r["python"].startswith(r["prefix"] + "/bin/") for r in ranks)
+    assert "packing" in first and "packing" not in second  # the archive is reused until the venv changes
+    assert (tmp_path / "venv.hpcdl-env.tar").exists()
+    assert not list(stage.iterdir()) if stage.exists() else True  # each node removed its copy

@@ -26,6 +26,9 @@ _COMMAND = meta(remainder=True)
 @dataclass(kw_only=True, slots=True)
 class SbatchCommand:
     write: str | None = field(default=None, metadata=meta(metavar="FILE"))  # write the script here instead of printing it
+    # copy the Python environment to each node's local disk before the ranks start, and start them from that copy
+    # (docs/launching.md: one archive read per node instead of thousands of files per rank)
+    stage_env: bool = False
     command: tuple[str, ...] = field(default=(), metadata=_COMMAND)  # -- then the hpcdl command to run, e.g. -- bench allreduce
 
 
@@ -64,7 +67,7 @@ def sbatch(req: JobRequest, cmd: SbatchCommand) -> int:
     argv = _argv(cmd.command, req)
     if argv[0] == "train":
         checked_config(parse_train(argv), req.ntasks)
-    script = render_sbatch(req, argv)
+    script = render_sbatch(req, argv, stage_env=cmd.stage_env)
     if cmd.write:
         atomic_write_text(cmd.write, script, mode=0o755)
         print(f"wrote {cmd.write}; submit it with: sbatch {cmd.write}", file=sys.stderr)

@@ -36,7 +36,9 @@ def plan(cmd: PlanCommand, question, inputs: PlanInputs, output: Output) -> int:
 
     question = question()  # built here: --validate needs no --nodes or --batch
     model, notes = inputs.build()
-    rows = planned(model, list(question.nodes), question.batch, question.epochs, question.train_images)
+    startup, startup_notes = inputs.startup(model)
+    notes += startup_notes
+    rows = planned(model, list(question.nodes), question.batch, question.epochs, question.train_images, startup)
     title = (f"{inputs.model}, global batch {question.batch}, {question.epochs:g} epochs of "
              f"{question.train_images:,} images")
     print(format_plan(rows, "\n".join(f"# {line}" for line in [title, *notes])))

@@ -125,7 +125,8 @@ def format_layouts(r) -> str:
 def env(_: EnvCommand) -> int:
     # One write: under mpiexec the ranks share stdout, and print's separate newline can land after
     # another rank's line when Python runs unbuffered.
-    sys.stdout.write(json.dumps(dataclasses.asdict(discover())) + "\n")
+    found = {**dataclasses.asdict(discover()), "python": sys.executable, "prefix": sys.prefix}
+    sys.stdout.write(json.dumps(found) + "\n")
     sys.stdout.flush()
     return 0
 

@@ -125,8 +125,37 @@ def _header(req: JobRequest, command: list[str]) -> list[str]:
     return lines
 
 
-def render_sbatch(req: JobRequest, command: list[str]) -> str:
-    """The script: #SBATCH lines, tuning exports evaluated on the node, then srun of ``hpcdl COMMAND``."""
+# --stage-env: the environment (sys.prefix of $HPCDL_PYTHON) packed once into an archive beside it on the shared
+# filesystem, rebuilt when a package was installed or removed since (site-packages' mtime); one task per node
+# unpacks it to node-local disk, and the ranks start from the copy. tar keeps the venv's links (bin/python to
+# the base interpreter) and an editable install's path to its source.
+_STAGE_ENV = [
+    "# --stage-env: every rank would open the environment's thousands of files on the shared filesystem at once;",
+    "# instead one archive of it is read per node and the ranks start from a node-local copy (docs/launching.md).",
+    'env_root=$("$HPCDL_PYTHON" -c "import sys; print(sys.prefix if sys.prefix != sys.base_prefix else str())")',
+    'if [ -z "$env_root" ]; then',
+    '  echo "hpcdl: --stage-env copies a virtual environment; $HPCDL_PYTHON is not in one (make a venv with hpcdl," \\',
+    '       "set HPCDL_PYTHON to its bin/python, or drop --stage-env)" >&2; exit 2',
+    "fi",
+    'archive="$env_root.hpcdl-env.tar"',
+    'if [ ! -e "$archive" ] || [ -n "$(find "$env_root" -maxdepth 4 -name site-packages -newer "$archive")" ]; then',
+    '  echo "hpcdl: packing $env_root into $archive"',
+    '  tar -C "$env_root" -cf "$archive.$SLURM_JOB_ID.tmp" . && mv -f "$archive.$SLURM_JOB_ID.tmp" "$archive"',
+    "fi",
+    'HPCDL_STAGE="${HPCDL_STAGE_DIR:-${TMPDIR:-/tmp}}/hpcdl-env-$SLURM_JOB_ID"',
+    "hpcdl_unstage() { srun --ntasks-per-node=1 --ntasks=\"$SLURM_JOB_NUM_NODES\" bash -c 'rm -rf \"$1/$SLURMD_NODENAME\"' "
+    "unstage \"$HPCDL_STAGE\" || true; }",
+    "trap hpcdl_unstage EXIT",
+    "# one task per node unpacks the archive into $HPCDL_STAGE/NODE",
+    "srun --ntasks-per-node=1 --ntasks=\"$SLURM_JOB_NUM_NODES\" --kill-on-bad-exit=1 bash -c "
+    "'mkdir -p \"$1/$SLURMD_NODENAME\" && tar -C \"$1/$SLURMD_NODENAME\" -xf \"$2\"' unpack \"$HPCDL_STAGE\" \"$archive\"",
+    'echo "hpcdl: environment staged in $HPCDL_STAGE/NODE on $SLURM_JOB_NUM_NODES node(s)"',
+]
+
+
+def render_sbatch(req: JobRequest, command: list[str], stage_env: bool = False) -> str:
+    """The script: #SBATCH lines, tuning exports evaluated on the node, then srun of ``hpcdl COMMAND``; with
+    ``stage_env``, the ranks start from a node-local copy of the Python environment."""
     lines = _header(req, command)
     lines += [f"#SBATCH --{key}" + (f"={sbatch_quote(value)}" if value else "")
               for key, value in _directives(req, command) if value is not None]
@@ -142,8 +171,11 @@ def render_sbatch(req: JobRequest, command: list[str]) -> str:
         "# srun does not inherit --cpus-per-task from the allocation (Slurm >= 22.05).",
         'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi',
         'echo "hpcdl: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES node(s) ($SLURM_JOB_NODELIST), $SLURM_NTASKS tasks"',
+        *(_STAGE_ENV if stage_env else []),
         "# --kill-on-bad-exit: one failed rank ends the step at once instead of holding the allocation.",
-        f'srun --kill-on-bad-exit=1 "$HPCDL_PYTHON" -m hpcdl {shlex.join(command)}',
+        (f"""srun --kill-on-bad-exit=1 bash -c 'exec "$0/$SLURMD_NODENAME/bin/python" "$@"' "$HPCDL_STAGE" """
+         f"-m hpcdl {shlex.join(command)}" if stage_env else
+         f'srun --kill-on-bad-exit=1 "$HPCDL_PYTHON" -m hpcdl {shlex.join(command)}'),
         "",
     ]
     return "\n".join(lines)

@@ -8,7 +8,10 @@ The model is :class:`hpcdl.plan.model.StepModel`. Its inputs, and where each com
 - the gradient bytes and DDP's bucket count: from the model's parameters;
 - the network: the profile's alpha-beta link, or one fitted to ``hpcdl bench allreduce --json``;
 - the all-reduce algorithm, the overlap with backward, and the data-loading capacity per node: flags,
-  or (overlap, backward's share of compute) fitted by ``--calibrate``.
+  or (overlap, backward's share of compute) fitted by ``--calibrate``;
+- start-up and restart (:class:`hpcdl.plan.startup.StartupModel`): the counts of ``hpcdl bench startup
+  --json`` (``--startup-json``; default: :data:`STARTUP_MEASURED`) over the shared filesystem's and rank 0's
+  rates (flags, assumed where the cluster's are unknown).
 
 ``--validate`` checks the model against published runs (:mod:`hpcdl.plan.published`).
 """
@@ -20,7 +23,7 @@ import math
 import statistics
 
 from hpcdl import names
-from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport, SyncReport
+from hpcdl.bench.reports import AllreduceReport, ScalingReport, StartupReport, StepReport, SyncReport
 from hpcdl.config import SyncConfig
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.flags import meta
@@ -37,6 +40,7 @@ from hpcdl.plan.model import (
     fit_ring,
     hook_terms,
 )
+from hpcdl.plan.startup import StartupModel
 from hpcdl.plan.validate import FITTED, NodeCompute, carried_compute
 from hpcdl.plot import counts_axis, pyplot, save_png
 
@@ -123,8 +127,14 @@ def calibrate(report: ScalingReport, network: Link, algorithm: str = "ring", mes
     return Calibration(curve, overlap, share, rpn, checked)
 
 
-def plan(model: StepModel, nodes: list[int], global_batch: int, epochs: float, train_images: int) -> list[dict]:
-    """The model's terms at each node count, with epoch time and time to train."""
+# hpcdl bench startup on this repository's 2-core EPYC (docs/scaling.md): the counts that --startup-json replaces
+STARTUP_MEASURED = {"python_files": 1950.0, "local_import_s": 6.0, "rendezvous": (2.0, 4.0),
+                    "store_requests_per_s": 20000.0}
+
+
+def plan(model: StepModel, nodes: list[int], global_batch: int, epochs: float, train_images: int,
+         startup: StartupModel | None = None) -> list[dict]:
+    """The model's terms at each node count, with epoch time and time to train, and start-up and restart."""
     steps = math.ceil(train_images / global_batch)
     rows = []
     for n in nodes:
@@ -133,7 +143,7 @@ def plan(model: StepModel, nodes: list[int], global_batch: int, epochs: float, t
         t = model.terms(n, global_batch)
         rows.append({"nodes": n, "ranks": n * model.ranks_per_node, **t, "steps_per_epoch": steps,
                      "epoch_s": steps * t["step_s"], "time_to_train_s": epochs * steps * t["step_s"],
-                     "dominant": _dominant(t)})
+                     "dominant": _dominant(t), **(startup.terms(n, t["step_s"]) if startup else {})})
     return rows
 
 
@@ -158,6 +168,17 @@ def format_plan(rows: list[dict], header: str) -> str:
                      f"{r['hidden_s'] * 1e3:>8.1f} {r['exposed_s'] * 1e3:>8.1f} {r['data_s'] * 1e3:>8.1f} "
                      f"{r['step_s'] * 1e3:>9.1f} {_rate(r['images_s']):>10} {r['efficiency']:>6.1%} "
                      f"{r['epoch_s'] / 60:>8.2f} {r['time_to_train_s'] / 60:>9.1f}  {r['dominant']}")
+    if rows and "startup_s" in rows[0]:
+        lines += ["# start-up (ranks' start to first step) and restart (the same, and the checkpoint read once and "
+                  "broadcast), s; imports on the shared filesystem beside --stage-env's",
+                  f"{'nodes':>6} {'ranks':>6} {'imports':>9} {'staged':>9} {'rendezv':>9} {'1st step':>9} "
+                  f"{'ckpt':>9} {'start-up':>9} {'restart':>9} {'restart':>8}",
+                  f"{'':>6} {'':>6} {'shared fs':>9} {'':>9} {'':>9} {'':>9} {'':>9} {'':>9} {'':>9} "
+                  f"{'of train':>8}"]
+        for r in rows:
+            lines.append(f"{r['nodes']:>6} {r['ranks']:>6} {r['imports_shared_fs_s']:>9.1f} {r['imports_staged_s']:>9.1f} "
+                         f"{r['rendezvous_s']:>9.1f} {r['first_step_s']:>9.2f} {r['checkpoint_s']:>9.2f} "
+                         f"{r['startup_s']:>9.1f} {r['restart_s']:>9.1f} {r['restart_s'] / r['time_to_train_s']:>8.1%}")
     return "\n".join(lines)
 
 
@@ -255,6 +276,14 @@ class PlanInputs:
     sync_json: str | None = None
     # the training precision: bf16 carries the compute by the profile's measured bf16 step speed-up
     precision: str = dataclasses.field(default="fp32", metadata=meta(choices=("fp32", "bf16")))
+    # start-up's counts (files per rank, store requests, the store's rate) from hpcdl bench startup --json
+    # (default: those measured on the 2-core EPYC, docs/scaling.md)
+    startup_json: str | None = None
+    stage_env: bool = False  # plan the start-up with the environment staged to node-local disk (hpcdl sbatch --stage-env)
+    fs_opens_per_s: float = 50000.0  # the shared filesystem's metadata rate, opens/s for all clients (assumed)
+    fs_read_gb_s: float = 1.5  # one reader's bandwidth from the shared filesystem, GB/s (assumed: one Lustre OST)
+    fs_gb_s: float = 100.0  # the shared filesystem's aggregate bandwidth, GB/s (assumed)
+    env_gb: float = 6.0  # the Python environment's size for --stage-env, GB (this repository's venv: CUDA wheels)
 
     def build(self) -> tuple[StepModel, list[str]]:
         """The step model and one line per input saying where it came from."""
@@ -283,6 +312,36 @@ class PlanInputs:
                           overlap=overlap, backward_share=share, data_images_s=self.data_images_s,
                           wire_fraction=wire, hook_s=hook_s)
         return model, notes
+
+    def startup(self, model: StepModel) -> tuple[StartupModel, list[str]]:
+        """The start-up model for ``model``'s job, and one line per input saying where it came from. The
+        checkpoint is the weights and one momentum buffer (SGD, LARS; LAMB's two moments add one more)."""
+        measured, source = dict(STARTUP_MEASURED), "the counts measured on the 2-core EPYC (docs/scaling.md)"
+        if self.startup_json:
+            report = StartupReport.from_json(self.startup_json)
+            fit = report.fit("rendezvous requests per rank", self.startup_json)
+            smallest = min(report.rows, key=lambda r: r.ranks)
+            measured = {"python_files": report.fit("python files per rank", self.startup_json).intercept,
+                        "local_import_s": smallest.phases_s["interpreter and imports"] + smallest.phases_s["model"],
+                        "rendezvous": (fit.intercept, fit.slope),
+                        "store_requests_per_s": report.store.requests_per_s if report.store else
+                        STARTUP_MEASURED["store_requests_per_s"]}
+            source = self.startup_json
+        checkpoint = 2 * model.gradient_bytes
+        startup = StartupModel(
+            ranks_per_node=model.ranks_per_node, python_files=measured["python_files"],
+            local_import_s=measured["local_import_s"], rendezvous_requests=measured["rendezvous"],
+            store_requests_per_s=measured["store_requests_per_s"], fs_opens_per_s=self.fs_opens_per_s,
+            fs_read_bytes_s=self.fs_read_gb_s * 1e9, fs_bandwidth_bytes_s=self.fs_gb_s * 1e9,
+            checkpoint_bytes=checkpoint, env_bytes=self.env_gb * 1e9, network=model.network, staged=self.stage_env)
+        a, b = measured["rendezvous"]
+        notes = [f"start-up from {source}: {measured['python_files']:,.0f} files per rank, imports "
+                 f"{measured['local_import_s']:.1f} s on one node, {a:.3g} + {b:.3g} N store requests per rank "
+                 f"at {measured['store_requests_per_s']:,.0f}/s; filesystem {self.fs_opens_per_s:,.0f} opens/s, "
+                 f"{self.fs_read_gb_s:g} GB/s one reader, {self.fs_gb_s:g} GB/s in all; checkpoint "
+                 f"{checkpoint / 1e6:.0f} MB; environment {self.env_gb:g} GB"
+                 + (" staged (--stage-env)" if self.stage_env else " on the shared filesystem")]
+        return startup, notes
 
     def _hook(self, facts: ModelFacts) -> tuple[float, float, str]:
         """(wire bytes per gradient byte, the hook's work per step in s, where they came from)."""
