@@ -300,3 +300,43 @@ def test_profiles_list_the_machines_users_hold_with_their_sources():
     spr = get_profile("stampede3-spr")
     assert spr.hbm_gb_per_node == 128 and "amx_bf16" in spr.cpu_flags and spr.peak_bf16_tflops > 10 * spr.peak_fp32_tflops
     assert "217.9 bf16 TFLOPS" in run.stdout and "bf16 emulated" in run.stdout
+
+
+def test_startup_terms_follow_the_counts_they_are_made_of():
+    from hpcdl.plan.startup import StartupModel
+
+    common = dict(ranks_per_node=2, python_files=2000, local_import_s=5.0, store_requests_per_s=20000,
+                  fs_opens_per_s=50000, fs_read_bytes_s=1.5e9, fs_bandwidth_bytes_s=100e9, checkpoint_bytes=200e6,
+                  env_bytes=6e9, network=Link(1e-6, 12.5e9))
+    mesh = StartupModel(rendezvous_requests=(2.0, 4.0), **common)  # gloo: each rank asks about every other
+    flat = StartupModel(rendezvous_requests=(2.0, 0.0), staged=True, **common)  # a constant per rank
+    small, large = mesh.terms(256, 1.0), mesh.terms(1024, 1.0)
+    assert small["imports_shared_fs_s"] == pytest.approx(5.0 + 512 * 2000 / 50000)
+    assert large["rendezvous_s"] / small["rendezvous_s"] == pytest.approx(2048 * (2 + 4 * 2048) / (512 * (2 + 4 * 512)))
+    assert flat.terms(1024, 1.0)["rendezvous_s"] / flat.terms(256, 1.0)["rendezvous_s"] == pytest.approx(4.0)
+    assert flat.terms(256, 1.0)["imports_s"] == pytest.approx(5.0 + 256 * 6e9 / 100e9)  # one archive a node
+    assert small["checkpoint_s"] == pytest.approx(200e6 / 1.5e9 + 9 * (1e-6 + 200e6 / 12.5e9))  # log2(512) steps
+    assert small["restart_s"] == pytest.approx(small["startup_s"] + small["checkpoint_s"])
+    assert small["startup_s"] == pytest.approx(small["imports_s"] + small["rendezvous_s"] + 1.0)
+
+
+def test_plan_cli_prints_startup_and_restart_from_a_startup_report(tmp_path):
+    from hpcdl.bench.reports import CountFit, StartupReport, StoreCapacity
+    from hpcdl.schema import to_dict
+
+    report = StartupReport(rows=(), store=StoreCapacity(3200, 16, 10000.0, 2.0, 0.16),
+                           fits=(CountFit("python files per rank", 1000.0, 0.0),
+                                 CountFit("rendezvous requests per rank", 2.0, 0.0)))
+    path = tmp_path / "startup.json"
+    path.write_text(json.dumps({"benchmark": "startup", **to_dict(report)}))
+    # a report without rows: the imports on one node come from its smallest job, so it must have one
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--nodes", "256,1024,2048", "--batch", "32768", "--profile",
+                          "stampede2-skx", "--startup-json", str(path)], capture_output=True, text=True)
+    assert run.returncode == 2 and "no rows" in run.stderr, run.stderr
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--nodes", "256,1024,2048", "--batch", "32768", "--profile",
+                          "stampede2-skx", "--json", str(tmp_path / "p.json")], capture_output=True, text=True, check=True)
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [r["nodes"] for r in rows] == [256, 1024, 2048] and all(r["restart_s"] > r["startup_s"] for r in rows)
+    assert "# start-up (ranks' start to first step)" in run.stdout
+    for r in rows:
+        assert f"{r['restart_s']:.1f}" in run.stdout

@@ -225,6 +225,25 @@ def test_a_killed_rank_ends_the_job_and_is_named(data, tmp_path):
     assert "lost rank 1" in (tmp_path / "rank0.log").read_text()
 
 
+@pytest.mark.ranks
+def test_a_damaged_shard_stops_every_rank_and_the_rank_that_checked_it_names_it(data, tmp_path):
+    """The shards' check at start-up is split over the ranks (each opens its share, not every shard): shard 1
+    is rank 1's of 2. Truncated, both ranks stop before training; rank 1 names the file."""
+    import shutil
+
+    bad = tmp_path / "data"
+    shutil.copytree(data, bad)
+    shards = sorted((bad / "train").glob("*.h5"))
+    assert len(shards) >= 2
+    shards[1].write_bytes(shards[1].read_bytes()[:2000])
+    procs = start_ranks(2, args_for(bad, tmp_path / "run", "--set", "data.workers=0"), tmp_path)
+    assert wait_all(procs, timeout=180) == [2, 2]  # a DataError: exit 2, as for bad input
+    mine, other = (tmp_path / "rank1.log").read_text(), (tmp_path / "rank0.log").read_text()
+    assert f"{bad / 'train'}: 1 damaged or missing shards; here:" in mine and shards[1].name in mine, mine[-2000:]
+    assert "1 damaged or missing shards (the ranks that checked them name them)" in other, other[-2000:]
+    assert "hpcdl verify --full" in other and not (tmp_path / "run" / "train.jsonl").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("change, message", [
     (["--set", "global_batch=18"], "does not split over 4 ranks"),  # the job's 4 ranks, not the preset's 2

@@ -67,6 +67,7 @@ def run(cfg: Config, job) -> StartupReport:
     launch[0] = found
     sizes = cfg.sizes()
     batch = math.lcm(*sizes) * max(1, math.ceil(2 * max(sizes) / math.lcm(*sizes)))  # 2 or more images a rank
+    store = _store_capacity(cfg.store_clients, cfg.store_seconds, cfg.heartbeat) if cfg.store_clients else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="hpcdl-bench-startup-") as tmp:
         data = _data(Path(tmp), batch)
@@ -80,7 +81,6 @@ def run(cfg: Config, job) -> StartupReport:
                 shutil.rmtree(run_dir / "startup")
     fits = tuple(_fit(name, [(r.ranks, v) for r in rows if r.leg == leg and (v := value(r)) is not None])
                  for name, leg, value in COUNTS)
-    store = _store_capacity(cfg.store_clients, cfg.store_seconds, cfg.heartbeat) if cfg.store_clients else None
     return StartupReport(rows=tuple(rows), fits=fits, store=store)
 
 
@@ -154,7 +154,7 @@ def _fit(count: str, points: list[tuple[int, float]]) -> CountFit:
     return CountFit(count, mean_y - slope * mean_n, slope)
 
 
-def _store_capacity(clients: int, seconds: float, heartbeat_s: float, threads: int = 16) -> StoreCapacity:
+def _store_capacity(clients: int, seconds: float, heartbeat_s: float, threads: int = 64) -> StoreCapacity:
     """Requests per second one TCPStore server answers with ``clients`` connections open, ``threads`` sending
     ``add`` (the heartbeat's request) round-robin over them."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -167,8 +167,16 @@ def _store_capacity(clients: int, seconds: float, heartbeat_s: float, threads: i
     port = _free_port()
     timeout = timedelta(seconds=60)
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout)
-    conns = [dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout) for _ in range(clients)]
     threads = min(threads, clients)
+    # Connected from all threads at once, as ranks do: one connection takes a round trip or more (0.2 s
+    # here, where the reverse lookup of the client's address times out), which in a row would take minutes.
+    conns: list = [None] * clients
+
+    def connect(t: int) -> None:
+        for i in range(t, clients, threads):
+            conns[i] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+
+    _in_threads(connect, threads)
     done = [0] * threads
     stop = threading.Event()
 
@@ -180,19 +188,30 @@ def _store_capacity(clients: int, seconds: float, heartbeat_s: float, threads: i
             done[t] += 1
             i += 1
 
-    workers = [threading.Thread(target=send, args=(t,), daemon=True) for t in range(threads)]
-    for w in workers:
-        w.start()
-    time.sleep(min(1.0, seconds / 3))  # every thread sending
-    before, start = sum(done), time.perf_counter()
-    time.sleep(seconds)
-    rate = (sum(done) - before) / (time.perf_counter() - start)
-    stop.set()
-    for w in workers:
-        w.join()
+    def measure() -> None:
+        time.sleep(min(1.0, seconds / 3))  # every thread sending
+        before, start = sum(done), time.perf_counter()
+        time.sleep(seconds)
+        measured.append((sum(done) - before) / (time.perf_counter() - start))
+        stop.set()
+
+    measured: list[float] = []
+    timer = threading.Thread(target=measure, daemon=True)
+    timer.start()
+    _in_threads(send, threads)  # until the timer stops them
+    timer.join()
+    rate = measured[0]
     del conns, server
     return StoreCapacity(clients=clients, threads=threads, requests_per_s=rate, heartbeat_s=heartbeat_s,
                          heartbeat_load=clients / heartbeat_s / rate)
+
+
+def _in_threads(fn, threads: int) -> None:
+    workers = [threading.Thread(target=fn, args=(t,), daemon=True) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
 
 
 def format_report(report: StartupReport) -> str:

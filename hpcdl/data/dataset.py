@@ -52,11 +52,11 @@ class ShardDataset(Dataset):
     """
 
     def __init__(self, root: str, transform: Callable | None = None, verify: str = "quick", rank: int = 0,
-                 world: int = 1, seed: int | None = None):
+                 world: int = 1, seed: int | None = None, manifest: Manifest | None = None):
         if verify not in VERIFY:
             raise ConfigError(f"verify={verify!r} is unknown; choose one of {', '.join(VERIFY)}")
         self.root, self.transform, self.seed = root, transform, seed
-        self.manifest: Manifest = load_manifest(root)
+        self.manifest: Manifest = manifest or load_manifest(root)  # a job's ranks get rank 0's (the trainer)
         if verify != "none":
             problems = check_dataset(root, self.manifest, full=verify == "full", rank=rank, world=world)
             if problems:

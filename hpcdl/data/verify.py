@@ -15,11 +15,14 @@ def load_manifest(root: str) -> Manifest:
     return Manifest.load(os.path.join(root, MANIFEST))
 
 
-def check_dataset(root: str, manifest: Manifest, full: bool = False, rank: int = 0, world: int = 1) -> list[str]:
-    """Problems with the shards; ``full`` hashes them, split over ``world`` callers by ``rank``."""
+def check_dataset(root: str, manifest: Manifest, full: bool = False, rank: int = 0, world: int = 1,
+                  split: bool = False) -> list[str]:
+    """Problems with the shards; ``full`` hashes them, split over ``world`` callers by ``rank``. ``split``: check
+    only this caller's shards (``i % world == rank``) at all, for callers that pool what they found."""
     problems = []
     for i, entry in enumerate(manifest.shards):
-        problems += check_shard(root, entry, manifest.num_classes, full=full and i % world == rank)
+        if not split or i % world == rank:
+            problems += check_shard(root, entry, manifest.num_classes, full=full and i % world == rank)
     return problems
 
 

@@ -320,6 +320,9 @@ class PlanInputs:
         if self.startup_json:
             report = StartupReport.from_json(self.startup_json)
             fit = report.fit("rendezvous requests per rank", self.startup_json)
+            if not report.rows:
+                raise DataError(f"{self.startup_json}: no rows, so no start-up measured on one node; rerun hpcdl bench "
+                                "startup")
             smallest = min(report.rows, key=lambda r: r.ranks)
             measured = {"python_files": report.fit("python files per rank", self.startup_json).intercept,
                         "local_import_s": smallest.phases_s["interpreter and imports"] + smallest.phases_s["model"],
