@@ -127,9 +127,11 @@ def calibrate(report: ScalingReport, network: Link, algorithm: str = "ring", mes
     return Calibration(curve, overlap, share, rpn, checked)
 
 
-# hpcdl bench startup on this repository's 2-core EPYC (docs/scaling.md): the counts that --startup-json replaces
-STARTUP_MEASURED = {"python_files": 1950.0, "local_import_s": 6.0, "rendezvous": (2.0, 4.0),
-                    "store_requests_per_s": 20000.0}
+# hpcdl bench startup on this repository's 2-core EPYC (docs/scaling.md): the counts that --startup-json replaces.
+# The rendezvous' store requests per rank, a + b N, by backend: gloo connects every pair of ranks through the
+# store; oneCCL's ranks fetch one unique id (twice: the job's two groups); MPI bootstraps through its launcher.
+STARTUP_MEASURED = {"python_files": 1940.0, "local_import_s": 3.4, "store_requests_per_s": 58000.0}
+RENDEZVOUS_MEASURED = {"gloo": (2.0, 4.0), "ccl": (2.0, 0.0), "mpi": (0.0, 0.0)}
 
 
 def plan(model: StepModel, nodes: list[int], global_batch: int, epochs: float, train_images: int,
@@ -279,6 +281,8 @@ class PlanInputs:
     # start-up's counts (files per rank, store requests, the store's rate) from hpcdl bench startup --json
     # (default: those measured on the 2-core EPYC, docs/scaling.md)
     startup_json: str | None = None
+    # the training's backend, for its rendezvous without --startup-json (gloo's grows with the ranks)
+    backend: str = dataclasses.field(default="gloo", metadata=meta(choices=names.BACKENDS))
     stage_env: bool = False  # plan the start-up with the environment staged to node-local disk (hpcdl sbatch --stage-env)
     fs_opens_per_s: float = 50000.0  # the shared filesystem's metadata rate, opens/s for all clients (assumed)
     fs_read_gb_s: float = 1.5  # one reader's bandwidth from the shared filesystem, GB/s (assumed: one Lustre OST)
@@ -316,7 +320,8 @@ class PlanInputs:
     def startup(self, model: StepModel) -> tuple[StartupModel, list[str]]:
         """The start-up model for ``model``'s job, and one line per input saying where it came from. The
         checkpoint is the weights and one momentum buffer (SGD, LARS; LAMB's two moments add one more)."""
-        measured, source = dict(STARTUP_MEASURED), "the counts measured on the 2-core EPYC (docs/scaling.md)"
+        measured = {**STARTUP_MEASURED, "rendezvous": RENDEZVOUS_MEASURED[self.backend]}
+        source = f"the counts measured on the 2-core EPYC, backend {self.backend} (docs/scaling.md)"
         if self.startup_json:
             report = StartupReport.from_json(self.startup_json)
             fit = report.fit("rendezvous requests per rank", self.startup_json)
