@@ -162,8 +162,11 @@ def test_kill_9_of_one_rank_of_32_ends_the_job_naming_it_and_the_run_resumes_on_
     failures = [line for line in text.splitlines() if line.startswith("srun: error:")]
     assert failures and failures[0].endswith("task 7: Killed"), text[-3000:]
     assert "Traceback" not in text, text[-3000:]
-    state = subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State,ExitCode", "-P"], capture_output=True,
-                           text=True).stdout
+    deadline = time.monotonic() + 60  # the accounting lags behind the job (slurmdbd)
+    while not (state := subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State,ExitCode", "-P"],
+                                       capture_output=True, text=True).stdout).startswith(("FAILED", "COMPLETED")):
+        assert time.monotonic() < deadline, (state, ended)
+        time.sleep(1)
     assert state.startswith("FAILED"), (state, ended)
     assert not [f.name for f in (run / "checkpoints").iterdir() if ".tmp" in f.name]
     _, newest = CheckpointManager(str(run / "checkpoints")).load_latest()

@@ -77,7 +77,8 @@ def run(cfg: Config, job) -> StartupReport:
             for leg, steps in LEGS:
                 _launch([*launch, str(n)], cfg.backend, data, run_dir, batch, steps, leg)
                 rows.append(_row(n, leg, run_dir, checkpoint))
-                checkpoint = (run_dir / "checkpoints" / "ckpt-000000001.pt").stat().st_size
+                if leg == "start":
+                    checkpoint = (run_dir / "checkpoints" / "ckpt-000000001.pt").stat().st_size
                 shutil.rmtree(run_dir / "startup")
     fits = tuple(_fit(name, [(r.ranks, v) for r in rows if r.leg == leg and (v := value(r)) is not None])
                  for name, leg, value in COUNTS)

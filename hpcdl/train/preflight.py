@@ -8,21 +8,24 @@ import logging
 import os
 
 from hpcdl.config import RunConfig
+from hpcdl.data.format import Manifest
 from hpcdl.data.verify import load_manifest
 from hpcdl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def preflight(cfg: RunConfig, world_size: int) -> RunConfig:
-    """``cfg`` as it will run on ``world_size`` ranks; raises before anything is submitted when it cannot."""
+def preflight(cfg: RunConfig, world_size: int, manifest: Manifest | None = None) -> RunConfig:
+    """``cfg`` as it will run on ``world_size`` ranks; raises before anything is submitted when it cannot.
+    ``manifest``: data.train's, read already (a job's ranks get rank 0's, which also read data.val's)."""
     if not cfg.data.train:
         raise ConfigError(f"{cfg.name}: data.train is not set; --set data.train=/path/to/packed/train "
                           "(a folder hpcdl pack wrote)")
     train_root = os.path.expandvars(cfg.data.train)
-    manifest = load_manifest(train_root)  # DataError naming the path when it is not a packed dataset
-    if cfg.data.val:
-        load_manifest(os.path.expandvars(cfg.data.val))
+    if manifest is None:
+        manifest = load_manifest(train_root)  # DataError naming the path when it is not a packed dataset
+        if cfg.data.val:
+            load_manifest(os.path.expandvars(cfg.data.val))
     if len(manifest.classes) > cfg.num_classes:
         raise ConfigError(f"{train_root} holds {len(manifest.classes)} classes but num_classes={cfg.num_classes}; "
                           f"--set num_classes={len(manifest.classes)}")

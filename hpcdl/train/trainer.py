@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hpcdl.config import RunConfig, dump_yaml
 from hpcdl.data.dataset import InMemory, ShardDataset
+from hpcdl.data.format import Manifest
 from hpcdl.data.verify import check_dataset, load_manifest
 from hpcdl.data.recipe import channel_stats, parse
 from hpcdl.data.sampler import DistributedShardSampler
@@ -142,7 +143,8 @@ class Trainer:
             if ctx.rank == 0 else None
         self.restore = load_latest_shared(self.ckpt, ctx.group)  # read once, by rank 0; before the batch split
         self._mark("checkpoint read")
-        self.cfg = cfg = preflight(self._fit_to_ranks(cfg), ctx.world_size)
+        self.manifests = self._read_manifests(cfg)  # before preflight, which needs data.train's
+        self.cfg = cfg = preflight(self._fit_to_ranks(cfg), ctx.world_size, self.manifests[0])
         if ctx.rank == 0:
             atomic_write_text(os.path.join(self.dir, "config.yaml"), dump_yaml(cfg))
         self.precision, self.precision_why = choose_precision(cfg.loop.precision)
@@ -186,7 +188,7 @@ class Trainer:
         micro = cfg.per_rank_batch // cfg.loop.accum_steps
         steps = parse(cfg.data.augment)
         augment = Augment(steps, cfg.crop, decoder=cfg.data.decoder, channels=cfg.data.channels)
-        train = self._dataset(os.path.expandvars(cfg.data.train), augment, seed=cfg.data.seed)
+        train = self._dataset(os.path.expandvars(cfg.data.train), self.manifests[0], augment, seed=cfg.data.seed)
         self.mean, self.std, why = channel_stats(cfg.data, train.manifest.stats, train.root)
         self.mix = BatchMix(steps, cfg.num_classes)
         names = [c["name"] or c["wnid"] for c in train.manifest.classes]  # for the confusion matrix
@@ -201,35 +203,42 @@ class Trainer:
         self.train_loader = make_loader(train, self.sampler, micro, cfg.data.workers)
         self.val_loader = None
         if cfg.data.val:
-            val = self._dataset(os.path.expandvars(cfg.data.val),
+            val = self._dataset(os.path.expandvars(cfg.data.val), self.manifests[1],
                                 EvalTransform(cfg.data.eval_resize, cfg.crop, decoder=cfg.data.decoder,
                                               channels=cfg.data.channels))
             sampler = DistributedShardSampler(val.shard_sizes, ctx.world_size, ctx.rank, "global", shuffle=False)
             self.val_loader = make_loader(val, sampler, micro, cfg.data.workers)
 
-    def _dataset(self, root: str, transform, seed: int | None = None) -> ShardDataset:
-        """The packed dataset at ``root`` as every rank needs it, without every rank reading the same files:
-        rank 0 reads the manifest and the job's group broadcasts it; the shards' check (``data.verify``) is
-        split over the ranks, and when any rank found a problem every rank stops (each naming what it found)."""
+    def _read_manifests(self, cfg: RunConfig) -> tuple[Manifest, Manifest | None]:
+        """data.train's and data.val's manifests on every rank, read once: rank 0 reads them and the job's group
+        broadcasts them (or rank 0's error, which every rank then raises)."""
         ctx = self.ctx
-        found: list = [None, None]  # the manifest, or rank 0's error
+        found: list = [None, None, None]  # train's, val's, rank 0's error
         if ctx.rank == 0:
             try:
-                found[0] = load_manifest(root)
+                found[0] = load_manifest(os.path.expandvars(cfg.data.train)) if cfg.data.train else None
+                found[1] = load_manifest(os.path.expandvars(cfg.data.val)) if cfg.data.val else None
             except (DataError, OSError) as exc:
-                found[1] = f"{exc}"
+                found[2] = f"{exc}"
         dist.broadcast_object_list(found, src=0, group=ctx.group)
-        if found[1] is not None:
-            raise DataError(found[1] if ctx.rank == 0 else f"rank 0 could not read {root}'s manifest: {found[1]}")
+        if found[2] is not None:
+            raise DataError(found[2] if ctx.rank == 0 else f"rank 0 could not read a manifest: {found[2]}")
+        return found[0], found[1]
+
+    def _dataset(self, root: str, manifest: Manifest, transform, seed: int | None = None) -> ShardDataset:
+        """The packed dataset at ``root`` as every rank needs it, without every rank reading the same files:
+        ``manifest`` is rank 0's (:meth:`_read_manifests`); the shards' check (``data.verify``) is split over the
+        ranks, and when any rank found a problem every rank stops (each naming what it found)."""
+        ctx = self.ctx
         problems = [] if self.cfg.data.verify == "none" else check_dataset(
-            root, found[0], full=self.cfg.data.verify == "full", rank=ctx.rank, world=ctx.world_size, split=True)
+            root, manifest, full=self.cfg.data.verify == "full", rank=ctx.rank, world=ctx.world_size, split=True)
         bad = torch.tensor([len(problems)], dtype=torch.int64)
         dist.all_reduce(bad, group=ctx.group)
         if bad.item():
             mine = ("; here:\n  " + "\n  ".join(problems)) if problems else " (the ranks that checked them name them)"
             raise DataError(f"{root}: {bad.item()} damaged or missing shards{mine}\nrun 'hpcdl verify --full {root}', "
                             "then repack or restore them")
-        return ShardDataset(root, transform, verify="none", seed=seed, manifest=found[0])
+        return ShardDataset(root, transform, verify="none", seed=seed, manifest=manifest)
 
     def _size_loader(self) -> None:
         """Keep whole cores from compute for the loader only where its measured need fills them (see
