@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import os
 import re
@@ -138,3 +140,19 @@ def leave_now(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+@contextlib.contextmanager
+def exit_if_stuck(seconds: float | None):
+    """End the process with status 1 if the block has run ``seconds`` (``None``: no bound), printing
+    ``Timeout (H:MM:SS)!`` and every thread's Python stack first. faulthandler's thread does it, and needs no
+    interpreter lock: it acts where no Python thread can, in a C call that waits holding the lock (MPI_Init
+    above all). One bound at a time per process: faulthandler keeps one timer."""
+    if not seconds:
+        yield
+        return
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

@@ -5,6 +5,7 @@ launcher, and a late peer failing the collective within the timeout."""
 import json
 import os
 import subprocess
+import time
 
 import pytest
 from conftest import PYTHON, REPO, free_port, mpi_run, rank_env, sbatch_wait
@@ -55,6 +56,30 @@ def test_group_under_mpiexec(backend, mpiexec, ccl, tmp_path):
 
 def test_mpi_group_under_srun(slurm, tmp_path):
     srun_ranks(tmp_path, "mpi", "--nodes=1", "--ntasks=2")
+
+
+MPI_INIT_STUCK = """
+import os, time
+from datetime import timedelta
+if os.environ["SLURM_PROCID"] == "1":
+    time.sleep(300)  # never reaches MPI_Init: a stand-in for a rank whose node died at start-up
+from hpcdl.distributed.process_group import init_distributed
+init_distributed("mpi", timeout=timedelta(seconds=5))
+"""
+
+
+def test_mpi_init_that_does_not_return_ends_the_rank_within_the_timeout(slurm, tmp_path):
+    """Rank 0's MPI_Init waits for rank 1, which never calls it, holding the interpreter's lock: no Python
+    thread can act, faulthandler's can. The rank exits 1 after the 5 s start-up timeout with its stack, and
+    srun --kill-on-bad-exit ends the other (a real hang of PMI's fence, not a fake)."""
+    start = time.monotonic()
+    run = subprocess.run(["srun", "--nodes=1", "--ntasks=2", "--mpi=pmi2", "--kill-on-bad-exit=1", "--time=5",
+                          PYTHON, "-c", MPI_INIT_STUCK], capture_output=True, text=True, cwd=tmp_path, timeout=240,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    elapsed = time.monotonic() - start
+    assert run.returncode != 0 and "Timeout (0:00:05)!" in run.stderr, run.stderr[-3000:]
+    assert "in load_mpi" in run.stderr and "task 0: Exited with exit code 1" in run.stderr, run.stderr[-3000:]
+    assert elapsed < 120, elapsed  # imports on a busy box, then 5 s; not rank 1's 300 s nor the 5-minute limit
 
 
 def plain_ranks(tmp_path, backend: str) -> tuple[list[dict], list[str]]:

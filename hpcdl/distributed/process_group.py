@@ -27,6 +27,7 @@ from hpcdl.distributed.backend import BACKENDS, BackendChoice, choose_backend
 from hpcdl.distributed.env import RankEnv, discover
 from hpcdl.distributed.threaded import Liveness, library_group
 from hpcdl.errors import ConfigError, LaunchError, RankLostError
+from hpcdl.utils import exit_if_stuck
 
 __all__ = ["STARTUP_TIMEOUT", "DistContext", "apply_cpu_plan", "backend_groups", "fail_fast", "init_distributed", "new_subgroup",
            "set_group_timeout", "set_timeout",
@@ -238,13 +239,15 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
                      ccl_lib: str | None = None, count_store: bool = False) -> DistContext:
     """Discover this rank, tune its CPUs, and join the default process group.
 
-    ``timeout`` bounds every collective, the first rendezvous included; shorten it with
-    :func:`set_timeout` once the ranks are running. ``ccl_lib``: the libccl to use (see
+    ``timeout`` bounds every collective, the first rendezvous included, and MPI's start (past it the rank
+    exits 1 printing its stack: :func:`hpcdl.utils.exit_if_stuck`); shorten it with :func:`set_timeout` once
+    the ranks are running. ``ccl_lib``: the libccl to use (see
     :mod:`hpcdl.distributed.ccl_runtime`). ``count_store``: count the process groups' requests to rank 0's
     store (``ctx.store_use``; for ``loop.record_startup``).
     """
     env = env or discover()
-    row, choice = choose_backend(backend, ccl_lib=ccl_lib)
+    with exit_if_stuck(timeout.total_seconds()):  # the check starts MPI, whose MPI_Init waits for every rank
+        row, choice = choose_backend(backend, ccl_lib=ccl_lib)
     cpu = plan_cpus(local_rank=env.local_rank, local_size=env.local_size,
                     comm_threads=choice.comm_threads if comm_threads is None else comm_threads,
                     data_cores=data_cores)
