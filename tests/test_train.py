@@ -327,6 +327,32 @@ def test_submitit_job_checkpoints_through_its_protocol_and_resumes(slurm, data, 
     assert "resuming from" in logs, logs
 
 
+def test_a_submitit_job_whose_rank_0_cannot_serve_its_store_ends_at_once(slurm, data, tmp_path, monkeypatch):
+    """Rank 0 finds its rendezvous port taken (held here): it exits naming the port, and srun's
+    --kill-on-bad-exit ends rank 1, which would wait for the store until the start-up timeout (in CI such a job
+    held its node to its 5-minute limit)."""
+    import socket
+
+    from hpcdl.launch import submit
+    from hpcdl.train.job import TrainJob
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    start = time.monotonic()
+    job = submit(TrainJob(BASE[0], args_for(data, tmp_path / "run")[3::2]), folder=str(tmp_path / "jobs" / "%j"),
+                 cluster="slurm", profile="local", nodes=1, tasks_per_node=2, time="5", job_name="port-taken")
+    while not job.done() and time.monotonic() - start < 240:
+        time.sleep(0.5)
+    taken.close()
+    assert job.done() and time.monotonic() - start < 120, "the job outlived its failed rank 0"
+    logs = job.task(0).stderr() or ""
+    assert f"rank 0 cannot serve the rendezvous store on 127.0.0.1:{port}" in logs, logs[-3000:]
+
+
 @pytest.mark.ranks
 @pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
 def test_other_launchers_run_the_same_command(launcher, request, data, tmp_path):

@@ -44,8 +44,11 @@ def make_executor(req: JobRequest, folder: str, cluster: str | None = None) -> s
     params: dict[str, Any] = dict(name=req.job_name, nodes=req.nodes, tasks_per_node=req.tasks_per_node,
                                   timeout_min=max(1, int(req.walltime.total_seconds() // 60)))
     if cluster == "slurm":
+        # --kill-on-bad-exit, as hpcdl sbatch's scripts: a rank that fails at start-up (its store's port taken)
+        # ends the step, instead of the others waiting for it to the start-up timeout or the time limit
         params |= dict(slurm_setup=setup_lines(req, python), slurm_partition=req.partition_name,
-                       slurm_account=req.account, slurm_qos=req.qos, cpus_per_task=req.cpus_per_task)
+                       slurm_account=req.account, slurm_qos=req.qos, cpus_per_task=req.cpus_per_task,
+                       slurm_srun_args=["--kill-on-bad-exit=1"])
     else:
         params |= dict(local_setup=setup_lines(req, python))
     executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
