@@ -19,7 +19,7 @@ $(VENV)/.installed: setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev,mpi,plot]' mpich
+	$(PY) -m pip install -q -e '.[dev,mpi,plot,timm]' mpich
 	touch $@
 
 # backend ccl: hpcdl's pinned oneCCL runtime (three wheels from PyPI, sha256-checked) in ~/.cache/hpcdl, and

@@ -22,6 +22,7 @@ setup(
     extras_require={
         "mpi": ["mpi4py>=3.1"],
         "plot": ["matplotlib>=3.7"],  # hpcdl timeline render
+        "timm": ["timm>=1.0", "safetensors>=0.4"],  # model=timm:NAME; weights files in safetensors
         # IPEX is archived; its last release, 2.8, needs torch 2.8.* exactly.
         "ipex": ["intel-extension-for-pytorch==2.8.*", "torch==2.8.*"],
         # sklearn: the digits (bench large-batch, docs/data.md); Lightning: its DDP on hpcdl's groups

@@ -173,7 +173,7 @@ class RunConfig:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        check("model", self.model, names.MODELS, "hpcdl presets lists the presets' models")
+        names.check_model(self.model)
         for key in ("global_batch", "train_images", "num_classes", "crop"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}={getattr(self, key)} must be at least 1")

@@ -8,11 +8,14 @@ backends, allocators, pack trees) is checked against its table with :func:`regis
 
 from __future__ import annotations
 
+import difflib
+import re
 import signal
 
 from hpcdl.errors import ConfigError
 
 MODELS = ("alexnet_bn", "resnet18", "resnet50", "resnet101", "tiny_cnn", "tiny_cnn_fc")
+MODEL_SOURCES = ("torchvision", "timm")  # model="torchvision:NAME", "timm:NAME"; "package.module:callable" too
 OPTIMIZERS = ("sgd", "lars", "larc", "lamb", "adamw")
 ADAPTIVE_OPTIMIZERS = ("lars", "larc", "lamb")  # a per-tensor trust ratio
 SEMANTICS = ("mlperf", "caffe")
@@ -38,6 +41,26 @@ def check(field: str, value, choices, fix: str = "") -> None:
     if value not in choices:
         raise ConfigError(f"{field}={value!r} is unknown; choose one of {', '.join(map(str, choices))}"
                           + (f" ({fix})" if fix else ""))
+
+
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_LIBRARY_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]*")
+
+
+def check_model(name: str) -> None:
+    """``model=``: one of :data:`MODELS`, ``torchvision:NAME``, ``timm:NAME`` or ``package.module:callable`` (a
+    builder of one's own). Only the form is checked here, without torch; whether torchvision or timm has NAME
+    is :func:`hpcdl.models.model_info`'s to say (``hpcdl sbatch`` asks it in a subprocess)."""
+    source, colon, rest = str(name).partition(":")
+    if name in MODELS or colon and (source in MODEL_SOURCES and _LIBRARY_NAME.fullmatch(rest)
+                                    or _MODULE.fullmatch(source) and rest.isidentifier()):
+        return
+    close = difflib.get_close_matches(str(name), MODELS, n=3, cutoff=0.6) or \
+        ([f"torchvision:{name}", f"timm:{name}"] if _LIBRARY_NAME.fullmatch(str(name)) else [])
+    raise ConfigError(f"model={name!r} is unknown; choose one of {', '.join(MODELS)}, or name any classifier as "
+                      "torchvision:NAME (torchvision's zoo), timm:NAME (pip install 'hpcdl[timm]') or "
+                      "package.module:callable (your builder, called with num_classes)"
+                      + (f"; did you mean {' or '.join(close)}?" if close else ""))
 
 
 def signal_number(field: str, name: str) -> signal.Signals:

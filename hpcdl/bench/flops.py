@@ -4,14 +4,12 @@ a training step's floating-point operations, counted by torch. ``bench step`` di
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from hpcdl.config import SyncConfig
-from hpcdl.models import MODELS, build_model
+from hpcdl.models import build_model
+from hpcdl.models.count import count, flop_counter_mode
 from hpcdl.plan.facts import ModelFacts
 
 __all__ = ["count_model_facts", "gemm_gflops", "training_flops"]
@@ -46,8 +44,9 @@ def _timed_products(a, repeat: int) -> float:
 
 def training_flops(model, images, labels, criterion) -> float:
     """Floating-point operations of one forward and backward of ``model`` on this batch, as torch's
-    FlopCounterMode counts them (convolutions and matrix products: the work a GEMM rate measures)."""
-    counter = FlopCounterMode(display=False)
+    FlopCounterMode counts them (convolutions and matrix products: the work a GEMM rate measures), grouped
+    convolutions' backward corrected (:func:`hpcdl.models.count.flop_counter_mode`)."""
+    counter = flop_counter_mode()
     with counter:
         criterion(model(images), labels).backward()
     model.zero_grad(set_to_none=True)
@@ -55,15 +54,6 @@ def training_flops(model, images, labels, criterion) -> float:
 
 
 def count_model_facts(name: str) -> ModelFacts:
-    """The model's gradient bytes, training flops and buckets, counted on the meta device (no memory, no
-    arithmetic): what :data:`hpcdl.plan.facts.MODEL_FACTS` holds for a login node."""
-    with torch.device("meta"):
-        net = build_model(name)
-        x = torch.empty(2, 3, MODELS[name].crop, MODELS[name].crop)
-    with FlopCounterMode(display=False) as counter:
-        net(x).sum().backward()
-    grad = sum(p.numel() for p in net.parameters()) * 4
-    sync = SyncConfig()
-    first = min(sync.first_bucket_mb or sync.bucket_cap_mb, sync.bucket_cap_mb) * 2 ** 20
-    buckets = 1 + math.ceil(max(0.0, grad - first) / (sync.bucket_cap_mb * 2 ** 20))
-    return ModelFacts(name, grad, counter.get_total_flops() / 2, buckets, sum(1 for _ in net.parameters()))
+    """The model's facts (:func:`hpcdl.models.count.count`): what :data:`hpcdl.plan.facts.MODEL_FACTS` holds for a
+    login node."""
+    return ModelFacts(name, **count(name))

@@ -35,7 +35,7 @@ from hpcdl.config import SyncConfig
 from hpcdl.distributed.hooks import ChunkSparse
 from hpcdl.distributed.process_group import fail_fast
 from hpcdl.distributed.sync import data_parallel
-from hpcdl.models import MODELS
+from hpcdl.models import model_info
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
 from hpcdl.plan.facts import model_facts
 from hpcdl.plot import counts_axis, pyplot, save_png
@@ -91,7 +91,7 @@ def _stepper(ctx, cfg: Config, batch: int, group):
     """A fresh model on ``group`` (DDP with hpcdl's defaults; the model alone on one rank) and a function that
     runs one timed step of it."""
 
-    model, optimizer, criterion, x, y = synthetic_training(cfg.model, batch, cfg.crop or MODELS[cfg.model].crop)
+    model, optimizer, criterion, x, y = synthetic_training(cfg.model, batch, cfg.crop or model_info(cfg.model).crop)
     schedule = LRSchedule(optimizer, ScheduleConfig(base_lr=1.0, steps_per_epoch=1000, epochs=10, warmup_epochs=1))
     size = 1 if group is None else dist.get_world_size(group)
     sync = SyncConfig()
@@ -135,7 +135,7 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 def _meta(ctx, cfg: Config, nodes: list[int]) -> ScalingMeta:
-    return ScalingMeta(model=cfg.model, crop=cfg.crop or MODELS[cfg.model].crop,
+    return ScalingMeta(model=cfg.model, crop=cfg.crop or model_info(cfg.model).crop,
                        gradient_bytes=model_facts(cfg.model).gradient_bytes, backend=ctx.backend.name, hook=cfg.hook,
                        world_size=ctx.world_size, nodes=len(set(nodes)), ranks_per_node=ctx.env.local_size,
                        threads=torch.get_num_threads(), steps=cfg.steps, warmup=cfg.warmup, rounds=cfg.rounds,

@@ -47,7 +47,7 @@ from hpcdl.distributed.hooks import ChunkSparse
 from hpcdl.distributed.mpi import MPIProcessGroup
 from hpcdl.distributed.sync import bucket_caps, data_parallel
 from hpcdl.distributed.threaded import DoneWork, library_group
-from hpcdl.models import MODELS, build_model
+from hpcdl.models import build_model, model_info
 
 
 def _buckets(grads: list, cap_bytes: int) -> list[list]:
@@ -208,7 +208,7 @@ def _train_steps(cfg: Config):
 
     torch.manual_seed(0)
     model = build_model(cfg.scaling_model)
-    crop = MODELS[cfg.scaling_model].crop
+    crop = model_info(cfg.scaling_model).crop
     x, y = torch.randn(cfg.scaling_batch, 3, crop, crop), torch.randint(0, 1000, (cfg.scaling_batch,))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 

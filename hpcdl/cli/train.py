@@ -11,6 +11,8 @@ from hpcdl.config import PRESETS, describe, dump_yaml, resolve
 from hpcdl.deferred import deferred
 from hpcdl.errors import HpcdlError
 from hpcdl.flags import add_flags, config_from_args, meta
+from hpcdl.names import MODELS
+from hpcdl.plan.facts import model_facts
 from hpcdl.train.preflight import preflight
 from hpcdl.train.timeline import merge as merged
 from hpcdl.train.timeline import render as rendered
@@ -75,8 +77,13 @@ def parse_train(argv: list[str]) -> TrainCommand:
 
 
 def checked_config(cmd: TrainCommand, ranks: int):
-    """The train command's config as it will run on ``ranks`` ranks: errors before anything is submitted."""
-    return preflight(resolve(cmd.config, cmd.set), ranks)
+    """The train command's config as it will run on ``ranks`` ranks: errors before anything is submitted. A
+    model from torchvision, timm or a module of one's own is resolved (and its facts counted for the planner)
+    in a subprocess, which imports torch where this process does not."""
+    cfg = resolve(cmd.config, cmd.set)
+    if cfg.model not in MODELS:
+        model_facts(cfg.model)
+    return preflight(cfg, ranks)
 
 
 def presets(cmd: PresetsCommand) -> int:

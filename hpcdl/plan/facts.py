@@ -4,10 +4,17 @@ parameter tensors."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from hpcdl.names import MODELS, check
+from hpcdl.errors import ConfigError
+from hpcdl.names import check_model
+from hpcdl.utils import atomic_write_text
 
-__all__ = ["MODEL_FACTS", "ModelFacts", "model_facts"]
+__all__ = ["MODEL_FACTS", "ModelFacts", "facts_cache", "model_facts"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,7 +39,25 @@ MODEL_FACTS = {f.name: f for f in (
 
 
 def model_facts(name: str) -> ModelFacts:
-    """The model's gradient bytes, training flops and buckets, from :data:`MODEL_FACTS`
-    (:func:`hpcdl.bench.flops.count_model_facts` counts them with torch)."""
-    check("model", name, MODELS)
-    return MODEL_FACTS[name]
+    """The model's gradient bytes, training flops and buckets: :data:`MODEL_FACTS`' row for hpcdl's models;
+    for any other (``torchvision:``, ``timm:``, ``package.module:callable``) counted once by
+    :mod:`hpcdl.models.count` in a subprocess (torch stays out of this one) and kept in
+    :func:`facts_cache`. A ConfigError, with the closest names, when ``name`` names no model."""
+    check_model(name)
+    if name in MODEL_FACTS:
+        return MODEL_FACTS[name]
+    cache = facts_cache()
+    known = json.loads(cache.read_text()) if cache.exists() else {}
+    if name not in known:
+        counted = subprocess.run([sys.executable, "-m", "hpcdl.models.count", name], capture_output=True, text=True)
+        if counted.returncode:
+            raise ConfigError((counted.stderr.strip().splitlines() or [f"counting {name} failed"])[-1])
+        known = (json.loads(cache.read_text()) if cache.exists() else {}) | {name: {"name": name, **json.loads(counted.stdout)}}
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(str(cache), json.dumps(known, indent=1, sort_keys=True) + "\n")
+    return ModelFacts(**known[name])
+
+
+def facts_cache(environ=os.environ) -> Path:
+    """Where counted models' facts are kept: ``$XDG_CACHE_HOME/hpcdl/model-facts.json`` (``~/.cache``)."""
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpcdl" / "model-facts.json"

@@ -1,0 +1,63 @@
+"""A model's facts for the planner, counted by torch on the meta device (no memory, no arithmetic): its fp32
+gradient bytes, training FLOPs per image at its crop (forward and backward, a multiply-add is 2), DDP's
+all-reduces per step at hpcdl's bucket sizes, and its parameter tensors.
+
+``python -m hpcdl.models.count NAME`` prints them as JSON (exit 2 and the reason when NAME names no model):
+:func:`hpcdl.plan.facts.model_facts` runs it for a model without a row of its own, so that torch stays out of
+the login node's process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import torch
+from torch.utils import flop_counter
+from torch.utils.flop_counter import FlopCounterMode
+
+from hpcdl.config import SyncConfig
+from hpcdl.errors import HpcdlError
+from hpcdl.models import build_model, model_info
+
+__all__ = ["count", "flop_counter_mode"]
+
+
+def _conv_backward(grad_out_shape, x_shape, w_shape, bias, stride, padding, dilation, transposed, output_padding,
+                   groups, output_mask, out_shape=None, **kwargs) -> int:
+    """A convolution's backward: each of the input's and the weight's gradients costs what the forward does,
+    whose count the weight's shape (C_out, C_in / groups, kernel) gets right. torch 2.14's own formula equals this
+    for ungrouped convolutions but loses the division by the groups for grouped ones (ConvNeXt-T's depthwise 7x7s:
+    68.6 GFLOP of backward against 8.9 of forward; pytorch/pytorch#183405)."""
+    forward = flop_counter.conv_flop_count(x_shape, w_shape, grad_out_shape, transposed)
+    return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
+def flop_counter_mode() -> FlopCounterMode:
+    """torch's FlopCounterMode with grouped convolutions' backward counted right."""
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward})
+
+
+def count(name: str) -> dict:
+    """``name``'s facts: the fields of :class:`hpcdl.plan.facts.ModelFacts` but its name."""
+    with torch.device("meta"):
+        net = build_model(name)
+        crop = model_info(name).crop
+        x = torch.empty(2, 3, crop, crop)
+    with flop_counter_mode() as counter:
+        net(x).sum().backward()
+    grad = sum(p.numel() for p in net.parameters()) * 4
+    sync = SyncConfig()
+    first = min(sync.first_bucket_mb or sync.bucket_cap_mb, sync.bucket_cap_mb) * 2 ** 20
+    buckets = 1 + math.ceil(max(0.0, grad - first) / (sync.bucket_cap_mb * 2 ** 20))
+    return {"gradient_bytes": grad, "train_flops": counter.get_total_flops() / 2, "buckets": buckets,
+            "tensors": sum(1 for _ in net.parameters())}
+
+
+if __name__ == "__main__":
+    try:
+        print(json.dumps(count(sys.argv[1])))
+    except HpcdlError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)

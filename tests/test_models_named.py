@@ -1,0 +1,108 @@
+"""model= names any classifier: torchvision's zoo, timm's, a builder of one's own; refused with the closest names
+when it names nothing; its facts counted for the planner, not tabulated."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO
+from hpcdl.errors import ConfigError
+from hpcdl.models import build_model, model_info
+from hpcdl.names import check_model
+from hpcdl.plan.facts import MODEL_FACTS, facts_cache, model_facts
+
+OWN = "own_models:small_net"  # tests/own_models.py
+
+
+@pytest.fixture(autouse=True)
+def own_module_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+
+
+@pytest.mark.parametrize("name, crop, mean", [
+    ("torchvision:convnext_tiny", 224, (0.485, 0.456, 0.406)),  # from its weights' transforms, none downloaded
+    ("timm:resnet50d", 224, (0.485, 0.456, 0.406)),
+    ("timm:vit_tiny_patch16_224", 224, (0.5, 0.5, 0.5)),  # timm's pretrained config
+    (OWN, 48, None),  # the builder's crop attribute
+])
+def test_a_named_model_builds_with_the_classes_and_channels_asked_for(name, crop, mean):
+    info = model_info(name)
+    assert (info.crop, info.mean) == (crop, mean)
+    model = build_model(name, num_classes=7, in_channels=1).eval()
+    with torch.no_grad():
+        assert model(torch.zeros(2, 1, crop, crop)).shape == (2, 7)
+
+
+@pytest.mark.parametrize("name, said", [
+    ("torchvision:convnext_tinyy", "torchvision has no model 'convnext_tinyy'; did you mean torchvision:convnext_tiny"),
+    ("timm:resnet50e", "timm has no model 'resnet50e'; did you mean timm:resnet50"),
+    ("resnet5O", "did you mean resnet50"),
+    ("convnext_tiny", "did you mean torchvision:convnext_tiny or timm:convnext_tiny?"),
+    ("own_modelz:small_net", "cannot import own_modelz (No module named 'own_modelz'); put its folder on PYTHONPATH"),
+    ("own_models:smal_net", "own_models has no 'smal_net'"),
+    ("own_models:no_classes", "no_classes(width=8) takes no num_classes"),
+])
+def test_a_name_that_names_nothing_is_refused_with_the_closest(name, said):
+    with pytest.raises(ConfigError) as err:
+        model_info(name)
+    assert said in str(err.value)
+
+
+def test_the_login_node_checks_the_form_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\nfrom hpcdl.names import check_model\n"
+            "for n in ('timm:vit_tiny_patch16_224', 'torchvision:convnext_tiny', 'pkg.mod:build', 'resnet50'):\n"
+            "    check_model(n)\n"
+            "for n in ('timm:', 'a b:c', 'pkg.mod:1x', 'nope'):\n"
+            "    try:\n        check_model(n)\n    except Exception as e:\n        print(type(e).__name__)\n")
+    run = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.stdout.split() == ["ConfigError"] * 4, run.stderr
+
+
+@pytest.mark.slow  # a subprocess imports torch and counts
+def test_facts_of_a_named_model_are_counted_once_then_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}:{REPO / 'tests'}")
+    facts = model_facts(OWN)
+    model = build_model(OWN, 1000)
+    assert facts.gradient_bytes == 4 * sum(p.numel() for p in model.parameters())
+    assert facts.tensors == len(list(model.parameters())) and facts.train_flops > 0
+    cache = facts_cache()
+    assert cache == tmp_path / "hpcdl" / "model-facts.json"
+    kept = json.loads(cache.read_text())
+    kept[OWN]["buckets"] = 99  # read back, not counted again
+    cache.write_text(json.dumps(kept))
+    assert model_facts(OWN).buckets == 99
+    assert model_facts("resnet50") is MODEL_FACTS["resnet50"]
+    with pytest.raises(ConfigError, match="torchvision has no model 'resnet5'"):
+        model_facts("torchvision:resnet5")
+
+
+@pytest.mark.slow  # hpcdl sbatch twice, each asking timm in a subprocess
+def test_sbatch_refuses_a_misspelt_model_before_submitting(tmp_path):
+    args = ["sbatch", "--profile", "local", "--nodes", "1", "--tasks-per-node", "2", "--write", str(tmp_path / "job"),
+            "--", "train", "demo_tiny_lars", "--set", f"data.train={tmp_path}", "--set", "data.verify=none"]
+    for name, said in (("timm:vit_tiny_patch16_22", "did you mean timm:vit_tiny_patch16_224"),
+                       ("convnext_tiny", "did you mean torchvision:convnext_tiny")):
+        run = subprocess.run([PYTHON, "-m", "hpcdl", *args, "--set", f"model={name}"], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO), "XDG_CACHE_HOME": str(tmp_path)})
+        assert run.returncode == 2 and said in run.stderr, run.stderr[-2000:]
+        assert not (tmp_path / "job").exists()
+
+
+def test_a_grouped_convolutions_backward_counts_twice_its_forward():
+    """torch 2.14's counter loses the groups in the backward (a depthwise 7x7 counted C times too much)."""
+    from hpcdl.models.count import flop_counter_mode
+
+    for groups in (1, 4, 16):
+        with torch.device("meta"):
+            conv, x = torch.nn.Conv2d(16, 16, 7, padding=3, groups=groups, bias=False), torch.empty(2, 16, 14, 14)
+        with flop_counter_mode() as counter:
+            y = conv(x.requires_grad_())
+        forward = counter.get_total_flops()
+        assert forward == 2 * 2 * 14 * 14 * 16 * (16 // groups) * 49
+        with flop_counter_mode() as counter:
+            y.sum().backward()
+        assert counter.get_total_flops() == 2 * forward  # the input's gradient and the weight's
