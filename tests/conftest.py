@@ -214,8 +214,18 @@ def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int
             _cancel_tagged(tag)
     if sbatch.returncode != 0:
         _cancel_tagged(tag)
-        raise AssertionError(f"sbatch failed ({sbatch.returncode}): {out}\n{err}")
+        raise AssertionError(f"sbatch failed ({sbatch.returncode}): {out}\n{err}{_job_output(extra)}")
     return out.strip().split(";")[0]
+
+
+def _job_output(extra: tuple[str, ...], lines: int = 60) -> str:
+    """The last lines of the job's --output file, for the failure's message: a job that failed says why there."""
+    for arg in extra:
+        if arg.startswith("--output="):
+            path = Path(arg.split("=", 1)[1])
+            text = path.read_text(errors="replace") if path.is_file() else "(not written)"
+            return f"\n--- the job's output, {path}:\n" + "\n".join(text.splitlines()[-lines:])
+    return ""
 
 
 def _cancel_tagged(tag: str) -> None:
