@@ -42,9 +42,11 @@ class DataConfig:
     # [resized_crop(min_scale=0.5), rot90, mixup]; held expanded (hpcdl.data.recipe lists the steps)
     augment: str | tuple[str, ...] = "imagenet"
     eval_resize: int = 256  # evaluation: short side, then a center crop of the run's crop
-    # the channel statistics images are normalized with: dataset (measured by hpcdl pack, in the manifest) or
-    # imagenet; data.mean and data.std, when given (0..1 units, one per channel), take precedence
-    normalize: str = "dataset"
+    # the channel statistics images are normalized with: dataset (measured by hpcdl pack, in the manifest),
+    # imagenet, model (those the model's library states: timm's pretrained config, torchvision's weights), or
+    # auto: the model's when fine-tuning from model.weights and it states them, else the dataset's; data.mean and
+    # data.std, when given (0..1 units, one per channel), take precedence
+    normalize: str = "auto"
     channels: int = 3  # 3 (RGB) or 1 (gray: decoded to one channel, the model's first layer takes one)
     # torchvision (decode_jpeg: the fastest in hpcdl bench data) or pillow (draft mode: decodes no more than the
     # crop needs; the ImageNet presets and the demo keep it, so that they train pixel for pixel as before)
@@ -153,9 +155,31 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """``model:`` (docs/models.md). ``model: NAME`` or ``--set model=NAME`` sets the name alone."""
+
+    name: str  # one of hpcdl's, torchvision:NAME, timm:NAME or package.module:callable (names.check_model)
+    # fine-tune from these weights: a state dict (torch.save), a .safetensors file, an hpcdl checkpoint or run
+    # folder; read by rank 0 with weights_only when the run starts without a checkpoint of its own
+    weights: str = ""
+    body_lr_scale: float = 1.0  # the lr of every parameter but the classifier head's, as a fraction of the head's
+    freeze_body_epochs: float = 0.0  # the body's lr is 0 for this many epochs: the head trains alone first
+    layer_decay: float = 1.0  # timm's layer-wise lr decay (ViTs: 0.65-0.75): block i of n gets decay ** (n - i)
+
+    def __post_init__(self):
+        names.check_model(self.name)
+        if not 0 <= self.body_lr_scale <= 1 or not 0 < self.layer_decay <= 1 or self.freeze_body_epochs < 0:
+            raise ConfigError(f"model: body_lr_scale={self.body_lr_scale} must lie in [0, 1], layer_decay="
+                              f"{self.layer_decay} in (0, 1] and freeze_body_epochs={self.freeze_body_epochs} >= 0")
+        if (self.body_lr_scale != 1 or self.freeze_body_epochs or self.layer_decay != 1) and not self.weights:
+            raise ConfigError("model.body_lr_scale, freeze_body_epochs and layer_decay shape fine-tuning: set "
+                              "model.weights=PATH to the weights to start from, or leave them at 1, 0 and 1")
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     name: str
-    model: str
+    model: ModelConfig  # a string sets model.name (RunConfig(model="resnet50") too)
     global_batch: int
     epochs: float
     optimizer: OptimConfig
@@ -163,7 +187,7 @@ class RunConfig:
     ranks: int = 1  # processes; each takes global_batch / ranks images per step
     num_classes: int = 1000
     train_images: int = IMAGENET_TRAIN
-    crop: int = 224
+    crop: int = 0  # the training crop; 0: the one the model is defined for (its library's stated input size)
     label_smoothing: float = 0.0
     run_dir: str = "runs/{name}-{job}"  # {name}: this config's; {job}: the Slurm job id (kept across requeues)
     data: DataConfig = field(default_factory=DataConfig)
@@ -173,10 +197,15 @@ class RunConfig:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        names.check_model(self.model)
-        for key in ("global_batch", "train_images", "num_classes", "crop"):
+        if isinstance(self.model, str):
+            self.model = ModelConfig(name=self.model)
+        if self.crop == 0:
+            self.crop = names.MODEL_CROPS.get(self.model.name, 0)  # others: hpcdl.models.with_model_defaults
+        for key in ("global_batch", "train_images", "num_classes"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}={getattr(self, key)} must be at least 1")
+        if self.crop < 0:
+            raise ConfigError(f"crop={self.crop} must be at least 1 (or 0: the model's own input size)")
         if not (math.isfinite(self.epochs) and self.epochs > 0):
             raise ConfigError(f"epochs={self.epochs} must be a finite number above 0 (e.g. 90)")
         # The schedule's batch, epochs and steps per epoch follow the run's: set them here, not there.
@@ -416,7 +445,7 @@ def describe(cfg: RunConfig) -> str:
     d = cfg.derived()
     s, o = cfg.schedule, cfg.optimizer
     lines = [
-        f"{cfg.name}: {cfg.model}, crop {cfg.crop}, {cfg.epochs:g} epochs, label smoothing {cfg.label_smoothing:g}",
+        f"{cfg.name}: {cfg.model.name}, crop {cfg.crop or 'as the model states'}, {cfg.epochs:g} epochs, label smoothing {cfg.label_smoothing:g}",
         f"  global batch {cfg.global_batch:,} = {cfg.ranks:,} ranks x {d['per_rank_batch']} per rank",
         f"  steps per epoch {d['steps_per_epoch']} ({cfg.train_images:,} / {cfg.global_batch:,} = "
         f"{d['exact_steps_per_epoch']}, rounded up: the last batch of an epoch is partial)",

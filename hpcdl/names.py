@@ -15,6 +15,8 @@ import signal
 from hpcdl.errors import ConfigError
 
 MODELS = ("alexnet_bn", "resnet18", "resnet50", "resnet101", "tiny_cnn", "tiny_cnn_fc")
+# the crop each of hpcdl's own models is defined for (crop: 0 means the model's; hpcdl.models checks these)
+MODEL_CROPS = {"alexnet_bn": 227, "resnet18": 224, "resnet50": 224, "resnet101": 224, "tiny_cnn": 32, "tiny_cnn_fc": 32}
 MODEL_SOURCES = ("torchvision", "timm")  # model="torchvision:NAME", "timm:NAME"; "package.module:callable" too
 OPTIMIZERS = ("sgd", "lars", "larc", "lamb", "adamw")
 ADAPTIVE_OPTIMIZERS = ("lars", "larc", "lamb")  # a per-tensor trust ratio
@@ -26,7 +28,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 SAMPLERS = ("global", "shard")
 RESUME_RANKS = ("any", "same")  # checkpoint.resume_ranks
 VERIFY = ("none", "quick", "full")
-NORMALIZE = ("dataset", "imagenet")
+NORMALIZE = ("auto", "dataset", "imagenet", "model")
 DECODERS = ("pillow", "torchvision")
 IPEX = ("auto", "off")
 ALLOCATORS = ("jemalloc", "tcmalloc", "glibc")

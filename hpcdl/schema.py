@@ -4,8 +4,10 @@ a command's flags (:func:`hpcdl.flags.config_from_args`), and the benchmarks' JS
 
 Every key is checked against the dataclass fields, and every value against the field's type: a union takes
 the first of its types that the value fits, a tuple takes a list (or ``a,b`` from ``--set``), a dict's values
-are of its value type, a bool is true or false (never 1), an int is whole, a float finite. An error names
-the key and says what to write; a config lists the valid keys, a report the command that writes one.
+are of its value type, a section with a ``name`` takes a string as its name (``model: resnet50``; ``--set
+model=NAME`` keeps the section's other keys), a bool is true or false (never 1), an int is whole, a float
+finite. An error names the key and says what to write; a config lists the valid keys, a report the command
+that writes one.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def _fields(cls) -> list[str]:
 def _coerce(tp, value, where: str, rules: _Rules) -> Any:
     origin, args = get_origin(tp), get_args(tp)
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, str) and "name" in _fields(tp):  # a section given a string: its name (model: resnet50)
+            value = {"name": value}
         return _build(tp, value, where, rules)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -176,7 +180,11 @@ def apply_overrides(cfg, overrides: list[str], frozen: dict[str, str] | None = N
                 valid = ", ".join(f"{k}={v!r}" for k, v in node.items() if not isinstance(v, dict)) if isinstance(node, dict) else ""
                 raise ConfigError(f"--set {key}: {where} has no key {part!r}; valid: {valid}")
             if depth == len(parts) - 1:
-                node[part] = _parse(raw)
+                value = _parse(raw)
+                if isinstance(node[part], dict) and "name" in node[part] and not isinstance(value, dict):
+                    node[part]["name"] = value  # --set model=NAME names the model and keeps model.weights
+                else:
+                    node[part] = value
             node = node[part]
     return from_dict(type(cfg), data)
 

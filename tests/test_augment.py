@@ -41,7 +41,7 @@ def jpeg(w: int, h: int, seed: int = 0) -> bytes:
     ("data.augment=light, resized_crop", "pad_crop, resized_crop all size the image"),
     ("data.mean=[0.5, 0.5]", "data.mean=[0.5, 0.5] has 2 values; give one per channel (3)"),
     ("data.std=[0.2, 0.2, 0]", "data.std=[0.2, 0.2, 0.0]: values are in 0..1 units (pixel / 255) and above 0"),
-    ("data.normalize=z", "data.normalize='z' is unknown; choose one of dataset, imagenet"),
+    ("data.normalize=z", "data.normalize='z' is unknown; choose one of auto, dataset, imagenet, model"),
     ("data.decoder=cv2", "data.decoder='cv2' is unknown; choose one of pillow, torchvision"),
 ])
 def test_a_bad_recipe_or_statistic_is_refused_on_the_login_node_without_torch(override, message):

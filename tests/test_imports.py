@@ -17,7 +17,7 @@ from conftest import PYTHON, REPO
 PACKAGE = REPO / "hpcdl"
 # Imported inside the function that uses them, so that hpcdl works without them: the extras of setup.py
 # (mpi, plot, ipex, timm) and the decoders bench data compares when it finds them.
-OPTIONAL = ("mpi4py", "timm", "sklearn", "matplotlib", "intel_extension_for_pytorch", "simplejpeg", "cv2",
+OPTIONAL = ("mpi4py", "timm", "safetensors", "sklearn", "matplotlib", "intel_extension_for_pytorch", "simplejpeg", "cv2",
             "torchvision", "torch.utils.tensorboard")
 TORCH = ("torch", "torchvision")
 # Imports inside a function on purpose, each with its reason: bench plugin's worker measures torch's entry points

@@ -45,7 +45,7 @@ def test_every_model_builds_and_runs(name):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_resolves(name):
     cfg = get_preset(name)
-    assert cfg.name == name and cfg.model in MODELS
+    assert cfg.name == name and cfg.model.name in MODELS
     assert cfg.per_rank_batch * cfg.ranks == cfg.global_batch
     d = cfg.derived()
     assert 0 <= d["warmup_steps"] < d["total_steps"] and d["peak_lr"] > 0

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass, field
 
 from hpcdl.cli.common import command
-from hpcdl.config import DataConfig, RunConfig, resolve
+from hpcdl.config import DataConfig, resolve
 from hpcdl.data import recipe
 from hpcdl.data.format import summarize
 from hpcdl.data.options import PackConfig
@@ -114,9 +114,9 @@ def show(cmd: ShowCommand) -> int:
     print("\n".join(lines))
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
-    cfg = resolve(cmd.config) if cmd.config else None
+    cfg = deferred("hpcdl.models").with_model_defaults(resolve(cmd.config))[0] if cmd.config else None
     data: DataConfig = cfg.data if cfg else DataConfig()
-    crop = cmd.crop or (cfg.crop if cfg else RunConfig.__dataclass_fields__["crop"].default)
+    crop = cmd.crop or (cfg.crop if cfg else 224)
     steps = recipe.parse(cmd.augment or data.augment, "--augment" if cmd.augment else "data.augment")
     out = cmd.out or f"{os.path.basename(os.path.normpath(cmd.dataset))}-sheet.png"
     sheet = shown.contact_sheet(cmd.dataset, out, steps, crop, per_class=cmd.per_class, draws=cmd.draws,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
@@ -81,8 +82,9 @@ def checked_config(cmd: TrainCommand, ranks: int):
     model from torchvision, timm or a module of one's own is resolved (and its facts counted for the planner)
     in a subprocess, which imports torch where this process does not."""
     cfg = resolve(cmd.config, cmd.set)
-    if cfg.model not in MODELS:
-        model_facts(cfg.model)
+    if cfg.model.name not in MODELS:
+        facts = model_facts(cfg.model.name)
+        cfg = dataclasses.replace(cfg, crop=cfg.crop or facts.crop)  # crop: 0, the model's (as the trainer does)
     return preflight(cfg, ranks)
 
 
@@ -95,7 +97,7 @@ def presets(cmd: PresetsCommand) -> int:
     for name, fn in PRESETS.items():
         cfg = fn()
         first = (fn.__doc__ or describe(cfg).splitlines()[0]).strip().splitlines()[0]
-        print(f"{name:28s} {cfg.model:10s} batch {cfg.global_batch:>6,} x {cfg.ranks:>4} ranks  {first}")
+        print(f"{name:28s} {cfg.model.name:10s} batch {cfg.global_batch:>6,} x {cfg.ranks:>4} ranks  {first}")
     return 0
 
 

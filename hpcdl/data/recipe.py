@@ -157,20 +157,37 @@ def check_stats(field: str, values: tuple, channels: int = 3, positive: bool = F
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # ImageNet's channel mean and std, 0..1 units
 
 
-def channel_stats(data, stats: dict, root: str) -> tuple[tuple, tuple, str]:
-    """(mean, std, where they come from) for a run's ``data`` config and its training set's manifest stats."""
+def _gray(mean, std, why: str) -> tuple[tuple, tuple, str]:
+    """Statistics of three channels for gray images: their averages."""
+    return (sum(mean) / len(mean),), (sum(std) / len(std),), f"{why}, averaged over the channels"
+
+
+def channel_stats(data, stats: dict, root: str, stated: tuple = (None, None, ""),
+                  finetuning: bool = False) -> tuple[tuple, tuple, str]:
+    """(mean, std, where they come from) for a run's ``data`` config and its training set's manifest stats.
+    ``stated``: the model's (mean, std, description) as its library states them (None where it does not);
+    ``data.normalize=auto`` takes them when ``finetuning`` (the weights were trained on inputs so scaled)."""
     gray = data.channels == 1
+    mean, std, model = stated
     if data.mean:
         return tuple(data.mean), tuple(data.std), "data.mean and data.std"
+    if data.normalize == "model" and mean is None:
+        raise ConfigError(f"data.normalize=model: {model or 'the model'} states no input statistics; set "
+                          "data.normalize=dataset or imagenet, or data.mean and data.std")
+    if data.normalize == "model" or data.normalize == "auto" and finetuning and mean is not None:
+        why = f"those {model} states (data.normalize={data.normalize}" + \
+            (", fine-tuning from model.weights; data.normalize=dataset for the dataset's)" if data.normalize == "auto" else ")")
+        return _gray(mean, std, why) if gray else (tuple(mean), tuple(std), why)
     if data.normalize == "imagenet":
-        if gray:  # the three channels' averages
-            return (sum(IMAGENET_STATS[0]) / 3,), (sum(IMAGENET_STATS[1]) / 3,), "data.normalize=imagenet, averaged"
-        return *IMAGENET_STATS, "data.normalize=imagenet"
+        return _gray(*IMAGENET_STATS, "data.normalize=imagenet") if gray else (*IMAGENET_STATS, "data.normalize=imagenet")
     if not stats.get("mean"):
         raise ConfigError(f"{root}: its manifest has no channel statistics (packed before hpcdl measured them) "
-                          f"and data.normalize=dataset asks for them; run 'hpcdl pack --stats {root}', or set "
+                          f"and data.normalize={data.normalize} asks for them; run 'hpcdl pack --stats {root}', or set "
                           "data.normalize=imagenet, or data.mean and data.std")
     why = f"measured by hpcdl pack on {stats['sampled']} images"
+    if data.normalize == "auto":
+        why += " (data.normalize=auto, training from scratch)" if not finetuning else \
+            f" (data.normalize=auto; {model or 'the model'} states none)"
     if gray:
         return (stats["mean_gray"],), (stats["std_gray"],), why + " (gray)"
     return tuple(stats["mean"]), tuple(stats["std"]), why

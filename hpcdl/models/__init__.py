@@ -10,6 +10,7 @@ its library states (timm's pretrained config, torchvision's weights' transforms)
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import importlib
@@ -24,9 +25,9 @@ from hpcdl import names
 from hpcdl.errors import ConfigError
 from hpcdl.models.alexnet_bn import AlexNetBN
 from hpcdl.models.tiny import TinyCNN
-from hpcdl.names import registry
+from hpcdl.names import MODEL_CROPS, registry
 
-__all__ = ["MODELS", "ModelInfo", "build_model", "model_info"]
+__all__ = ["MODELS", "ModelInfo", "build_model", "model_info", "with_model_defaults"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,8 @@ MODELS: dict[str, ModelInfo] = registry("models", {m.name: m for m in (
     ModelInfo("tiny_cnn_fc", partial(TinyCNN, hidden=4096), 32,
               "tiny_cnn with a 4,096-unit fully-connected layer: 8.4M parameters, 99.9% in the head (comm hooks)"),
 )}, names.MODELS)
+if any(MODEL_CROPS[name] != info.crop for name, info in MODELS.items()):
+    raise RuntimeError(f"hpcdl.names.MODEL_CROPS {MODEL_CROPS} differs from the models' crops")
 
 
 def _unknown(name: str, library: str, known) -> ConfigError:
@@ -155,3 +158,12 @@ def build_model(name: str, num_classes: int = 1000, in_channels: int = 3) -> nn.
         else:
             setattr(parent, attr, first)
     return model
+
+
+def with_model_defaults(cfg):
+    """``cfg`` (a RunConfig) with ``crop: 0`` resolved to the model's stated input size, and a line saying so
+    (empty when nothing was filled in). Resolved where torch is (the trainer, ``hpcdl sbatch``'s check)."""
+    if cfg.crop:
+        return cfg, ""
+    info = model_info(cfg.model.name)
+    return dataclasses.replace(cfg, crop=info.crop), f"crop {info.crop}: the input size {info.description} states"

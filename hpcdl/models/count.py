@@ -52,7 +52,7 @@ def count(name: str) -> dict:
     first = min(sync.first_bucket_mb or sync.bucket_cap_mb, sync.bucket_cap_mb) * 2 ** 20
     buckets = 1 + math.ceil(max(0.0, grad - first) / (sync.bucket_cap_mb * 2 ** 20))
     return {"gradient_bytes": grad, "train_flops": counter.get_total_flops() / 2, "buckets": buckets,
-            "tensors": sum(1 for _ in net.parameters())}
+            "tensors": sum(1 for _ in net.parameters()), "crop": crop}
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ into parameter groups and an optimizer.
 
 Semantics decide the default groups:
 
-- ``mlperf``: tensors with ndim <= 1 (BatchNorm weights and biases, every bias) get no weight decay and,
-  for the adaptive optimizers, no trust ratio: plain momentum SGD (LARS) or AdamW (LAMB) at the global lr.
+- ``mlperf``: tensors with ndim <= 1 (the weights and biases of every norm layer, every bias, whatever the
+  layers are called) and those a timm model names in ``no_weight_decay()`` (a ViT's position embedding and
+  class token) get no weight decay and, for the adaptive optimizers, no trust ratio: plain momentum SGD
+  (LARS) or AdamW (LAMB) at the global lr.
 - ``caffe``: every tensor is adapted and decayed, as Intel Caffe's LARS did in the Stampede2 runs.
 
 ``groups`` rules come first: each is a regular expression over parameter names (``model.named_parameters()``)
@@ -57,9 +59,13 @@ OPTIMIZERS: dict[str, OptimInfo] = {i.name: i for i in (
 OPTIMIZERS = registry("optimizers", OPTIMIZERS, names.OPTIMIZERS)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr_scales: dict[str, float] | None = None,
+                    body: set[str] | None = None) -> torch.optim.Optimizer:
+    """``cfg``'s optimizer over ``model``'s parameters. Fine-tuning (:func:`hpcdl.models.finetune.lr_scales`)
+    gives ``lr_scales`` (name -> factor of the schedule's lr) and the ``body``'s names (frozen first, when the
+    run says so): each group then carries ``lr_scale`` and ``body``, which :class:`LRSchedule` applies."""
     info = OPTIMIZERS[cfg.name]
-    return info.build(param_groups(model, cfg), **options(cfg))
+    return info.build(param_groups(model, cfg, lr_scales, body), **options(cfg))
 
 
 def options(cfg: OptimConfig) -> dict:
@@ -74,13 +80,18 @@ def options(cfg: OptimConfig) -> dict:
     return out
 
 
-def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
-    """Parameters grouped by the options their rule (or the semantics) gives them."""
+def param_groups(model: torch.nn.Module, cfg: OptimConfig, lr_scales: dict[str, float] | None = None,
+                 body: set[str] | None = None) -> list[dict]:
+    """Parameters grouped by the options their rule (or the semantics) gives them, and by their lr scale and
+    place (body or head) when fine-tuning (see :func:`build_optimizer`)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    no_decay = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()  # timm's: pos_embed...
     rules = [(re.compile(r.pattern), r) for r in cfg.groups]
     used, groups = set(), {}
     for name, p in named:
-        options = _default_options(p, cfg)
+        options = _default_options(p, cfg, name in no_decay)
+        if body is not None:
+            options |= {"lr_scale": (lr_scales or {}).get(name, 1.0), "body": name in body}
         for i, (rx, rule) in enumerate(rules):
             if rx.search(name):
                 used.add(i)
@@ -95,8 +106,8 @@ def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
     return [{"params": ps, **dict(key)} for key, ps in groups.items()]
 
 
-def _default_options(p: torch.Tensor, cfg: OptimConfig) -> dict:
-    excluded = cfg.semantics == "mlperf" and p.ndim <= 1
+def _default_options(p: torch.Tensor, cfg: OptimConfig, named_no_decay: bool = False) -> dict:
+    excluded = cfg.semantics == "mlperf" and (p.ndim <= 1 or named_no_decay)
     options = {"weight_decay": 0.0 if excluded else cfg.weight_decay}
     if OPTIMIZERS[cfg.name].adaptive:
         options["adapt"] = not excluded

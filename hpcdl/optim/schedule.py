@@ -85,8 +85,8 @@ class LRSchedule:
     resumed with a different schedule is refused.
     """
 
-    def __init__(self, optimizer, cfg: ScheduleConfig):
-        self.optimizer, self.cfg, self.step_count = optimizer, cfg, 0
+    def __init__(self, optimizer, cfg: ScheduleConfig, freeze_steps: int = 0):
+        self.optimizer, self.cfg, self.step_count, self.freeze_steps = optimizer, cfg, 0, freeze_steps
         self._apply()
 
     def step(self) -> None:
@@ -97,9 +97,11 @@ class LRSchedule:
         return self.cfg.lr(self.step_count)
 
     def _apply(self) -> None:
-        lr = self.current_lr()
+        """Each group's lr: the schedule's, times the group's ``lr_scale`` (fine-tuning's body and layer decay),
+        and 0 for the body's groups in the first ``freeze_steps`` steps."""
+        lr, frozen = self.current_lr(), self.step_count < self.freeze_steps
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = 0.0 if frozen and group.get("body") else lr * group.get("lr_scale", 1.0)
 
     def state_dict(self) -> dict:
         return {"step": self.step_count, "config": asdict(self.cfg)}

@@ -24,17 +24,18 @@ class ModelFacts:
     train_flops: float  # per image, forward and backward, at the model's crop (a multiply-add is 2)
     buckets: int  # DDP's all-reduces per step at hpcdl's bucket sizes
     tensors: int  # parameter tensors: the per-layer work a step does whatever its batch
+    crop: int = 0  # the input size the flops are counted at: the model's stated one (hpcdl's rows: names.MODEL_CROPS)
 
 
 # hpcdl.bench.flops.count_model_facts(name) for every model, so that planning needs no torch (a login node);
 # tests/test_plan.py recounts them.
 MODEL_FACTS = {f.name: f for f in (
-    ModelFacts("alexnet_bn", 249_522_336, 6_600_706_176.0, 11, 24),
-    ModelFacts("resnet18", 46_758_048, 10_648_412_160.0, 3, 62),
-    ModelFacts("resnet50", 102_228_128, 24_299_077_632.0, 5, 161),
-    ModelFacts("resnet101", 178_196_640, 46_572_404_736.0, 8, 314),
-    ModelFacts("tiny_cnn", 152_544, 9_039_360.0, 1, 8),
-    ModelFacts("tiny_cnn_fc", 49_979_360, 83_755_008.0, 3, 10),
+    ModelFacts("alexnet_bn", 249_522_336, 6_600_706_176.0, 11, 24, 227),
+    ModelFacts("resnet18", 46_758_048, 10_648_412_160.0, 3, 62, 224),
+    ModelFacts("resnet50", 102_228_128, 24_299_077_632.0, 5, 161, 224),
+    ModelFacts("resnet101", 178_196_640, 46_572_404_736.0, 8, 314, 224),
+    ModelFacts("tiny_cnn", 152_544, 9_039_360.0, 1, 8, 32),
+    ModelFacts("tiny_cnn_fc", 49_979_360, 83_755_008.0, 3, 10, 32),
 )}
 
 
@@ -48,7 +49,7 @@ def model_facts(name: str) -> ModelFacts:
         return MODEL_FACTS[name]
     cache = facts_cache()
     known = json.loads(cache.read_text()) if cache.exists() else {}
-    if name not in known:
+    if "crop" not in known.get(name, {}):  # not counted yet, or by an hpcdl that did not keep the crop
         counted = subprocess.run([sys.executable, "-m", "hpcdl.models.count", name], capture_output=True, text=True)
         if counted.returncode:
             raise ConfigError((counted.stderr.strip().splitlines() or [f"counting {name} failed"])[-1])

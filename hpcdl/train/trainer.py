@@ -44,7 +44,8 @@ from hpcdl.distributed.process_group import (
 )
 from hpcdl.distributed.sync import data_parallel
 from hpcdl.errors import ConfigError, DataError, TrainingDiverged
-from hpcdl.models import build_model
+from hpcdl.models import build_model, model_info, with_model_defaults
+from hpcdl.models.finetune import load_weights, lr_scales, read_weights
 from hpcdl.optim.factory import build_optimizer
 from hpcdl.optim.schedule import LRSchedule
 from hpcdl.schema import flatten, to_dict
@@ -144,6 +145,7 @@ class Trainer:
         self.restore = load_latest_shared(self.ckpt, ctx.group)  # read once, by rank 0; before the batch split
         self._mark("checkpoint read")
         self.manifests = self._read_manifests(cfg)  # before preflight, which needs data.train's
+        cfg, self.model_defaults = with_model_defaults(cfg)  # crop: 0, the model's
         self.cfg = cfg = preflight(self._fit_to_ranks(cfg), ctx.world_size, self.manifests[0])
         if ctx.rank == 0:
             atomic_write_text(os.path.join(self.dir, "config.yaml"), dump_yaml(cfg))
@@ -172,16 +174,42 @@ class Trainer:
             self.record.mark(phase)
 
     def _build_model(self) -> None:
-        cfg = self.cfg
+        cfg, tuned = self.cfg, self.cfg.model
         torch.manual_seed(cfg.loop.seed)
-        model = build_model(cfg.model, cfg.num_classes, in_channels=cfg.data.channels)
+        model = build_model(tuned.name, cfg.num_classes, in_channels=cfg.data.channels)
+        scales, body = {}, None
+        if tuned.weights:
+            if self.restore is None:  # a checkpoint of the run itself holds the weights it got to
+                self._start_weights(model)
+            scales, body = lr_scales(model, cfg.num_classes, tuned.body_lr_scale, tuned.layer_decay)
         if cfg.loop.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        optimizer = build_optimizer(model, cfg.optimizer)
+        optimizer = build_optimizer(model, cfg.optimizer, scales, body)
         self.model, self.optimizer, self.ipex_note = apply_ipex(model, optimizer, precision=self.precision,
                                                                 mode=cfg.loop.ipex)
-        self.schedule = LRSchedule(self.optimizer, cfg.schedule)
+        freeze = round(tuned.freeze_body_epochs * cfg.schedule.steps_per_epoch)
+        self.schedule = LRSchedule(self.optimizer, cfg.schedule, freeze_steps=freeze)
         self.criterion = criterion(cfg.label_smoothing)
+
+    def _start_weights(self, model: torch.nn.Module) -> None:
+        """model.weights into rank 0's model, read by rank 0 alone: DDP gives the other ranks rank 0's weights
+        when it wraps the model. Rank 0's error stops every rank."""
+        cfg, ctx = self.cfg, self.ctx
+        found: list = [None, None]  # what was replaced or adapted, rank 0's error
+        if ctx.rank == 0:
+            try:
+                weights = read_weights(cfg.model.weights, cfg.model.name)
+                found[0] = load_weights(model, weights, cfg.num_classes, cfg.model.weights)
+            except ConfigError as exc:
+                found[1] = f"{exc}"
+        dist.broadcast_object_list(found, src=0, group=ctx.group)
+        if found[1] is not None:
+            raise ConfigError(found[1] if ctx.rank == 0 else f"rank 0 could not load model.weights: {found[1]}")
+        if ctx.rank == 0:
+            m = cfg.model
+            log.info("fine-tuning from %s: %s; body lr x%g, frozen for %g epochs, layer decay %g", m.weights,
+                     "; ".join(found[0]) or "every tensor loaded", m.body_lr_scale, m.freeze_body_epochs,
+                     m.layer_decay)
 
     def _build_data(self) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -189,7 +217,10 @@ class Trainer:
         steps = parse(cfg.data.augment)
         augment = Augment(steps, cfg.crop, decoder=cfg.data.decoder, channels=cfg.data.channels)
         train = self._dataset(os.path.expandvars(cfg.data.train), self.manifests[0], augment, seed=cfg.data.seed)
-        self.mean, self.std, why = channel_stats(cfg.data, train.manifest.stats, train.root)
+        info = model_info(cfg.model.name)
+        self.mean, self.std, why = channel_stats(cfg.data, train.manifest.stats, train.root,
+                                                 stated=(info.mean, info.std, info.description),
+                                                 finetuning=bool(cfg.model.weights))
         self.mix = BatchMix(steps, cfg.num_classes)
         names = [c["name"] or c["wnid"] for c in train.manifest.classes]  # for the confusion matrix
         self.classes = names if len(names) == cfg.num_classes else [str(i) for i in range(cfg.num_classes)]
@@ -597,6 +628,7 @@ class Trainer:
             f"{cfg.per_rank_batch // cfg.loop.accum_steps}; global batch {cfg.global_batch}",
             f"{cfg.train_images} training images: {s.steps_per_epoch} steps per epoch, {s.warmup_steps} warmup steps, "
             f"{self.last_step} steps to run of {s.total_steps}; peak lr {s.peak_lr:.5g}",
+            f"model {cfg.model.name} at crop {cfg.crop}" + (f" ({self.model_defaults})" if self.model_defaults else ""),
             f"backend {ctx.backend.name}; {ctx.cpu.threads} threads per rank; allocator {allocator_in_use()}",
             self.loader_sizing.describe(), f"cpu plan: {ctx.cpu.describe()}",
             f"precision {self.precision} ({self.precision_why}); channels_last {cfg.loop.channels_last}",
