@@ -218,6 +218,26 @@ def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int
     return out.strip().split(";")[0]
 
 
+def same_states(a, b) -> list[str]:
+    """The paths at which two nested state dicts differ (tensors bit for bit, other values by ==): [] when the
+    same; a difference of keys is reported as the keys."""
+    import torch
+
+    x, y = _flatten_tensors(a), _flatten_tensors(b)
+    if x.keys() != y.keys():
+        return sorted(x.keys() ^ y.keys())
+    return [k for k in x if not (torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) and torch.is_tensor(y[k])
+                                 else x[k] == y[k])]
+
+
+def _flatten_tensors(tree, prefix="") -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten_tensors(sub, f"{prefix}{key}.").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, sub in enumerate(tree) for k, v in _flatten_tensors(sub, f"{prefix}{i}.").items()}
+    return {prefix: tree}
+
+
 def _job_output(extra: tuple[str, ...], lines: int = 60) -> str:
     """The last lines of the job's --output file, for the failure's message: a job that failed says why there."""
     for arg in extra:

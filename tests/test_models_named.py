@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import PYTHON, REPO
+from conftest import PYTHON, REPO, same_states, sbatch_wait
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model, model_info
 from hpcdl.names import check_model
@@ -106,3 +106,32 @@ def test_a_grouped_convolutions_backward_counts_twice_its_forward():
         with flop_counter_mode() as counter:
             y.sum().backward()
         assert counter.get_total_flops() == 2 * forward  # the input's gradient and the weight's
+
+
+def _train_leg(data, run, name, steps: int, ccl) -> str:
+    """One srun of ``hpcdl train`` on the allocation's 2 ranks over oneCCL: ``name`` at its own crop."""
+    sets = {"model": name, "crop": 0, "global_batch": 4, "loop.max_steps": steps, "loop.log_every": 1,
+            "loop.backend": "ccl", "loop.ccl_lib": ccl.library.parent, "data.train": data / "train", "data.val": "",
+            "data.workers": 0, "data.augment": "resized_crop(min_scale=0.5), hflip", "run_dir": run,
+            "checkpoint.every_minutes": 0}
+    args = " ".join(f"--set '{k}={v}'" for k, v in sets.items())
+    return f"srun --kill-on-bad-exit=1 {PYTHON} -m hpcdl train demo_tiny_lars {args}\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["torchvision:convnext_tiny", "timm:resnet50d", "timm:vit_tiny_patch16_224", OWN])
+def test_a_named_model_trains_on_two_ccl_ranks_under_slurm_and_resumes_exactly(slurm, ccl, data, tmp_path, name):
+    """3 steps straight against 2 then a resume to 3, in one allocation of the local Slurm: the same weights and
+    optimizer state bit for bit (convnext_tiny's stochastic depth draws from the checkpointed RNG)."""
+    script = tmp_path / "legs.sbatch"
+    script.write_text("#!/bin/bash\nset -e\n" + _train_leg(data, tmp_path / "ref", name, 3, ccl)
+                      + _train_leg(data, tmp_path / "cut", name, 2, ccl) + _train_leg(data, tmp_path / "cut", name, 3, ccl))
+    sbatch_wait(script, "--nodes=1", "--ntasks-per-node=2", f"--output={tmp_path}/out", f"--chdir={tmp_path}",
+                env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=600)
+    out = (tmp_path / "out").read_text()
+    crop = model_info(name).crop
+    assert out.count("backend oneccl (requested") == 3 and f"model {name} at crop {crop} (crop {crop}: the input size" in out
+    assert "resuming from" in out, out[-3000:]
+    a, b = (torch.load(tmp_path / run / "checkpoints" / "ckpt-000000003.pt", weights_only=True) for run in ("ref", "cut"))
+    assert a["model"] and same_states(a["model"], b["model"]) == [] and same_states(a["optimizer"], b["optimizer"]) == []
+

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PYTHON, REPO, SIMULATED_CPUS, free_port, hpcdl, rank_env, sbatch_wait, start_ranks
+from conftest import PYTHON, REPO, SIMULATED_CPUS, free_port, hpcdl, rank_env, same_states, sbatch_wait, start_ranks
 from PIL import Image
 
 from hpcdl.train.precision import choose_precision
@@ -140,8 +140,7 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one_with_every_hook(data, tm
     assert "resuming from" in (tmp_path / "a" / "rank0.log").read_text()
     a, b = (torch.load(tmp_path / run / "checkpoints" / "ckpt-000000012.pt", weights_only=True) for run in ("ref", "cut"))
     for key in ("model", "optimizer"):
-        x, y = flatten_tensors(a[key]), flatten_tensors(b[key])
-        assert x.keys() == y.keys() and [k for k in x if not same(x[k], y[k])] == [], key
+        assert same_states(a[key], b[key]) == [], key
     if hook == "chunk_sparse":
         for rank in (0, 1):
             x, y = (torch.load(tmp_path / run / "checkpoints" / f"ckpt-000000012.rank{rank:05d}.pt", weights_only=True)
@@ -182,18 +181,6 @@ def test_a_run_resumes_on_fewer_ranks_and_trains_each_sample_of_the_epoch_once(d
                                     "--set", "checkpoint.resume_ranks=same"), refused)
     assert wait_all(procs) == [2, 2]
     assert "written by 1 ranks, this job has 2 and checkpoint.resume_ranks=same" in (refused / "rank0.log").read_text()
-
-
-def flatten_tensors(tree, prefix="") -> dict:
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in flatten_tensors(sub, f"{prefix}{key}.").items()}
-    if isinstance(tree, (list, tuple)):
-        return {k: v for i, sub in enumerate(tree) for k, v in flatten_tensors(sub, f"{prefix}{i}.").items()}
-    return {prefix: tree}
-
-
-def same(a, b) -> bool:
-    return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
 
 
 @pytest.mark.slow

@@ -102,9 +102,13 @@ def step_rate(model, criterion, images, labels, autocast) -> float:
 
 
 def make_loader(dataset, sampler, batch: int, workers: int):
+    """A DataLoader over ``sampler``'s indices. It draws its workers' base seed from a generator of its own:
+    from torch's global one (DataLoader's default), each new iterator took a draw that a resumed run takes at
+    another point, and a model with dropout or stochastic depth then resumed otherwise than it had run. The
+    augmentation is seeded per sample, not by the workers' seeds."""
     return _Loader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, drop_last=False,
                    persistent_workers=False, prefetch_factor=4 if workers else None,
-                   worker_init_fn=_start_worker if workers else None)
+                   worker_init_fn=_start_worker if workers else None, generator=torch.Generator().manual_seed(0))
 
 
 class _Loader(DataLoader):
