@@ -60,9 +60,9 @@ def read_weights(path: str, model: str = "") -> dict[str, torch.Tensor]:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-        raise ConfigError(f"model.weights={path}: not a state dict torch.load reads with weights_only=True "
-                          f"({str(exc).splitlines()[0]}); save it with torch.save(model.state_dict(), PATH), or "
-                          "give a .safetensors file") from None
+        why = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"model.weights={path}: not a state dict torch.load reads with weights_only=True ({why}); "
+                          "save it with torch.save(model.state_dict(), PATH), or give a .safetensors file") from None
     return _unwrapped(data, path)
 
 

@@ -1,0 +1,155 @@
+"""Fine-tuning: model.weights from a state dict, safetensors file or hpcdl run; the head kept at its
+initialization when the classes differ, every other difference refused by key; the body's lr scale, its
+freeze and timm's layer decay; and on the digits, fine-tuned beats trained from scratch."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+from conftest import PYTHON, REPO, hpcdl
+
+from hpcdl.errors import ConfigError
+from hpcdl.models import build_model
+from hpcdl.models.finetune import head_names, load_weights, lr_scales, read_weights
+from hpcdl.optim.config import OptimConfig
+from hpcdl.optim.factory import build_optimizer
+from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
+
+
+def test_the_head_is_kept_when_the_classes_differ_and_the_rest_loads(tmp_path):
+    source = build_model("tiny_cnn", num_classes=6)
+    torch.save({"module." + k: v for k, v in source.state_dict().items()}, tmp_path / "w.pt")  # saved from DDP
+    target = build_model("tiny_cnn", num_classes=4)
+    head = dict(target.fc.state_dict())
+    notes = load_weights(target, read_weights(str(tmp_path / "w.pt")), 4, "w.pt")
+    assert notes == ["fc.weight [6, 32] -> [4, 32]", "fc.bias [6] -> [4]"]
+    assert torch.equal(target.fc.weight, head["weight"])  # the new head as initialized
+    body = [k for k in source.state_dict() if not k.startswith("fc.")]
+    assert all(torch.equal(target.state_dict()[k], source.state_dict()[k]) for k in body)
+
+
+def test_weights_of_another_shape_are_refused_naming_the_keys(tmp_path):
+    torch.save(build_model("tiny_cnn_fc", 10).state_dict(), tmp_path / "fc.pt")
+    with pytest.raises(ConfigError) as err:
+        load_weights(build_model("tiny_cnn", 10), read_weights(str(tmp_path / "fc.pt")), 10, "fc.pt")
+    said = str(err.value)
+    assert "model.weights=fc.pt does not fit this model" in said
+    assert "not in the model: fc.0.weight, fc.0.bias, fc.2.weight, fc.2.bias" in said  # tiny_cnn's head: fc
+    assert "(0 of wrong shape, 0 missing, 4 unknown)" in said  # the head may be absent from the file: kept
+
+
+def test_rgb_weights_go_to_a_gray_model_summed_over_the_channels(tmp_path):
+    rgb = build_model("tiny_cnn", 10)
+    gray = build_model("tiny_cnn", 10, in_channels=1)
+    first = next(k for k, v in rgb.state_dict().items() if v.dim() == 4)
+    notes = load_weights(gray, rgb.state_dict(), 10, "rgb.pt")
+    assert notes == [f"{first}: 3 input channels summed into the 1 of data.channels=1"]
+    assert torch.allclose(gray.state_dict()[first], rgb.state_dict()[first].sum(1, keepdim=True))
+
+
+def test_each_file_kind_is_read(tmp_path):
+    from safetensors.torch import save_file
+
+    state = build_model("tiny_cnn", 10).state_dict()
+    save_file(state, str(tmp_path / "w.safetensors"))
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    torch.save({"format": 2, "model": state, "optimizer": {}}, tmp_path / "run" / "checkpoints" / "ckpt-000000007.pt")
+    torch.save({"state_dict": state, "epoch": 3}, tmp_path / "lightning.ckpt")
+    for path in ("w.safetensors", "run", "run/checkpoints/ckpt-000000007.pt", "lightning.ckpt"):
+        read = read_weights(str(tmp_path / path))
+        assert read.keys() == state.keys() and all(torch.equal(read[k], state[k]) for k in state), path
+
+
+def test_a_missing_or_unreadable_file_says_what_to_do(tmp_path):
+    with pytest.raises(ConfigError, match="no such file. No download is attempted; on a login node: hf download "
+                                          "timm/vit_tiny_patch16_224 model.safetensors"):
+        read_weights(str(tmp_path / "nope.safetensors"), "timm:vit_tiny_patch16_224")
+    with pytest.raises(ConfigError, match="get_model_weights\\('convnext_tiny'\\)"):
+        read_weights(str(tmp_path / "nope.pt"), "torchvision:convnext_tiny")
+    (tmp_path / "pickled.pt").write_bytes(b"")
+    torch.save({"model": torch.nn.Linear(2, 2)}, tmp_path / "module.pt")  # a whole module: not weights_only
+    for name in ("pickled.pt", "module.pt"):
+        with pytest.raises(ConfigError, match=f"model.weights={tmp_path / name}: not a state dict"):
+            read_weights(str(tmp_path / name))
+
+
+def test_the_body_gets_its_lr_scale_and_is_frozen_first():
+    model = build_model("tiny_cnn", 4)
+    scales, body = lr_scales(model, 4, body_lr_scale=0.1)
+    assert head_names(model, 4) == {"fc.weight", "fc.bias"} and body == {n for n, _ in model.named_parameters()} - {"fc.weight", "fc.bias"}
+    opt = build_optimizer(model, OptimConfig(name="lars"), scales, body)
+    schedule = LRSchedule(opt, ScheduleConfig(base_lr=1.0, global_batch=8, epochs=10, steps_per_epoch=10, decay="constant",
+                                              warmup_epochs=0), freeze_steps=3)
+    lrs = lambda: sorted({(g["body"], g["lr"]) for g in opt.param_groups})  # noqa: E731
+    for _ in range(3):
+        assert lrs() == [(False, 1.0), (True, 0.0)]
+        schedule.step()
+    assert lrs() == [(False, 1.0), (True, pytest.approx(0.1))]
+    assert all(not g["adapt"] and g["weight_decay"] == 0 for g in opt.param_groups if all(p.dim() <= 1 for p in g["params"]))
+
+
+def test_timm_layer_decay_falls_block_by_block_and_a_vit_s_embeddings_are_not_decayed():
+    model = build_model("timm:vit_tiny_patch16_224", 5)
+    scales, _ = lr_scales(model, 5, layer_decay=0.75)
+    assert "head.weight" not in scales  # the head: 1
+    assert scales["blocks.11.mlp.fc1.weight"] == pytest.approx(0.75) and scales["blocks.0.attn.qkv.weight"] == pytest.approx(0.75 ** 12)
+    assert scales["patch_embed.proj.weight"] == pytest.approx(0.75 ** 13)
+    groups = build_optimizer(model, OptimConfig(name="lamb", weight_decay=0.05), scales, set(scales)).param_groups
+    owner = {id(p): g for g in groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    for name in ("pos_embed", "cls_token", "norm.weight", "blocks.3.norm1.bias"):
+        assert owner[id(named[name])]["weight_decay"] == 0 and not owner[id(named[name])]["adapt"], name
+    assert owner[id(named["blocks.3.attn.qkv.weight"])]["weight_decay"] == 0.05
+    with pytest.raises(ConfigError, match="layer_decay=0.75: needs a model that names its blocks"):
+        lr_scales(build_model("tiny_cnn", 5), 5, layer_decay=0.75)
+
+
+def test_fine_tuning_options_without_weights_are_refused_on_the_login_node():
+    run = hpcdl("train", "demo_tiny_lars", "--set", "model.body_lr_scale=0.1", "--print-config")
+    assert run.returncode == 2 and "set model.weights=PATH" in run.stderr
+    run = hpcdl("train", "demo_tiny_lars", "--set", "model.weights=w.pt", "--set", "model=resnet18", "--print-config")
+    assert run.returncode == 0 and "model:\n  name: resnet18\n  weights: w.pt" in run.stdout  # --set model= keeps weights
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """Digits 0-5 (all their training images) and 6-9 (10 training images of each): two datasets with no class
+    and no image in common."""
+    root = tmp_path_factory.mktemp("digits")
+    for name, args in (("a", ["--digits", "0-5"]), ("b", ["--digits", "6-9", "--train-per-class", "10"])):
+        subprocess.run([PYTHON, str(REPO / "datasets" / "digits" / "write.py"), str(root / f"src-{name}"), *args],
+                       check=True, capture_output=True)
+        for split in ("train", "val"):
+            packed = hpcdl("pack", root / f"src-{name}" / split, root / name / split, "--tree", "folder", "--workers", 1)
+            assert packed.returncode == 0, packed.stderr
+    return root
+
+
+def _digits_run(digits, run, data: str, classes: int, images: int, *extra: str):
+    sets = {"model": "tiny_cnn", "data.train": digits / data / "train", "data.val": digits / data / "val",
+            "num_classes": classes, "train_images": images, "run_dir": run, "epochs": 10, "global_batch": 8}
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    done = hpcdl("train", REPO / "datasets" / "digits" / "digits.yaml", *args, *extra, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((run / "summary.json").read_text())["best_top1"], done.stderr
+
+
+@pytest.mark.slow
+def test_fine_tuned_from_other_digits_beats_trained_from_scratch(digits, tmp_path):
+    """tiny_cnn trained on digits 0-5, then 10 epochs on 40 images of 6-9 against the same from scratch, three
+    seeds: docs/models.md has the figures."""
+    _digits_run(digits, tmp_path / "pre", "a", 6, 867)
+    scratch, tuned = [], []
+    for seed in (0, 1, 2):
+        same = ("--set", f"loop.seed={seed}", "--set", f"data.seed={seed}")
+        scratch.append(_digits_run(digits, tmp_path / f"s{seed}", "b", 4, 40, *same)[0])
+        top1, log = _digits_run(digits, tmp_path / f"t{seed}", "b", 4, 40, *same, "--set", f"model.weights={tmp_path / 'pre'}")
+        tuned.append(top1)
+        assert "fine-tuning from" in log and "fc.weight [6, 32] -> [4, 32]" in log
+    assert all(t > s for t, s in zip(tuned, scratch)) and sum(tuned) / 3 >= sum(scratch) / 3 + 5, (scratch, tuned)
+    wrong = hpcdl("train", REPO / "datasets" / "digits" / "digits.yaml", "--set", f"model.weights={tmp_path / 'pre'}",
+                  "--set", f"data.train={digits / 'b' / 'train'}", "--set", f"data.val={digits / 'b' / 'val'}",
+                  "--set", f"run_dir={tmp_path / 'wrong'}",
+                  "--set", "num_classes=4", "--set", "train_images=40")  # digits.yaml's model: tiny_cnn_fc
+    assert wrong.returncode == 2 and "missing from the file: fc.0.weight, fc.0.bias" in wrong.stderr, wrong.stderr[-2000:]
