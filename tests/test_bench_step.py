@@ -58,3 +58,20 @@ def test_precision_table_measures_both_precisions_against_their_gemm_and_checks_
     assert p["bf16_emulated"] == (not {"avx512_bf16", "amx_bf16"} & cpu_flags()) if cpu is None else not p["bf16_emulated"]
     assert f"loop.precision=auto chose {auto}" in run.stdout and "GEMM GFLOP/s" in run.stdout
     assert ("the fastest measured" if p["auto_is_fastest"] else "NOT the fastest measured") in run.stdout
+
+
+@pytest.mark.slow
+def test_a_named_model_is_measured_at_its_own_size_with_its_counted_flops(tmp_path):
+    """timm's ViT takes only the 224 px it is defined for: --crop 0 (the default) gives it that."""
+    from hpcdl.models.count import count
+
+    report = tmp_path / "step.json"
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "bench", "step", "--model", "timm:vit_tiny_patch16_224", "--batch", "2",
+                          "--steps", "1", "--precision-rounds", "1", "--only", "precision", "--no-compile",
+                          "--json", str(report)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    r = json.loads(report.read_text())
+    assert r["config"]["crop"] == 224 and "timm:vit_tiny_patch16_224 batch 2 at 224 px" in run.stdout
+    counted = count("timm:vit_tiny_patch16_224")["train_flops"]  # per image, the planner's figure
+    assert r["precision"]["flops_per_step"] == pytest.approx(2 * counted, rel=0.02)
+    assert {"fp32", "bf16"} <= set(r["precision"]["cases"])

@@ -290,6 +290,21 @@ def test_parts_pack_separately_and_merge(tmp_path):
     assert verify(out, full=True) == []
 
 
+def test_a_holdout_splits_a_source_without_a_val_set_the_same_way_in_any_parts(tmp_path):
+    """ImageNet-22K has no validation split: --holdout 0.25 --split train/val packs complementary sets."""
+    gen = generate(str(tmp_path / "src"), classes=4, per_class=20, tree="imagenet22k-tars", size=SMALL)
+    for split, parts in (("train", "0/1"), ("val", "0/1"), ("val", "1/2"), ("val", "0/2")):
+        out = tmp_path / f"{split}-{parts[-1]}"
+        run = hpcdl("pack", gen.root, out, "--tree", "imagenet22k-tars", "--holdout", 0.25, "--split", split,
+                    "--part", parts, "--workers", 1, "--seed", len(parts))
+        assert run.returncode == 0, run.stderr
+    train, val = packed_images(tmp_path / "train-1")[1], packed_images(tmp_path / "val-1")[1]
+    assert not train.keys() & val.keys() and len(train) + len(val) == 80 and 8 <= len(val) <= 32
+    assert packed_images(tmp_path / "val-2")[1].keys() == val.keys()  # two parts, another seed: the same images
+    refused = hpcdl("pack", gen.root, tmp_path / "x", "--tree", "imagenet22k-tars", "--holdout", 0.25, check=False)
+    assert refused.returncode == 2 and "with --split train or val" in refused.stderr
+
+
 def test_imagenet_val_labels_follow_sorted_file_order(tmp_path):
     gen = generate(str(tmp_path), classes=6, per_class=2, tree="imagenet", val_per_class=3, size=SMALL)
     pack(PackConfig(src=os.path.join(gen.root, "train"), out=str(tmp_path / "train-out"), tree="imagenet-train"))

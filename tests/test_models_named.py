@@ -135,3 +135,17 @@ def test_a_named_model_trains_on_two_ccl_ranks_under_slurm_and_resumes_exactly(s
     a, b = (torch.load(tmp_path / run / "checkpoints" / "ckpt-000000003.pt", weights_only=True) for run in ("ref", "cut"))
     assert a["model"] and same_states(a["model"], b["model"]) == [] and same_states(a["optimizer"], b["optimizer"]) == []
 
+
+
+def test_attention_counts_the_same_on_the_cpu_as_on_the_meta_device():
+    """torch 2.14 has no formula for the CPU flash-attention kernels: a ViT's attention counted 0 in bench step."""
+    from hpcdl.models.count import flop_counter_mode
+
+    counts = []
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            q = torch.ones(2, 3, 197, 64, requires_grad=True)
+        with flop_counter_mode() as counter:
+            torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] == 3 * 2 * (2 * 3 * 197 * 197 * 64 * 2)  # QK^T and PV, forward and twice back

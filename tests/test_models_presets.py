@@ -1,5 +1,6 @@
 """Models, presets and the optimizer benchmarks' behaviour (not their speed)."""
 
+import os
 import subprocess
 import sys
 
@@ -113,3 +114,20 @@ def test_criterion_smooths_labels_and_ignores_evaluation_padding():
     plain = nn.functional.cross_entropy(logits, torch.tensor([0, 1]))
     assert cfg.label_smoothing == 0.1 and smoothed > plain
     assert loss(logits, torch.tensor([0, -1])) == pytest.approx(loss(logits[:1], torch.tensor([0])).item())
+
+
+def test_the_imagenet22k_preset_shows_its_citations_and_plans_with_its_classes(tmp_path):
+    show = subprocess.run([sys.executable, "-m", "hpcdl", "presets", "show", "resnet101_imagenet22k_ibm"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "arXiv:1708.02188" in show and "33.8%" in show and "Not stated in what we could read" in show
+    assert "decay multistep x0.1 at epochs 22, 45, 60" in show and "7,500,000 / 8,192" in show
+    cfg = get_preset("resnet101_imagenet22k_ibm")
+    assert (cfg.num_classes, cfg.model.name, cfg.global_batch, cfg.crop) == (21841, "resnet101", 8192, 224)
+    plan = subprocess.run([sys.executable, "-m", "hpcdl", "plan", "--preset", "resnet101_imagenet22k_ibm", "--nodes",
+                           "64,256", "--profile", "stampede3-spr"], capture_output=True, text=True,
+                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert plan.returncode == 0, plan.stderr
+    grads = 4 * sum(p.numel() for p in build_model("resnet101", 21841).parameters())
+    assert f"model resnet101 with 21,841 classes: {grads / 1e6:.1f} MB of gradients" in plan.stdout
+    assert "global batch 8192, 67 epochs of 7,500,000 images" in plan.stdout
+    assert [line.split()[0] for line in plan.stdout.splitlines() if line.split()[:1] in (["64"], ["256"])][:2] == ["64", "256"]

@@ -166,7 +166,7 @@ PARTS = ("precision", "overhead", "tuning", "curve")
 class StepBench:
     model: str = "resnet18"  # the precision and overhead comparisons' model
     batch: int = 32  # the precision and overhead comparisons' batch
-    crop: int = 128  # the precision and overhead comparisons' image side in px
+    crop: int = 0  # the precision and overhead comparisons' image side in px (0: 128 for hpcdl's models, else the model's)
     steps: int = 3  # steps per round
     rounds: int = 7  # alternating rounds; the median counts
     precision_rounds: int = 3  # the precision comparison's alternating rounds (one where bf16 is emulated)
@@ -185,6 +185,8 @@ class StepBench:
 
     def __post_init__(self):
         self.only = tuple(self.only)
+        if self.crop == 0 and self.model in names.MODELS:
+            self.crop = 128  # docs/performance.md's figures; a named model's own is resolved where torch is
         if set(self.only) - set(PARTS) or ("curve" in self.only and not self.curve_batches):
             raise ConfigError(f"--only {','.join(self.only)}: choose from {', '.join(PARTS)}; curve needs "
                               f"--curve-batches, e.g. --curve-batches 8,16,32")

@@ -95,7 +95,8 @@ def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | N
             deferred("hpcdl.distributed.process_group:shutdown")(job.ctx)
     if figures is None:
         return None
-    report = dataclasses.replace(figures, config=cfg, provenance=provenance(job, argv))
+    # the config as run: a benchmark may resolve what the flags left open (bench step's crop 0, a model's own)
+    report = dataclasses.replace(figures, config=getattr(figures, "config", None) or cfg, provenance=provenance(job, argv))
     print(row.format(report), flush=True)
     if output.json_path:
         write_report(job.expand(output.json_path), {"benchmark": row.name, **to_dict(report)})

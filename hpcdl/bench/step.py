@@ -41,7 +41,7 @@ from hpcdl.bench.reports import (Compiled, NodeRound, NotCompiled, PrecisionCase
 from hpcdl.bench.runner import machine_line
 from hpcdl.distributed.affinity import allocator_env, allocator_in_use, plan_cpus
 from hpcdl.distributed.process_group import apply_cpu_plan
-from hpcdl.models import build_model
+from hpcdl.models import build_model, model_info
 from hpcdl.optim.factory import OptimConfig, build_optimizer
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
 from hpcdl.train.precision import NATIVE_BF16, choose_precision
@@ -206,6 +206,7 @@ def curve(cfg: Config) -> StepCurve:
 
 
 def run(cfg: Config, job=None) -> StepReport:
+    cfg = replace(cfg, crop=cfg.crop or model_info(cfg.model).crop)  # 0: a named model's stated size
     return StepReport(config=cfg, precision=precision(cfg) if "precision" in cfg.only else None,
                       overhead=overhead(cfg) if "overhead" in cfg.only else None,
                       tuning=tuning(cfg) if "tuning" in cfg.only else None,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from hpcdl.bench.runner import Job, Output
 from hpcdl.cli.common import command
+from hpcdl.config import get_preset
 from hpcdl.distributed.env import discover
 from hpcdl.plan.planner import PlanInputs, PlanQuestion, format_plan, plot
 from hpcdl.plan.planner import plan as planned
@@ -35,11 +36,14 @@ def plan(cmd: PlanCommand, question, inputs: PlanInputs, output: Output) -> int:
         return _validate(json_path)
 
     question = question()  # built here: --validate needs no --nodes or --batch
+    if question.preset:
+        cfg = get_preset(question.preset)
+        inputs = dataclasses.replace(inputs, model=cfg.model.name, classes=cfg.num_classes)
     model, notes = inputs.build()
     startup, startup_notes = inputs.startup(model)
     notes += startup_notes
     rows = planned(model, list(question.nodes), question.batch, question.epochs, question.train_images, startup)
-    title = (f"{inputs.model}, global batch {question.batch}, {question.epochs:g} epochs of "
+    title = (f"{question.preset + ': ' if question.preset else ''}{inputs.model}, global batch {question.batch}, {question.epochs:g} epochs of "
              f"{question.train_images:,} images")
     print(format_plan(rows, "\n".join(f"# {line}" for line in [title, *notes])))
     if json_path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import inspect
 from dataclasses import dataclass, field
 
 from hpcdl.cli.common import command, exit_code
@@ -93,6 +94,8 @@ def presets(cmd: PresetsCommand) -> int:
         if not cmd.name:
             raise HpcdlError("hpcdl presets show NAME: name a preset (hpcdl presets lists them)")
         sys.stdout.write(describe(resolve(cmd.name, cmd.set)))
+        if cmd.name in PRESETS:  # where each number comes from
+            sys.stdout.write("\n" + inspect.cleandoc(PRESETS[cmd.name].__doc__ or "") + "\n")
         return 0
     for name, fn in PRESETS.items():
         cfg = fn()

@@ -64,6 +64,10 @@ class PackConfig:
     part: str | None = None  # i/n: pack part i of n (default: the Slurm array task or MPI rank, else the whole dataset)
     sources: SourceOptions = field(default_factory=SourceOptions)
     image_timeout: float = 60.0  # seconds: an input that takes longer to read and decode is rejected
+    # a validation split where SRC has none (ImageNet-22K): this fraction of the images, chosen by a hash of
+    # each image's name (the same whatever the parts or the seed), is held out; --split val packs those alone
+    holdout: float = 0.0
+    split: str = field(default="all", metadata=meta(choices=("all", "train", "val")))  # with --holdout: which to pack
 
     def __post_init__(self):
         if isinstance(self.shard_size, str):
@@ -73,5 +77,8 @@ class PackConfig:
         if self.workers < 0:
             raise ConfigError(f"--workers {self.workers} must be 0 (one per CPU) or more")
         self.workers = self.workers or len(os.sched_getaffinity(0))
+        if not 0 <= self.holdout < 1 or (self.split == "all") != (self.holdout == 0):
+            raise ConfigError(f"--holdout {self.holdout} --split {self.split}: give a fraction in (0, 1) with --split "
+                              "train or val (e.g. --holdout 0.25 --split train, then the same with --split val)")
         if not self.image_timeout > 0:
             raise ConfigError(f"--image-timeout {self.image_timeout} must be more than 0 seconds (e.g. 60)")

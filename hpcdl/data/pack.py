@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import glob
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -72,6 +73,8 @@ def pack(cfg: PackConfig) -> Manifest:
         raise ConfigError(f"{cfg.out} already holds a packed dataset; pick another OUT or remove it")
     cat = catalog(cfg.tree, cfg.src, cfg.sources)
     items = cat.items_for_part(part, parts, cfg.seed)
+    if cfg.holdout:
+        items = [i for i in items if held_out(i.key, cfg.holdout) == (cfg.split == "val")]
     progress = _start_part(cfg, part, parts, cat.classes)
     if not progress.complete:
         log.info("pack part %d/%d: %d inputs from %s, %d already packed", part, parts, len(items), cfg.src,
@@ -80,10 +83,18 @@ def pack(cfg: PackConfig) -> Manifest:
     return merge(cfg.out) if _all_parts_done(cfg.out, parts) else progress
 
 
+def held_out(key: str, fraction: float) -> bool:
+    """Whether the image named ``key`` is in the held-out ``fraction``: by a hash of its name alone, so the train
+    and val packs of the same source (any parts, any seed) split it the same way."""
+    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2 ** 64
+
+
 def _options(cfg: PackConfig) -> dict:
     e = cfg.encoding
+    split = {"holdout": cfg.holdout, "split": cfg.split} if cfg.holdout else {}
     return {"source": os.path.abspath(cfg.src), "shard_size": cfg.shard_size, "seed": cfg.seed,
-            "max_side": e.max_side, "short_side": e.short_side, "quality": e.quality, "hpcdl": __version__}
+            "max_side": e.max_side, "short_side": e.short_side, "quality": e.quality, "hpcdl": __version__, **split}
 
 
 def _start_part(cfg: PackConfig, part: int, parts: int, classes: list[dict]) -> Manifest:

@@ -34,15 +34,32 @@ def _conv_backward(grad_out_shape, x_shape, w_shape, bias, stride, padding, dila
     return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
 
 
+def _cpu_attention(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                            **kwargs) -> int:
+    """The four gradient products, twice the forward's two, as the math path (and the meta device) counts them;
+    torch's flash formula adds the kernel's recomputation of the scores."""
+    return 2 * flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
 def flop_counter_mode() -> FlopCounterMode:
-    """torch's FlopCounterMode with grouped convolutions' backward counted right."""
-    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward})
+    """torch's FlopCounterMode with grouped convolutions' backward counted right, and attention counted on the
+    CPU: torch 2.14 has no formula for its CPU flash-attention kernels, so a ViT's attention counted 0 on real
+    tensors (on the meta device the math path's matrix products are counted, as here)."""
+    aten = torch.ops.aten
+    return FlopCounterMode(display=False, custom_mapping={
+        aten.convolution_backward: _conv_backward,
+        aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward})
 
 
-def count(name: str) -> dict:
+def count(name: str, num_classes: int = 1000) -> dict:
     """``name``'s facts: the fields of :class:`hpcdl.plan.facts.ModelFacts` but its name."""
     with torch.device("meta"):
-        net = build_model(name)
+        net = build_model(name, num_classes)
         crop = model_info(name).crop
         x = torch.empty(2, 3, crop, crop)
     with flop_counter_mode() as counter:
@@ -57,7 +74,7 @@ def count(name: str) -> dict:
 
 if __name__ == "__main__":
     try:
-        print(json.dumps(count(sys.argv[1])))
+        print(json.dumps(count(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1000)))
     except HpcdlError as exc:
         print(exc, file=sys.stderr)
         sys.exit(2)

@@ -39,24 +39,27 @@ MODEL_FACTS = {f.name: f for f in (
 )}
 
 
-def model_facts(name: str) -> ModelFacts:
-    """The model's gradient bytes, training flops and buckets: :data:`MODEL_FACTS`' row for hpcdl's models;
-    for any other (``torchvision:``, ``timm:``, ``package.module:callable``) counted once by
-    :mod:`hpcdl.models.count` in a subprocess (torch stays out of this one) and kept in
-    :func:`facts_cache`. A ConfigError, with the closest names, when ``name`` names no model."""
+def model_facts(name: str, num_classes: int = 1000) -> ModelFacts:
+    """The model's gradient bytes, training flops and buckets with ``num_classes`` outputs: :data:`MODEL_FACTS`'
+    row for hpcdl's models at 1,000; for any other model or class count (``torchvision:``, ``timm:``,
+    ``package.module:callable``; ImageNet-22K's 21,841) counted once by :mod:`hpcdl.models.count` in a
+    subprocess (torch stays out of this one) and kept in :func:`facts_cache`. A ConfigError, with the closest
+    names, when ``name`` names no model."""
     check_model(name)
-    if name in MODEL_FACTS:
+    if name in MODEL_FACTS and num_classes == 1000:
         return MODEL_FACTS[name]
+    key = name if num_classes == 1000 else f"{name} with {num_classes} classes"
     cache = facts_cache()
     known = json.loads(cache.read_text()) if cache.exists() else {}
-    if "crop" not in known.get(name, {}):  # not counted yet, or by an hpcdl that did not keep the crop
-        counted = subprocess.run([sys.executable, "-m", "hpcdl.models.count", name], capture_output=True, text=True)
+    if "crop" not in known.get(key, {}):  # not counted yet, or by an hpcdl that did not keep the crop
+        counted = subprocess.run([sys.executable, "-m", "hpcdl.models.count", name, str(num_classes)],
+                                 capture_output=True, text=True)
         if counted.returncode:
             raise ConfigError((counted.stderr.strip().splitlines() or [f"counting {name} failed"])[-1])
-        known = (json.loads(cache.read_text()) if cache.exists() else {}) | {name: {"name": name, **json.loads(counted.stdout)}}
+        known = (json.loads(cache.read_text()) if cache.exists() else {}) | {key: {"name": name, **json.loads(counted.stdout)}}
         cache.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(str(cache), json.dumps(known, indent=1, sort_keys=True) + "\n")
-    return ModelFacts(**known[name])
+    return ModelFacts(**known[key])
 
 
 def facts_cache(environ=os.environ) -> Path:

@@ -24,7 +24,7 @@ import statistics
 
 from hpcdl import names
 from hpcdl.bench.reports import AllreduceReport, ScalingReport, StartupReport, StepReport, SyncReport
-from hpcdl.config import SyncConfig
+from hpcdl.config import SyncConfig, get_preset
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.flags import meta
 from hpcdl.launch.profiles import get_profile
@@ -244,10 +244,15 @@ class PlanQuestion:
     batch: int | None = None  # the global batch, e.g. 32768
     epochs: float = 90  # epochs to train
     train_images: int = IMAGENET_TRAIN  # images per epoch (default: ImageNet-1K)
+    # a preset (hpcdl presets): its global batch, epochs, images per epoch and model replace those flags'
+    preset: str = ""
 
     def __post_init__(self):
+        if self.preset:
+            cfg = get_preset(self.preset)
+            self.batch, self.epochs, self.train_images = cfg.global_batch, cfg.epochs, cfg.train_images
         if not self.nodes or not self.batch:
-            raise ConfigError("hpcdl plan needs --nodes and --batch (or --validate)")
+            raise ConfigError("hpcdl plan needs --nodes and --batch, or --preset (or --validate)")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -255,6 +260,7 @@ class PlanInputs:
     """Where each of the model's inputs comes from; exactly one source of compute."""
 
     model: str = "resnet50"  # the model to plan for (its gradient bytes and FLOPs)
+    classes: int = 1000  # the model's outputs (its head's share of the gradient bytes and FLOPs)
     profile: str = "generic"  # the cluster: its network (hpcdl profiles lists them)
     throughput: str | None = None  # one node's compute: IMAGES_S, or BATCH:IMAGES_S,... against its batch
     # one node's compute from hpcdl bench step --json (with --curve-batches: its curve); FILE,FILE,...: one report
@@ -296,11 +302,12 @@ class PlanInputs:
             raise ConfigError("give the per-node compute one way: --throughput, --step-json (hpcdl bench step) or "
                               "--calibrate (hpcdl bench scaling)")
         profile = get_profile(self.profile)
-        facts = model_facts(self.model)
+        facts = model_facts(self.model, self.classes)
         algorithm = "hierarchical" if self.hook == "hierarchical" else self.algorithm
         network, intra, net_note = self._links(profile, algorithm)
         wire, hook_s, hook_note = self._hook(facts)
-        notes = [f"model {facts.name}: {facts.gradient_bytes / 1e6:.1f} MB of gradients in {facts.buckets} DDP "
+        classes = f" with {self.classes:,} classes" if self.classes != 1000 else ""
+        notes = [f"model {facts.name}{classes}: {facts.gradient_bytes / 1e6:.1f} MB of gradients in {facts.buckets} DDP "
                  f"buckets, {facts.train_flops / 1e9:.2f} GFLOP per training image",
                  f"network: alpha {network.latency_s * 1e6:.2f} us, {network.bandwidth_bytes_s / 1e9:.2f} GB/s "
                  f"({net_note}); all-reduce {algorithm}", hook_note]
