@@ -428,12 +428,12 @@ class NotCompiled:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepPrecision:
-    """fp32 against bf16 autocast (and torch.compile of auto's pick)."""
+    """fp32 against bf16 autocast (and torch.compile of auto's pick, and auto's pick without channels_last)."""
 
     threads: int
     memory_format: str
     flops_per_step: float
-    cases: dict[str, PrecisionCase]  # fp32, bf16, and AUTO+compile where it ran
+    cases: dict[str, PrecisionCase]  # fp32, bf16, AUTO contiguous, and AUTO+compile where it ran
     bf16_emulated: bool
     rounds: int
     steps: int
@@ -443,6 +443,7 @@ class StepPrecision:
     auto_is_fastest: bool
     compile: Compiled | NotCompiled | None
     bf16_over_fp32: float
+    channels_last_over_contiguous: float | None = None  # auto's pick: channels_last's speed over contiguous's
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

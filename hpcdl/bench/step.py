@@ -102,19 +102,22 @@ def precision(cfg: Config) -> StepPrecision:
     flops = training_flops(model, x, y, criterion)
     gemm = {p: gemm_gflops(p) for p in ("fp32", "bf16")}
     cases = {p: bare_loop(cfg.model, cfg.batch, cfg.crop, p) for p in ("fp32", "bf16")}
+    cases[f"{auto} contiguous"] = bare_loop(cfg.model, cfg.batch, cfg.crop, auto, channels_last=False)
     compiled, step = _compiled_case(cfg, auto) if cfg.compile else (None, None)
     if step is not None:
         cases[f"{auto}+compile"] = step
     rounds, steps = (1, 1) if emulated else (cfg.precision_rounds, cfg.steps)
     times = medians(alternate({name: timed_ms(step, steps) for name, step in cases.items()}, rounds))
+    kind = {name: name.split("+")[0].split()[0] for name in times}  # its precision
     rows = {name: PrecisionCase(ms_per_step=ms, images_per_s=cfg.batch / ms * 1e3, gflops=flops / ms / 1e6,
-                                gemm_gflops=gemm[name.split("+")[0]], of_gemm=flops / ms / 1e6 / gemm[name.split("+")[0]])
+                                gemm_gflops=gemm[kind[name]], of_gemm=flops / ms / 1e6 / gemm[kind[name]])
             for name, ms in times.items()}
     fastest = min(times, key=times.get)
     return StepPrecision(threads=torch.get_num_threads(), memory_format="channels_last", flops_per_step=flops,
                          cases=rows, bf16_emulated=emulated, rounds=rounds, steps=steps, auto=auto, auto_why=why,
-                         fastest=fastest, auto_is_fastest=fastest.split("+")[0] == auto, compile=compiled,
-                         bf16_over_fp32=times["fp32"] / times["bf16"])
+                         fastest=fastest, auto_is_fastest=kind[fastest] == auto, compile=compiled,
+                         bf16_over_fp32=times["fp32"] / times["bf16"],
+                         channels_last_over_contiguous=times[f"{auto} contiguous"] / times[auto])
 
 
 def _compiled_case(cfg: Config, precision: str):
@@ -245,11 +248,14 @@ def _precision_lines(p: StepPrecision, c: Config) -> list[str]:
     lines = [f"precision, {c.model} batch {c.batch} at {c.crop} px, {p.memory_format}, LARS, {p.threads} "
              f"threads, {p.flops_per_step / 1e9:.1f} GFLOP a step, median of {p.rounds} alternating rounds of "
              f"{p.steps} steps" + (" (bf16 is emulated here: one step each)" if p.bf16_emulated else "") + ":",
-             f"  {'case':14s} {'ms/step':>9s} {'images/s':>9s} {'GFLOP/s':>8s} {'GEMM GFLOP/s':>13s} {'of GEMM':>8s}"]
+             f"  {'case':16s} {'ms/step':>9s} {'images/s':>9s} {'GFLOP/s':>8s} {'GEMM GFLOP/s':>13s} {'of GEMM':>8s}"]
     for name, row in p.cases.items():
-        lines.append(f"  {name:14s} {row.ms_per_step:9.1f} {row.images_per_s:9.2f} {row.gflops:8.1f} "
+        lines.append(f"  {name:16s} {row.ms_per_step:9.1f} {row.images_per_s:9.2f} {row.gflops:8.1f} "
                      f"{row.gemm_gflops:13.1f} {row.of_gemm:8.0%}")
     lines.append(f"  bf16 / fp32: {p.bf16_over_fp32:.2f}x the speed")
+    if p.channels_last_over_contiguous is not None:
+        lines.append(f"  channels_last / contiguous ({p.auto}): {p.channels_last_over_contiguous:.2f}x the speed "
+                     "(loop.channels_last)")
     comp = p.compile
     if isinstance(comp, NotCompiled):
         lines.append(f"  torch.compile did not run here: {comp.error}")
