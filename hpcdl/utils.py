@@ -10,6 +10,7 @@ import re
 import sys
 import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 from hpcdl.errors import ConfigError
 
@@ -38,6 +39,11 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def cache_dir(environ=os.environ) -> Path:
+    """hpcdl's folder in the user's cache: ``$XDG_CACHE_HOME/hpcdl`` (``~/.cache/hpcdl``)."""
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpcdl"
 
 
 def parse_bytes(text: str, what: str) -> int:

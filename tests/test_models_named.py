@@ -78,6 +78,17 @@ def test_facts_of_a_named_model_are_counted_once_then_read(tmp_path, monkeypatch
     assert model_facts("resnet50") is MODEL_FACTS["resnet50"]
     with pytest.raises(ConfigError, match="torchvision has no model 'resnet5'"):
         model_facts("torchvision:resnet5")
+    (tmp_path / "mine.py").write_text((REPO / "tests" / "own_models.py").read_text())  # a module the user edits
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}:{tmp_path}")
+    before = model_facts("mine:small_net")
+    (tmp_path / "mine.py").write_text((tmp_path / "mine.py").read_text().replace("8, 3, padding", "16, 3, padding")
+                                      .replace("BatchNorm2d(8)", "BatchNorm2d(16)").replace("Linear(8,", "Linear(16,"))
+    os.utime(tmp_path / "mine.py", (1e9, 2e9))
+    assert model_facts("mine:small_net").gradient_bytes > before.gradient_bytes  # counted again
+    cache.write_text("{not json")
+    with pytest.raises(ConfigError, match=f"{cache}: unreadable .*remove it"):
+        model_facts("mine:small_net")
 
 
 @pytest.mark.slow  # hpcdl sbatch twice, each asking timm in a subprocess

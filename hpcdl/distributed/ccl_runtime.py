@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hpcdl.errors import ConfigError, LaunchError
+from hpcdl.utils import cache_dir
 
 __all__ = ["VERSION", "OneCCL", "Runtime", "find_runtime", "install", "load"]
 
@@ -82,8 +83,7 @@ def home(environ: Mapping[str, str] = os.environ) -> Path:
     """Where ``hpcdl ccl install`` puts the runtime: ``HPCDL_CCL_HOME`` or the user's cache."""
     if environ.get("HPCDL_CCL_HOME"):
         return Path(environ["HPCDL_CCL_HOME"])
-    cache = Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "hpcdl" / f"oneccl-{VERSION}"
+    return cache_dir(environ) / f"oneccl-{VERSION}"
 
 
 def find_runtime(user_path: str | None = None, environ: Mapping[str, str] = os.environ) -> Runtime:

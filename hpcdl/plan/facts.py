@@ -4,6 +4,7 @@ parameter tensors."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,8 +12,8 @@ import sys
 from pathlib import Path
 
 from hpcdl.errors import ConfigError
-from hpcdl.names import check_model
-from hpcdl.utils import atomic_write_text
+from hpcdl.names import MODEL_SOURCES, check_model
+from hpcdl.utils import atomic_write_text, cache_dir
 
 __all__ = ["MODEL_FACTS", "ModelFacts", "facts_cache", "model_facts"]
 
@@ -49,19 +50,42 @@ def model_facts(name: str, num_classes: int = 1000) -> ModelFacts:
     if name in MODEL_FACTS and num_classes == 1000:
         return MODEL_FACTS[name]
     key = name if num_classes == 1000 else f"{name} with {num_classes} classes"
-    cache = facts_cache()
-    known = json.loads(cache.read_text()) if cache.exists() else {}
-    if "crop" not in known.get(key, {}):  # not counted yet, or by an hpcdl that did not keep the crop
+    source = _source_stamp(name)
+    known = _read_cache()
+    kept = known.get(key, {})
+    if "crop" not in kept or kept.get("source") != source:  # not counted, by an older hpcdl, or the module changed
         counted = subprocess.run([sys.executable, "-m", "hpcdl.models.count", name, str(num_classes)],
                                  capture_output=True, text=True)
         if counted.returncode:
             raise ConfigError((counted.stderr.strip().splitlines() or [f"counting {name} failed"])[-1])
-        known = (json.loads(cache.read_text()) if cache.exists() else {}) | {key: {"name": name, **json.loads(counted.stdout)}}
+        kept = {"name": name, **json.loads(counted.stdout), "source": source}
+        cache = facts_cache()
         cache.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(str(cache), json.dumps(known, indent=1, sort_keys=True) + "\n")
-    return ModelFacts(**known[key])
+        atomic_write_text(str(cache), json.dumps(_read_cache() | {key: kept}, indent=1, sort_keys=True) + "\n")
+    return ModelFacts(**{k: v for k, v in kept.items() if k != "source"})
+
+
+def _read_cache() -> dict:
+    cache = facts_cache()
+    try:
+        return json.loads(cache.read_text()) if cache.exists() else {}
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{cache}: unreadable ({exc}); remove it, hpcdl counts the models again") from None
+
+
+def _source_stamp(name: str) -> float | None:
+    """For ``package.module:callable``, its module file's modification time (the facts are counted again
+    when it changes); None for the libraries' models. The module is found, not run."""
+    module, _, _ = name.partition(":")
+    if module in MODEL_SOURCES or name in MODEL_FACTS:
+        return None
+    try:
+        spec = importlib.util.find_spec(module)
+        return os.path.getmtime(spec.origin) if spec and spec.origin else None
+    except (ImportError, ValueError, OSError):
+        return None
 
 
 def facts_cache(environ=os.environ) -> Path:
     """Where counted models' facts are kept: ``$XDG_CACHE_HOME/hpcdl/model-facts.json`` (``~/.cache``)."""
-    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpcdl" / "model-facts.json"
+    return cache_dir(environ) / "model-facts.json"
