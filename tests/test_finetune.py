@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import PYTHON, REPO, hpcdl
+from conftest import PYTHON, REPO, hpcdl, start_ranks
 
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
@@ -37,6 +37,9 @@ def test_weights_of_another_shape_are_refused_naming_the_keys(tmp_path):
     assert "model.weights=fc.pt does not fit this model" in said
     assert "not in the model: fc.0.weight, fc.0.bias, fc.2.weight, fc.2.bias" in said  # tiny_cnn's head: fc
     assert "(0 of wrong shape, 0 missing, 4 unknown)" in said  # the head may be absent from the file: kept
+    headless = {k: v for k, v in build_model("tiny_cnn", 10).state_dict().items() if not k.startswith("fc.")}
+    assert load_weights(build_model("tiny_cnn", 10), headless, 10, "headless.pt") == \
+        ["fc.bias, fc.weight: not in the file, kept at their initialization"]
 
 
 def test_rgb_weights_go_to_a_gray_model_summed_over_the_channels(tmp_path):
@@ -128,7 +131,8 @@ def digits(tmp_path_factory):
 
 def _digits_run(digits, run, data: str, classes: int, images: int, *extra: str):
     sets = {"model": "tiny_cnn", "data.train": digits / data / "train", "data.val": digits / data / "val",
-            "num_classes": classes, "train_images": images, "run_dir": run, "epochs": 10, "global_batch": 8}
+            "num_classes": classes, "train_images": images, "run_dir": run, "epochs": 10, "global_batch": 8,
+            "data.workers": 0, "loop.backend": "gloo"}  # no worker forked per epoch: the same figures, half the time
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     done = hpcdl("train", REPO / "datasets" / "digits" / "digits.yaml", *args, *extra, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -153,3 +157,25 @@ def test_fine_tuned_from_other_digits_beats_trained_from_scratch(digits, tmp_pat
                   "--set", f"run_dir={tmp_path / 'wrong'}",
                   "--set", "num_classes=4", "--set", "train_images=40")  # digits.yaml's model: tiny_cnn_fc
     assert wrong.returncode == 2 and "missing from the file: fc.0.weight, fc.0.bias" in wrong.stderr, wrong.stderr[-2000:]
+
+
+@pytest.mark.ranks
+def test_on_two_ranks_rank_0_reads_the_weights_and_the_frozen_body_stays_as_loaded(data, tmp_path):
+    """Only rank 0 reads model.weights; DDP gives rank 1 rank 0's weights as it wraps the model. With the body
+    frozen for the first epoch, 2 steps change the head alone."""
+    weights = build_model("tiny_cnn", 10).state_dict()
+    torch.save(weights, tmp_path / "w.pt")
+    run = tmp_path / "run"
+    args = ["train", "demo_tiny_lars", "--set", f"data.train={data / 'train'}", "--set", "data.val=",
+            "--set", "crop=32", "--set", "global_batch=16", "--set", f"run_dir={run}", "--set", "loop.max_steps=2",
+            "--set", f"model.weights={tmp_path / 'w.pt'}", "--set", "model.freeze_body_epochs=1",
+            "--set", "data.workers=0", "--set", "checkpoint.every_minutes=0"]
+    procs = start_ranks(2, args, tmp_path)
+    assert [p.wait(timeout=240) for p in procs] == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in (0, 1)]
+    assert "fine-tuning from" in logs[0] and "every tensor loaded" in logs[0] and "fine-tuning from" not in logs[1]
+    assert "identical on 2 ranks" in logs[0]  # the replicas' sha256 after the steps
+    trained = torch.load(run / "checkpoints" / "ckpt-000000002.pt", weights_only=True)["model"]
+    body = [k for k in weights if not k.startswith("fc.") and weights[k].is_floating_point() and "running" not in k]
+    assert body and all(torch.equal(trained[k], weights[k]) for k in body)
+    assert not torch.equal(trained["fc.weight"], weights["fc.weight"])

@@ -119,30 +119,35 @@ def test_a_grouped_convolutions_backward_counts_twice_its_forward():
         assert counter.get_total_flops() == 2 * forward  # the input's gradient and the weight's
 
 
-def _train_leg(data, run, name, steps: int, ccl) -> str:
-    """One srun of ``hpcdl train`` on the allocation's 2 ranks over oneCCL: ``name`` at its own crop."""
-    sets = {"model": name, "crop": 0, "global_batch": 4, "loop.max_steps": steps, "loop.log_every": 1,
+def _train_leg(data, run, name, ccl, hook: str) -> str:
+    """One srun of ``hpcdl train`` to step 3 on the allocation's 2 ranks over oneCCL: ``name`` at its own crop,
+    a checkpoint at step 2."""
+    sets = {"model": name, "crop": 0, "global_batch": 4, "loop.max_steps": 3, "loop.log_every": 1, "sync.hook": hook,
             "loop.backend": "ccl", "loop.ccl_lib": ccl.library.parent, "data.train": data / "train", "data.val": "",
-            "data.workers": 0, "data.augment": "resized_crop(min_scale=0.5), hflip", "run_dir": run,
-            "checkpoint.every_minutes": 0}
+            "data.workers": 0, "data.reserve_cores": 0, "data.augment": "resized_crop(min_scale=0.5), hflip", "run_dir": run,
+            "checkpoint.every_minutes": 0, "checkpoint.every_steps": 2}
     args = " ".join(f"--set '{k}={v}'" for k, v in sets.items())
     return f"srun --kill-on-bad-exit=1 {PYTHON} -m hpcdl train demo_tiny_lars {args}\n"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["torchvision:convnext_tiny", "timm:resnet50d", "timm:vit_tiny_patch16_224", OWN])
-def test_a_named_model_trains_on_two_ccl_ranks_under_slurm_and_resumes_exactly(slurm, ccl, data, tmp_path, name):
-    """3 steps straight against 2 then a resume to 3, in one allocation of the local Slurm: the same weights and
-    optimizer state bit for bit (convnext_tiny's stochastic depth draws from the checkpointed RNG)."""
+@pytest.mark.parametrize("name, hook", [("torchvision:convnext_tiny", "none"), ("timm:resnet50d", "fp16"),
+                                        ("timm:vit_tiny_patch16_224", "bf16"), (OWN, "none")])
+def test_a_named_model_trains_on_two_ccl_ranks_under_slurm_and_resumes_exactly(slurm, ccl, data, tmp_path, name, hook):
+    """3 steps straight, then a resume of its step-2 checkpoint to step 3, in one allocation of the local Slurm, with
+    a comm hook: the same weights and optimizer state bit for bit (convnext_tiny's stochastic depth draws from the
+    checkpointed RNG)."""
     script = tmp_path / "legs.sbatch"
-    script.write_text("#!/bin/bash\nset -e\n" + _train_leg(data, tmp_path / "ref", name, 3, ccl)
-                      + _train_leg(data, tmp_path / "cut", name, 2, ccl) + _train_leg(data, tmp_path / "cut", name, 3, ccl))
+    ckpt, cut = tmp_path / "ref" / "checkpoints" / "ckpt-000000002.pt", tmp_path / "cut" / "checkpoints"
+    copy = f"mkdir -p {cut}\ncp {ckpt} {cut}\n"
+    script.write_text("#!/bin/bash\nset -e\n" + _train_leg(data, tmp_path / "ref", name, ccl, hook) + copy
+                      + _train_leg(data, tmp_path / "cut", name, ccl, hook))
     sbatch_wait(script, "--nodes=1", "--ntasks-per-node=2", f"--output={tmp_path}/out", f"--chdir={tmp_path}",
                 env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=600)
     out = (tmp_path / "out").read_text()
     crop = model_info(name).crop
-    assert out.count("backend oneccl (requested") == 3 and f"model {name} at crop {crop} (crop {crop}: the input size" in out
-    assert "resuming from" in out, out[-3000:]
+    assert out.count("backend oneccl (requested") == 2 and f"model {name} at crop {crop} (crop {crop}: the input size" in out
+    assert "resuming from" in out and out.count(f"comm hook {hook}") == 2, out[-3000:]
     a, b = (torch.load(tmp_path / run / "checkpoints" / "ckpt-000000003.pt", weights_only=True) for run in ("ref", "cut"))
     assert a["model"] and same_states(a["model"], b["model"]) == [] and same_states(a["optimizer"], b["optimizer"]) == []
 

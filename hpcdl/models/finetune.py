@@ -134,6 +134,9 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], num_classes
             notes.append(f"{key}: 3 input channels summed into the 1 of data.channels=1")
         else:
             wrong.append(f"{key} {list(value.shape)} (the model's {list(want)})")
+    absent = sorted(k for k in head if k not in weights)
+    if absent:
+        notes.append(f"{', '.join(absent)}: not in the file, kept at their initialization")
     problems = [f"{what}: {', '.join(keys[:12])}{' ...' if len(keys) > 12 else ''}"
                 for what, keys in (("wrong shape", wrong), ("missing from the file", missing),
                                    ("not in the model", unexpected)) if keys]

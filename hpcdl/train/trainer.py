@@ -48,7 +48,7 @@ from hpcdl.models import build_model, model_info, with_model_defaults
 from hpcdl.models.finetune import load_weights, lr_scales, read_weights
 from hpcdl.optim.factory import build_optimizer
 from hpcdl.optim.schedule import LRSchedule
-from hpcdl.schema import flatten, to_dict
+from hpcdl.schema import flatten, from_dict, to_dict
 from hpcdl.train.accel import apply_ipex
 from hpcdl.train.checkpoint import CheckpointManager, load_latest_shared, load_rank_state, save_rank_state
 from hpcdl.train.evaluate import evaluate
@@ -449,6 +449,10 @@ class Trainer:
                     saved, then["global_batch"] // saved, left, per_rank, residuals)
 
     def _warn_changed(self, path: str, saved: dict) -> None:
+        try:  # in today's shape: an older hpcdl's config (model: NAME) gets the keys added since, at their defaults
+            saved = to_dict(from_dict(RunConfig, saved))
+        except ConfigError:
+            pass  # one this hpcdl cannot read: compared as it is
         now, then = flatten(to_dict(self.cfg)), flatten(saved)
         changed = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
         if changed and self.ctx.rank == 0:
