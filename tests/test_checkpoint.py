@@ -1,5 +1,6 @@
 """Checkpoints: atomic writes, the last K kept, fallback past a corrupt newest one, RNG states."""
 
+import json
 import logging
 import os
 import random
@@ -11,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import PYTHON, REPO, free_port, mpi_run, rank_env
 
 from hpcdl.errors import ConfigError
 from hpcdl.train.checkpoint import CheckpointManager, rng_state, set_rng_state
@@ -94,3 +96,38 @@ def test_a_format_1_checkpoint_reads_as_the_parts_layout():
     old = {"format": 1, **counters, "model": {}, "sampler": {"position": 3}}
     assert upgrade(old) == {**old, "format": FORMAT, "counters": counters}
     assert upgrade(upgrade(old)) == upgrade(old)  # the current format passes as it is
+
+
+def test_a_checkpoint_above_2_gib_restarts_on_each_backend_with_one_copy_per_rank(mpiexec, ccl, tmp_path):
+    """2 GiB and 1 MiB of float32 in one tensor, beside bf16 and int64 ones: rank 0 reads it and streams it in
+    64 MiB chunks (a pickled whole overflowed MPI's 32-bit count and held 3-5 copies). On gloo, MPI and
+    oneCCL each rank gets every value, and its resident memory grows by at most 1.3x the checkpoint's size."""
+    folder = tmp_path / "checkpoints"
+    big = torch.full(((2 ** 31 + 2 ** 20) // 4,), 1.0)
+    CheckpointManager(str(folder)).save(5, {"model": {"t01": big, "t02": torch.full((3, 5), 2, dtype=torch.bfloat16),
+                                                      "t03": torch.full((7,), 3, dtype=torch.int64)},
+                                            "counters": {"step": 5}})
+    size = big.numel() * 4 + 15 * 2 + 7 * 8
+    del big
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    script = REPO / "tests" / "state_ranks.py"
+    peaks = {}
+    for backend in ("gloo", "mpi", "ccl"):
+        out = tmp_path / backend
+        out.mkdir()
+        if backend == "gloo":
+            port = free_port()
+            procs = [subprocess.Popen([PYTHON, script, folder, out, backend], env={**env, **rank_env(r, 2, port)},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+            said = [p.communicate(timeout=240)[0] for p in procs]
+            assert [p.returncode for p in procs] == [0, 0], said[0][-3000:]
+        else:
+            run = mpi_run(mpiexec, script, folder, out, backend, timeout=240)
+            assert run.returncode == 0, run.stderr[-3000:]
+        for r in range(2):
+            found = json.loads((out / f"rank{r}.json").read_text())
+            assert found["wrong"] == [] and found["step"] == 5 and found["bytes"] == size, (backend, found)
+            assert found["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.int64"]
+            peaks[backend, r] = found["peak_over_start"] / size
+            assert peaks[backend, r] <= 1.3, (backend, r, peaks)
+    print("peak memory over the start / checkpoint size:", {f"{b} rank {r}": round(v, 3) for (b, r), v in peaks.items()})
