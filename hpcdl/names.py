@@ -8,15 +8,40 @@ backends, allocators, pack trees) is checked against its table with :func:`regis
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 import signal
 
 from hpcdl.errors import ConfigError
 
-MODELS = ("alexnet_bn", "resnet18", "resnet50", "resnet101", "tiny_cnn", "tiny_cnn_fc")
-# the crop each of hpcdl's own models is defined for (crop: 0 means the model's; hpcdl.models checks these)
-MODEL_CROPS = {"alexnet_bn": 227, "resnet18": 224, "resnet50": 224, "resnet101": 224, "tiny_cnn": 32, "tiny_cnn_fc": 32}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelRow:
+    """What is known of one of hpcdl's own models without torch: the one place each fact is written."""
+
+    crop: int  # the training crop it is defined for (config crop: 0 means this)
+    description: str
+    gradient_bytes: int  # fp32 gradients, one per parameter, at 1,000 classes
+    train_flops: float  # per image, forward and backward, at its crop (a multiply-add is 2)
+    tensors: int  # parameter tensors
+
+
+# hpcdl.models builds each (and checks its registry against these names); the counts are
+# hpcdl.bench.flops.count_model_facts(name)'s, so that planning needs no torch (a login node); tests/test_plan.py
+# recounts them.
+MODEL_TABLE = {
+    "alexnet_bn": ModelRow(227, "AlexNet with BN after each pool/conv, as in the Stampede2 LARS runs",
+                           249_522_336, 6_600_706_176.0, 24),
+    "resnet18": ModelRow(224, "torchvision ResNet-18", 46_758_048, 10_648_412_160.0, 62),
+    "resnet50": ModelRow(224, "torchvision ResNet-50 (v1.5)", 102_228_128, 24_299_077_632.0, 161),
+    "resnet101": ModelRow(224, "torchvision ResNet-101 (v1.5)", 178_196_640, 46_572_404_736.0, 314),
+    "tiny_cnn": ModelRow(32, "a small CNN for tests and the demo; any input size", 152_544, 9_039_360.0, 8),
+    "tiny_cnn_fc": ModelRow(32, "tiny_cnn with a 4,096-unit fully-connected layer: 8.4M parameters, 99.9% in the "
+                                "head (comm hooks)", 49_979_360, 83_755_008.0, 10),
+}
+MODELS = tuple(MODEL_TABLE)
 MODEL_SOURCES = ("torchvision", "timm")  # model="torchvision:NAME", "timm:NAME"; "package.module:callable" too
 OPTIMIZERS = ("sgd", "lars", "larc", "lamb", "adamw")
 ADAPTIVE_OPTIMIZERS = ("lars", "larc", "lamb")  # a per-tensor trust ratio

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import PYTHON, REPO, hpcdl, start_ranks
+from conftest import PYTHON, REPO, free_port, hpcdl, rank_env
 
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
@@ -47,7 +47,9 @@ def test_rgb_weights_go_to_a_gray_model_summed_over_the_channels(tmp_path):
     gray = build_model("tiny_cnn", 10, in_channels=1)
     first = next(k for k, v in rgb.state_dict().items() if v.dim() == 4)
     notes = load_weights(gray, rgb.state_dict(), 10, "rgb.pt")
-    assert notes == [f"{first}: 3 input channels summed into the 1 of data.channels=1"]
+    assert notes == [f"{first}: 3 input channels summed into the 1 of data.channels=1",
+                     "fc.bias, fc.weight: the file's head, of this model's shape (10 classes), loaded as it is; if "
+                     "the file's classes are not data.train's, its head only starts the training"]
     assert torch.allclose(gray.state_dict()[first], rgb.state_dict()[first].sum(1, keepdim=True))
 
 
@@ -58,6 +60,8 @@ def test_each_file_kind_is_read(tmp_path):
     save_file(state, str(tmp_path / "w.safetensors"))
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     torch.save({"format": 2, "model": state, "optimizer": {}}, tmp_path / "run" / "checkpoints" / "ckpt-000000007.pt")
+    # a chunk_sparse run's per-rank part sorts after its checkpoint: never taken for the weights
+    torch.save({"residuals": {}}, tmp_path / "run" / "checkpoints" / "ckpt-000000007.rank00001.pt")
     torch.save({"state_dict": state, "epoch": 3}, tmp_path / "lightning.ckpt")
     for path in ("w.safetensors", "run", "run/checkpoints/ckpt-000000007.pt", "lightning.ckpt"):
         read = read_weights(str(tmp_path / path))
@@ -75,6 +79,13 @@ def test_a_missing_or_unreadable_file_says_what_to_do(tmp_path):
     for name in ("pickled.pt", "module.pt"):
         with pytest.raises(ConfigError, match=f"model.weights={tmp_path / name}: not a state dict"):
             read_weights(str(tmp_path / name))
+
+
+def test_a_model_without_a_detectable_head_is_refused_only_when_an_option_needs_the_head():
+    headless = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten())  # no layer of num_classes outputs
+    assert lr_scales(headless, 10, needed=False) == ({}, set())
+    with pytest.raises(ConfigError, match="no classifier head found"):
+        lr_scales(headless, 10, body_lr_scale=0.1)
 
 
 def test_the_body_gets_its_lr_scale_and_is_frozen_first():
@@ -161,8 +172,9 @@ def test_fine_tuned_from_other_digits_beats_trained_from_scratch(digits, tmp_pat
 
 @pytest.mark.ranks
 def test_on_two_ranks_rank_0_reads_the_weights_and_the_frozen_body_stays_as_loaded(data, tmp_path):
-    """Only rank 0 reads model.weights; DDP gives rank 1 rank 0's weights as it wraps the model. With the body
-    frozen for the first epoch, 2 steps change the head alone."""
+    """Only rank 0 opens model.weights (Python's audit hook watches each rank's opens: tests/audit_ranks.py);
+    DDP gives rank 1 rank 0's weights as it wraps the model. With the body frozen for the first epoch, 2 steps
+    change the head alone."""
     weights = build_model("tiny_cnn", 10).state_dict()
     torch.save(weights, tmp_path / "w.pt")
     run = tmp_path / "run"
@@ -170,10 +182,15 @@ def test_on_two_ranks_rank_0_reads_the_weights_and_the_frozen_body_stays_as_load
             "--set", "crop=32", "--set", "global_batch=16", "--set", f"run_dir={run}", "--set", "loop.max_steps=2",
             "--set", f"model.weights={tmp_path / 'w.pt'}", "--set", "model.freeze_body_epochs=1",
             "--set", "data.workers=0", "--set", "checkpoint.every_minutes=0"]
-    procs = start_ranks(2, args, tmp_path)
+    port = free_port()
+    procs = [subprocess.Popen([PYTHON, REPO / "tests" / "audit_ranks.py", *args],
+                              env={**rank_env(r, 2, port), "HPCDL_TEST_WATCH": str(tmp_path / "w.pt")},
+                              stdout=open(tmp_path / f"rank{r}.log", "w"), stderr=subprocess.STDOUT, cwd=tmp_path)
+             for r in range(2)]
     assert [p.wait(timeout=240) for p in procs] == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
     logs = [(tmp_path / f"rank{r}.log").read_text() for r in (0, 1)]
-    assert "fine-tuning from" in logs[0] and "every tensor loaded" in logs[0] and "fine-tuning from" not in logs[1]
+    assert f"opened: {tmp_path / 'w.pt'}" in logs[0] and "opened:" not in logs[1]
+    assert "fine-tuning from" in logs[0] and "the file's head, of this model's shape (10 classes)" in logs[0]
     assert "identical on 2 ranks" in logs[0]  # the replicas' sha256 after the steps
     trained = torch.load(run / "checkpoints" / "ckpt-000000002.pt", weights_only=True)["model"]
     body = [k for k in weights if not k.startswith("fc.") and weights[k].is_floating_point() and "running" not in k]

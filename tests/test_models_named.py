@@ -11,7 +11,6 @@ import torch
 from conftest import PYTHON, REPO, same_states, sbatch_wait
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model, model_info
-from hpcdl.names import check_model
 from hpcdl.plan.facts import MODEL_FACTS, facts_cache, model_facts
 
 OWN = "own_models:small_net"  # tests/own_models.py
@@ -44,10 +43,24 @@ def test_a_named_model_builds_with_the_classes_and_channels_asked_for(name, crop
     ("own_modelz:small_net", "cannot import own_modelz (No module named 'own_modelz'); put its folder on PYTHONPATH"),
     ("own_models:smal_net", "own_models has no 'smal_net'"),
     ("own_models:no_classes", "no_classes(width=8) takes no num_classes"),
+    ("os:getcwd", "getcwd() takes no num_classes"),
+    ("builtins:dir", "dir is a builtin without a signature, not a model builder"),
+    ("os:sep", "sep is not a model builder (a str)"),
 ])
 def test_a_name_that_names_nothing_is_refused_with_the_closest(name, said):
     with pytest.raises(ConfigError) as err:
         model_info(name)
+    assert said in str(err.value)
+
+
+@pytest.mark.parametrize("name, said", [
+    ("subprocess:run", "model=subprocess:run: calling it with num_classes=10 failed"),
+    ("own_models:not_a_model", "model=own_models:not_a_model: called with num_classes=10 it returned a dict, not a "
+                               "torch.nn.Module"),
+])
+def test_a_builder_that_does_not_build_a_model_is_named(name, said):
+    with pytest.raises(ConfigError) as err:
+        build_model(name, 10)
     assert said in str(err.value)
 
 

@@ -8,9 +8,8 @@ import time
 
 import torch
 
-from hpcdl.models import build_model
 from hpcdl.models.count import count, flop_counter_mode
-from hpcdl.plan.facts import ModelFacts
+from hpcdl.plan.facts import ModelFacts, ddp_buckets
 
 __all__ = ["count_model_facts", "gemm_gflops", "training_flops"]
 
@@ -56,4 +55,5 @@ def training_flops(model, images, labels, criterion) -> float:
 def count_model_facts(name: str) -> ModelFacts:
     """The model's facts (:func:`hpcdl.models.count.count`): what :data:`hpcdl.plan.facts.MODEL_FACTS` holds for a
     login node."""
-    return ModelFacts(name, **count(name))
+    counted = count(name)
+    return ModelFacts(name, **counted, buckets=ddp_buckets(counted["gradient_bytes"]))

@@ -25,7 +25,7 @@ from hpcdl import names
 from hpcdl.errors import ConfigError
 from hpcdl.models.alexnet_bn import AlexNetBN
 from hpcdl.models.tiny import TinyCNN
-from hpcdl.names import MODEL_CROPS, registry
+from hpcdl.names import MODEL_TABLE, registry
 
 __all__ = ["MODELS", "ModelInfo", "build_model", "model_info", "with_model_defaults"]
 
@@ -53,17 +53,11 @@ def _torchvision(name: str) -> Callable[[int], nn.Module]:
     return build
 
 
-MODELS: dict[str, ModelInfo] = registry("models", {m.name: m for m in (
-    ModelInfo("alexnet_bn", AlexNetBN, 227, "AlexNet with BN after each pool/conv, as in the Stampede2 LARS runs"),
-    ModelInfo("resnet18", _torchvision("resnet18"), 224, "torchvision ResNet-18"),
-    ModelInfo("resnet50", _torchvision("resnet50"), 224, "torchvision ResNet-50 (v1.5)"),
-    ModelInfo("resnet101", _torchvision("resnet101"), 224, "torchvision ResNet-101 (v1.5)"),
-    ModelInfo("tiny_cnn", TinyCNN, 32, "a small CNN for tests and the demo; any input size"),
-    ModelInfo("tiny_cnn_fc", partial(TinyCNN, hidden=4096), 32,
-              "tiny_cnn with a 4,096-unit fully-connected layer: 8.4M parameters, 99.9% in the head (comm hooks)"),
-)}, names.MODELS)
-if any(MODEL_CROPS[name] != info.crop for name, info in MODELS.items()):
-    raise RuntimeError(f"hpcdl.names.MODEL_CROPS {MODEL_CROPS} differs from the models' crops")
+_BUILDERS = {"alexnet_bn": AlexNetBN, "resnet18": _torchvision("resnet18"), "resnet50": _torchvision("resnet50"),
+             "resnet101": _torchvision("resnet101"), "tiny_cnn": TinyCNN, "tiny_cnn_fc": partial(TinyCNN, hidden=4096)}
+MODELS: dict[str, ModelInfo] = registry("models", {
+    name: ModelInfo(name, build, MODEL_TABLE[name].crop, MODEL_TABLE[name].description)
+    for name, build in _BUILDERS.items()}, names.MODELS)
 
 
 def _unknown(name: str, library: str, known) -> ConfigError:
@@ -111,19 +105,38 @@ def _from_module(name: str) -> ModelInfo:
                           "pip install its package, where the ranks run") from None
     except AttributeError:
         raise ConfigError(f"model={name}: {module} has no {attr!r}") from None
+    if not callable(fn) or isinstance(fn, type) and not issubclass(fn, nn.Module):
+        raise ConfigError(f"model={name}: {attr} is not a model builder (a {type(fn).__name__}); give a function or "
+                          "nn.Module class that takes num_classes and returns the model")
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        params = {}
+        raise ConfigError(f"model={name}: {attr} is a builtin without a signature, not a model builder; give a "
+                          "function or nn.Module class that takes num_classes and returns the model") from None
     keywords = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if params and "num_classes" not in params and not keywords:
+    if "num_classes" not in params and not keywords:
         shown = inspect.signature(fn).replace(return_annotation=inspect.Signature.empty)
         raise ConfigError(f"model={name}: {attr}{shown} takes no num_classes; hpcdl calls the "
                           "builder with num_classes=N (and in_channels=C where it takes it)")
     channels = next((k for k in ("in_channels", "in_chans") if k in params), None)
-    build_channels = (lambda n, c: fn(num_classes=n, **{channels: c})) if channels else None
-    return ModelInfo(name, lambda n: fn(num_classes=n), int(getattr(fn, "crop", 224)), f"{attr} from {module}",
-                     build_channels=build_channels)
+    build_channels = (lambda n, c: _built(name, fn, num_classes=n, **{channels: c})) if channels else None
+    return ModelInfo(name, lambda n: _built(name, fn, num_classes=n), int(getattr(fn, "crop", 224)),
+                     f"{attr} from {module}", build_channels=build_channels)
+
+
+def _built(name: str, fn: Callable, **kwargs) -> nn.Module:
+    """``fn(**kwargs)``, which must be an ``nn.Module``: a ConfigError naming ``model=name`` when the call does
+    not take the arguments or returns something else."""
+    shown = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+    try:
+        model = fn(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"model={name}: calling it with {shown} failed ({exc}); hpcdl calls the builder with "
+                          "num_classes=N (and in_channels=C where it takes it)") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model={name}: called with {shown} it returned a {type(model).__name__}, not a "
+                          "torch.nn.Module; give the function that builds the model")
+    return model
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """A model's facts for the planner, counted by torch on the meta device (no memory, no arithmetic): its fp32
-gradient bytes, training FLOPs per image at its crop (forward and backward, a multiply-add is 2), DDP's
-all-reduces per step at hpcdl's bucket sizes, and its parameter tensors.
+gradient bytes, training FLOPs per image at its crop (forward and backward, a multiply-add is 2), and its
+parameter tensors. How DDP buckets the gradients is the planner's to count (:func:`hpcdl.plan.facts.ddp_buckets`):
+a model knows nothing of ranks.
 
 ``python -m hpcdl.models.count NAME`` prints them as JSON (exit 2 and the reason when NAME names no model):
 :func:`hpcdl.plan.facts.model_facts` runs it for a model without a row of its own, so that torch stays out of
@@ -10,14 +11,12 @@ the login node's process.
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
-from hpcdl.config import SyncConfig
 from hpcdl.errors import HpcdlError
 from hpcdl.models import build_model, model_info
 
@@ -57,19 +56,15 @@ def flop_counter_mode() -> FlopCounterMode:
 
 
 def count(name: str, num_classes: int = 1000) -> dict:
-    """``name``'s facts: the fields of :class:`hpcdl.plan.facts.ModelFacts` but its name."""
+    """``name``'s facts: the fields of :class:`hpcdl.plan.facts.ModelFacts` but its name and buckets."""
     with torch.device("meta"):
         net = build_model(name, num_classes)
         crop = model_info(name).crop
         x = torch.empty(2, 3, crop, crop)
     with flop_counter_mode() as counter:
         net(x).sum().backward()
-    grad = sum(p.numel() for p in net.parameters()) * 4
-    sync = SyncConfig()
-    first = min(sync.first_bucket_mb or sync.bucket_cap_mb, sync.bucket_cap_mb) * 2 ** 20
-    buckets = 1 + math.ceil(max(0.0, grad - first) / (sync.bucket_cap_mb * 2 ** 20))
-    return {"gradient_bytes": grad, "train_flops": counter.get_total_flops() / 2, "buckets": buckets,
-            "tensors": sum(1 for _ in net.parameters()), "crop": crop}
+    return {"gradient_bytes": sum(p.numel() for p in net.parameters()) * 4,
+            "train_flops": counter.get_total_flops() / 2, "tensors": sum(1 for _ in net.parameters()), "crop": crop}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import os
 import pickle
+import re
 
 import torch
 import torch.nn as nn
@@ -27,6 +28,7 @@ __all__ = ["fetch_hint", "head_names", "load_weights", "lr_scales", "read_weight
 
 _PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's wrappers, in files saved from them
 _NESTED = ("model", "state_dict", "model_state_dict", "module")  # where trainers keep the model's part
+_CHECKPOINT = re.compile(r"ckpt-\d+\.pt")  # hpcdl's checkpoints; ckpt-N.rankRRRRR.pt are per-rank parts
 
 
 def fetch_hint(model: str) -> str:
@@ -67,8 +69,9 @@ def read_weights(path: str, model: str = "") -> dict[str, torch.Tensor]:
 
 
 def _newest_checkpoint(folder: str) -> str:
-    found = sorted(glob.glob(os.path.join(folder, "checkpoints", "ckpt-*.pt")) +
-                   glob.glob(os.path.join(folder, "ckpt-*.pt")))
+    """The newest whole checkpoint of a run folder, not a chunk_sparse run's per-rank file beside it."""
+    found = sorted(p for p in glob.glob(os.path.join(folder, "checkpoints", "ckpt-*.pt")) +
+                   glob.glob(os.path.join(folder, "ckpt-*.pt")) if _CHECKPOINT.fullmatch(os.path.basename(p)))
     if not found:
         raise ConfigError(f"model.weights={folder}: a folder without checkpoints (ckpt-*.pt, or checkpoints/ckpt-*.pt);"
                           " give a weights file or an hpcdl run folder")
@@ -135,6 +138,10 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], num_classes
         else:
             wrong.append(f"{key} {list(value.shape)} (the model's {list(want)})")
     absent = sorted(k for k in head if k not in weights)
+    kept = sorted(k for k in head if k in load)
+    if kept:  # the file's classifier of the same shape: the same classes, or others in the same number
+        notes.append(f"{', '.join(kept)}: the file's head, of this model's shape ({num_classes} classes), loaded as it "
+                     "is; if the file's classes are not data.train's, its head only starts the training")
     if absent:
         notes.append(f"{', '.join(absent)}: not in the file, kept at their initialization")
     problems = [f"{what}: {', '.join(keys[:12])}{' ...' if len(keys) > 12 else ''}"
@@ -148,11 +155,14 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], num_classes
     return notes
 
 
-def lr_scales(model: nn.Module, num_classes: int, body_lr_scale: float = 1.0,
-              layer_decay: float = 1.0) -> tuple[dict[str, float], set[str]]:
+def lr_scales(model: nn.Module, num_classes: int, body_lr_scale: float = 1.0, layer_decay: float = 1.0,
+              needed: bool = True) -> tuple[dict[str, float], set[str]]:
     """Each parameter's factor of the lr (only those not 1), and the names of the body's parameters (all but
-    the head's: ``model.freeze_body_epochs`` sets their lr to 0)."""
+    the head's: ``model.freeze_body_epochs`` sets their lr to 0). ``needed``: whether an option asked for the
+    head (a scale, a freeze); without, a model with no detectable head gets every parameter at the lr."""
     head = head_names(model, num_classes)
+    if not head and not needed:
+        return {}, set()
     if not head:
         raise ConfigError(f"model: no classifier head found (no linear layer with num_classes={num_classes} "
                           "outputs, no timm get_classifier()): body_lr_scale, freeze_body_epochs and the head's "

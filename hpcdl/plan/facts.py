@@ -6,16 +6,26 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from hpcdl.config import SyncConfig
 from hpcdl.errors import ConfigError
-from hpcdl.names import MODEL_SOURCES, check_model
+from hpcdl.names import MODEL_SOURCES, MODEL_TABLE, check_model
 from hpcdl.utils import atomic_write_text, cache_dir
 
-__all__ = ["MODEL_FACTS", "ModelFacts", "facts_cache", "model_facts"]
+__all__ = ["MODEL_FACTS", "ModelFacts", "ddp_buckets", "facts_cache", "model_facts"]
+
+
+def ddp_buckets(gradient_bytes: int, sync: SyncConfig | None = None) -> int:
+    """DDP's all-reduces per step for ``gradient_bytes`` of gradients at ``sync``'s bucket sizes (hpcdl's
+    defaults): the first bucket capped at ``first_bucket_mb``, the others at ``bucket_cap_mb``."""
+    sync = sync or SyncConfig()
+    first = min(sync.first_bucket_mb or sync.bucket_cap_mb, sync.bucket_cap_mb) * 2 ** 20
+    return 1 + math.ceil(max(0.0, gradient_bytes - first) / (sync.bucket_cap_mb * 2 ** 20))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,19 +35,12 @@ class ModelFacts:
     train_flops: float  # per image, forward and backward, at the model's crop (a multiply-add is 2)
     buckets: int  # DDP's all-reduces per step at hpcdl's bucket sizes
     tensors: int  # parameter tensors: the per-layer work a step does whatever its batch
-    crop: int = 0  # the input size the flops are counted at: the model's stated one (hpcdl's rows: names.MODEL_CROPS)
+    crop: int = 0  # the input size the flops are counted at: the model's stated one (hpcdl's rows: names.MODEL_TABLE)
 
 
-# hpcdl.bench.flops.count_model_facts(name) for every model, so that planning needs no torch (a login node);
-# tests/test_plan.py recounts them.
-MODEL_FACTS = {f.name: f for f in (
-    ModelFacts("alexnet_bn", 249_522_336, 6_600_706_176.0, 11, 24, 227),
-    ModelFacts("resnet18", 46_758_048, 10_648_412_160.0, 3, 62, 224),
-    ModelFacts("resnet50", 102_228_128, 24_299_077_632.0, 5, 161, 224),
-    ModelFacts("resnet101", 178_196_640, 46_572_404_736.0, 8, 314, 224),
-    ModelFacts("tiny_cnn", 152_544, 9_039_360.0, 1, 8, 32),
-    ModelFacts("tiny_cnn_fc", 49_979_360, 83_755_008.0, 3, 10, 32),
-)}
+# hpcdl's own models at 1,000 classes, from the one table of what is known of them (hpcdl.names.MODEL_TABLE)
+MODEL_FACTS = {name: ModelFacts(name, row.gradient_bytes, row.train_flops, ddp_buckets(row.gradient_bytes),
+                                row.tensors, row.crop) for name, row in MODEL_TABLE.items()}
 
 
 def model_facts(name: str, num_classes: int = 1000) -> ModelFacts:
@@ -58,7 +61,8 @@ def model_facts(name: str, num_classes: int = 1000) -> ModelFacts:
                                  capture_output=True, text=True)
         if counted.returncode:
             raise ConfigError((counted.stderr.strip().splitlines() or [f"counting {name} failed"])[-1])
-        kept = {"name": name, **json.loads(counted.stdout), "source": source}
+        counted = json.loads(counted.stdout)
+        kept = {"name": name, **counted, "buckets": ddp_buckets(counted["gradient_bytes"]), "source": source}
         cache = facts_cache()
         cache.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(str(cache), json.dumps(_read_cache() | {key: kept}, indent=1, sort_keys=True) + "\n")
