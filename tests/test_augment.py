@@ -14,12 +14,12 @@ import torch
 from conftest import PYTHON, hpcdl
 from PIL import Image
 
-from hpcdl.config import resolve
+from hpcdl.presets import resolve
 from hpcdl.data import recipe
 from hpcdl.data.transforms import Augment, BatchMix, EvalTransform
 from hpcdl.errors import ConfigError
 
-NO_TORCH = ("import sys\nfrom hpcdl.config import resolve\nfrom hpcdl.errors import ConfigError\n"
+NO_TORCH = ("import sys\nfrom hpcdl.presets import resolve\nfrom hpcdl.errors import ConfigError\n"
             "try:\n    resolve('demo_tiny_lars', sys.argv[1:])\nexcept ConfigError as e:\n    print(e)\n"
             "print('torch imported' if 'torch' in sys.modules else 'no torch')\n")
 

@@ -150,7 +150,7 @@ def test_the_contributing_example_benchmark_is_one_module_and_one_row(tmp_path, 
 
     text = (REPO / "docs" / "contributing.md").read_text()
     config = re.search(r"```python\n# hpcdl/bench/configs.py\n(.*?)```", text, re.S).group(1)
-    reports = re.search(r"```python\n# hpcdl/bench/reports.py\n(.*?)```", text, re.S).group(1)
+    reports = re.search(r"```python\n# hpcdl/bench/reports/train.py\n(.*?)```", text, re.S).group(1)
     source = re.search(r"```python\n# hpcdl/bench/matmul.py\n(.*?)```", text, re.S).group(1)
     row = re.search(r"```python\n\s+(Benchmark\(.*?\)),\n```", text, re.S).group(1)
     configs = tmp_path / "matmul_configs.py"  # files, as in the package: the flags' help is read from the source

@@ -15,7 +15,8 @@ from conftest import PYTHON
 from fuzz_inputs import CONFIG_DOCS, CONFIG_VALUES, config_mutants, corpus, mutants
 from PIL import Image
 
-from hpcdl.config import PRESETS, dump_yaml, get_preset, load_yaml, resolve
+from hpcdl.config import dump_yaml
+from hpcdl.presets import PRESETS, get_preset, load_yaml, resolve
 from hpcdl.data.images import Encoding, Rejected, prepare
 from hpcdl.data.sources import MAX_INPUT_BYTES
 from hpcdl.errors import ConfigError

@@ -6,7 +6,7 @@ import pytest
 from conftest import PYTHON
 
 from hpcdl import names
-from hpcdl.config import resolve
+from hpcdl.presets import resolve
 from hpcdl.errors import ConfigError
 
 NO_TORCH = ("import sys\nfrom hpcdl.cli import main\nrc = main(sys.argv[1:])\n"

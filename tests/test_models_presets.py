@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hpcdl.config import PRESETS, get_preset, mlperf_lars_lr
+from hpcdl.presets import PRESETS, get_preset, mlperf_lars_lr
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS, build_model
 from hpcdl.models.alexnet_bn import AlexNetBN

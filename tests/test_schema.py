@@ -2,7 +2,7 @@
 
 import pytest
 
-from hpcdl.config import get_preset, resolve
+from hpcdl.presets import get_preset, resolve
 from hpcdl.errors import ConfigError
 from hpcdl.schema import from_dict, to_dict
 
@@ -41,7 +41,8 @@ def test_round_trip_through_plain_data():
 
 
 def test_yaml_config_files(tmp_path):
-    from hpcdl.config import dump_yaml, resolve
+    from hpcdl.config import dump_yaml
+    from hpcdl.presets import resolve
 
     partial = tmp_path / "run.yaml"
     partial.write_text("preset: resnet50_b32k_lars\nglobal_batch: 16384\ndata:\n  train: /scratch/in1k/train\n"

@@ -12,7 +12,7 @@ import pytest
 from conftest import PYTHON, REPO, SIMULATED_CPUS, hpcdl, sbatch_wait
 
 from hpcdl.bench.tune import Topology, Trial, node_topology, rank_counts, refusal
-from hpcdl.config import resolve
+from hpcdl.presets import resolve
 from hpcdl.errors import ConfigError
 from hpcdl.launch import job_request
 from hpcdl.launch.layout import NodeLayout, load_layout, train_overrides

@@ -7,7 +7,8 @@ import sys
 from dataclasses import dataclass, field
 
 from hpcdl.cli.common import command
-from hpcdl.config import DataConfig, resolve
+from hpcdl.config import DataConfig
+from hpcdl.presets import resolve
 from hpcdl.data import recipe
 from hpcdl.data.format import summarize
 from hpcdl.data.options import PackConfig

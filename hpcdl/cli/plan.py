@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from hpcdl.bench.runner import Job, Output
 from hpcdl.cli.common import command
-from hpcdl.config import get_preset
+from hpcdl.presets import get_preset
 from hpcdl.distributed.env import discover
 from hpcdl.plan.planner import PlanInputs, PlanQuestion, format_plan, plot
 from hpcdl.plan.planner import plan as planned

@@ -9,7 +9,8 @@ import inspect
 from dataclasses import dataclass, field
 
 from hpcdl.cli.common import command, exit_code
-from hpcdl.config import PRESETS, describe, dump_yaml, resolve
+from hpcdl.config import describe, dump_yaml
+from hpcdl.presets import PRESETS, resolve
 from hpcdl.deferred import deferred
 from hpcdl.errors import HpcdlError
 from hpcdl.flags import add_flags, config_from_args, meta

@@ -24,7 +24,8 @@ import statistics
 
 from hpcdl import names
 from hpcdl.bench.reports import AllreduceReport, ScalingReport, StartupReport, StepReport, SyncReport
-from hpcdl.config import SyncConfig, get_preset
+from hpcdl.config import SyncConfig
+from hpcdl.presets import get_preset
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.flags import meta
 from hpcdl.launch.profiles import get_profile

@@ -6,7 +6,7 @@ import logging
 
 import submitit
 
-from hpcdl.config import resolve
+from hpcdl.presets import resolve
 from hpcdl.deferred import deferred
 from hpcdl.distributed.env import rank_and_world
 from hpcdl.log import setup_logging
