@@ -24,8 +24,10 @@ import time
 
 import hpcdl.distributed.sync
 import hpcdl.train.checkpoint as checkpoint
+import hpcdl.train.build as build
 import hpcdl.train.step
 import hpcdl.train.trainer as trainer
+import hpcdl.train.wrap as wrap
 from hpcdl.cli import main
 
 rank = int(os.environ.get("RANK", "0"))
@@ -75,13 +77,13 @@ def half_written_save(save):
 
 trainer.init_distributed = fault("rendezvous")(trainer.init_distributed)
 trainer.Trainer._resume = fault("checkpoint")(trainer.Trainer._resume)
-trainer.data_parallel = fault("ddp")(trainer.data_parallel)
+wrap.data_parallel = fault("ddp")(wrap.data_parallel)
 trainer.evaluate = fault("eval")(trainer.evaluate)
 trainer.Trainer._prepare = fault("data", on_call=5)(trainer.Trainer._prepare)
 step = hpcdl.train.step.Stepper.step
 hpcdl.train.step.Stepper.step = fault("step3", on_call=3)(fault("first_step")(step))
 hpcdl.distributed.sync._timed = fault("allreduce", on_call=9)(hpcdl.distributed.sync._timed)  # a bucket of step 5 (2 a step)
-criterion = trainer.criterion
-trainer.criterion = lambda smoothing: fault("forward", on_call=5)(criterion(smoothing))
+criterion = build.make_criterion
+build.make_criterion = lambda smoothing: fault("forward", on_call=5)(criterion(smoothing))
 checkpoint.torch.save = half_written_save(checkpoint.torch.save)
 sys.exit(main(sys.argv[1:]))

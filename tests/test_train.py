@@ -151,36 +151,64 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one_with_every_hook(data, tm
 
 
 @pytest.mark.ranks
-def test_a_run_resumes_on_fewer_ranks_and_trains_each_sample_of_the_epoch_once(data, tmp_path):
-    """Global batch 16 over 240 images: 3 steps on 4 ranks, to step 5 on 2, to step 8 on 2 again (a same-size
-    resume mid-epoch, from a position), to the epoch's end (15) on 1. Each rank records the samples it trains;
-    together they are the epoch, each sample once. The micro-batch of 4 stays: accumulation follows the
-    ranks."""
-    extra = ["--set", "data.val=", "--set", "data.workers=1", "--set", "checkpoint.every_minutes=0",
-             "--set", "loop.record_samples=true", "--set", "sync.hook=chunk_sparse", "--set", "sync.chunk=256",
-             "--set", "sync.dense_warmup_epochs=0.1"]
+def test_each_rank_draws_its_own_dropout_masks_and_a_resume_draws_the_same_ones_again(data, tmp_path, monkeypatch):
+    """A model with dropout (tests/own_models.py's DropoutNet records each mask it draws) on 2 ranks: the ranks'
+    masks differ (each rank's streams are seeded by (seed, rank)); 6 steps straight against 3, then a resume to
+    6: the same masks at steps 4-6 on each rank, and the same weights and optimizer state, bitwise."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "tests"))
+    extra = ["--set", "model=own_models:DropoutNet", "--set", "data.val=", "--set", "checkpoint.every_minutes=0"]
+    runs = {}
+    for name, steps, run in (("ref", 6, "ref"), ("cut", 3, "cut"), ("again", 6, "cut")):
+        (tmp_path / name).mkdir()
+        monkeypatch.setenv("HPCDL_TEST_MASKS", str(tmp_path / name))
+        procs = start_ranks(2, args_for(data, tmp_path / run, *extra, "--set", f"loop.max_steps={steps}"),
+                            tmp_path / name)
+        assert wait_all(procs) == [0, 0], (tmp_path / name / "rank0.log").read_text()[-3000:]
+        runs[name] = [(tmp_path / name / f"rank{r}.txt").read_text().splitlines() for r in (0, 1)]
+    ref, again = runs["ref"], runs["again"]
+    assert all(m0 != m1 for m0, m1 in zip(ref[0][-6:], ref[1][-6:]))  # every step: rank 0's mask is not rank 1's
+    assert "0" in ref[0][-1] and "1" in ref[0][-1]
+    assert [masks[-3:] for masks in again] == [masks[-3:] for masks in ref]
+    a, b = (torch.load(tmp_path / run / "checkpoints" / "ckpt-000000006.pt", weights_only=True) for run in ("ref", "cut"))
+    for key in ("model", "optimizer"):
+        assert same_states(a[key], b[key]) == [], key
+
+
+@pytest.mark.ranks
+def test_a_chain_of_cuts_inside_the_read_ahead_window_trains_each_sample_of_every_epoch_once(data, tmp_path):
+    """Global batch 16 over 240 images (15 steps an epoch) with the default data.workers=4, whose read-ahead
+    (4 batches a worker) reaches the epoch's end within its first steps, so every checkpoint below is written
+    inside that window: 3 steps on 4 ranks, to 5 on 2, to 13 on 2 (a same-count resume of a cut epoch), to 20 on
+    1 (into epoch 1), to 26 on 4, to 30 (epoch 1's end) on 2. Each rank records the samples it trains: each
+    epoch's 240 samples once. The micro-batch of 4 stays: accumulation follows the ranks."""
+    extra = ["--set", "data.val=", "--set", "checkpoint.every_minutes=0", "--set", "loop.record_samples=true",
+             "--set", "data.workers=4", "--set", "sync.hook=chunk_sparse", "--set", "sync.chunk=256",
+             "--set", "sync.dense_warmup_epochs=0.1"]  # data.workers: the default (the demo preset's is 1)
     run = tmp_path / "run"
-    for world, steps in ((4, 3), (2, 5), (2, 8), (1, 15)):
+    for world, steps in ((4, 3), (2, 5), (2, 13), (1, 20), (4, 26), (2, 30)):
         where = tmp_path / f"w{world}-{steps}"
         where.mkdir()
         procs = start_ranks(world, args_for(data, run, *extra, "--set", f"loop.max_steps={steps}"), where)
         assert wait_all(procs) == [0] * world, (where / "rank0.log").read_text()[-3000:]
-    log2, log1 = ((tmp_path / w / "rank0.log").read_text() for w in ("w2-5", "w1-15"))
+    log2, log1, log4 = ((tmp_path / w / "rank0.log").read_text() for w in ("w2-5", "w1-20", "w4-26"))
     assert "written by 4 ranks, on 2: global batch 16 = 2 x 8 per rank (was 4 x 4)" in log2, log2[-3000:]
-    assert "the epoch goes on with the 192 samples not yet trained" in log2
+    assert "epoch 0 goes on with the 192 samples not yet trained, 96 per rank" in log2
     assert "loop.accum_steps 1 -> 2 keeps the micro-batch of 4 images" in log2
     assert "chunk_sparse residuals: old rank r's to rank r mod 2, scaled by 2/4" in log2
     assert "written by 2 ranks, on 1" in log1 and "loop.accum_steps 1 -> 4" in log1
+    assert "epoch 1 goes on with the 160 samples not yet trained, 40 per rank" in log4  # 5 steps of 15 were done
     lines = [line.split() for f in sorted((run / "samples").iterdir()) for line in f.read_text().splitlines()]
-    assert sorted(int(i) for _, i in lines) == list(range(240)) and {e for e, _ in lines} == {"0"}
+    for epoch in ("0", "1"):
+        assert sorted(int(i) for e, i in lines if e == epoch) == list(range(240)), epoch
+    assert len(lines) == 480
     steps = [json.loads(line)["step"] for line in (run / "train.jsonl").read_text().splitlines() if '"kind": "step"' in line]
-    assert steps == list(range(1, 16))
+    assert steps == list(range(1, 31))
     refused = tmp_path / "refused"
     refused.mkdir()
-    procs = start_ranks(2, args_for(data, run, *extra, "--set", "loop.max_steps=20",
-                                    "--set", "checkpoint.resume_ranks=same"), refused)
-    assert wait_all(procs) == [2, 2]
-    assert "written by 1 ranks, this job has 2 and checkpoint.resume_ranks=same" in (refused / "rank0.log").read_text()
+    procs = start_ranks(3, args_for(data, run, *extra, "--set", "loop.max_steps=40"), refused)
+    assert wait_all(procs) == [2, 2, 2]
+    assert "global_batch=16 does not split over 3 ranks, and a resume keeps the global batch" in \
+        (refused / "rank0.log").read_text()
 
 
 @pytest.mark.slow

@@ -18,6 +18,12 @@ follows, since each global step takes a contiguous block of the epoch's permutat
 ranks; in ``shard`` mode the rest of that one epoch leaves the shard-per-rank locality. The state keeps the
 cuts (ranks, position) of the epoch, so a run can be cut again, on any number of ranks.
 
+The position is explicit: it changes only through :meth:`~DistributedShardSampler.set_epoch`,
+:meth:`~DistributedShardSampler.load_state_dict` and :meth:`~DistributedShardSampler.advance`, which the
+trainer calls with the samples it has trained. Iterating never moves it: a DataLoader's workers read ahead
+of training (4 batches each by default) and run the iterator dry several steps before the epoch's end, and a
+checkpoint written in that window must still name what was trained, not what was read.
+
 Each index is yielded as a :class:`Sample`, an ``int`` that also carries its epoch and whether it is
 evaluation padding. :class:`ShardDataset` seeds a sample's augmentation from (seed, epoch, index), so
 augmentations do not depend on the number of workers or on where a run resumed; it labels evaluation
@@ -26,7 +32,6 @@ padding (``shuffle=False``) ``PADDING_LABEL`` so that it is not counted.
 
 from __future__ import annotations
 
-import collections
 import math
 
 import numpy as np
@@ -68,10 +73,9 @@ class DistributedShardSampler(Sampler[int]):
         self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         self.total = int(self.starts[-1])
         self.num_replicas, self.rank, self.mode, self.shuffle, self.seed = num_replicas, rank, mode, shuffle, seed
-        self.epoch, self.position, self._yielded = 0, 0, 0
+        self.epoch, self.position = 0, 0  # position: this rank's indices of the epoch trained so far
         self.cuts: list[tuple[int, int]] = []  # (ranks, position per rank) of earlier runs of this epoch
         self._dealt: tuple | None = None  # (epoch, cuts, this rank's indices) of a cut epoch, computed once
-        self.handed: collections.deque | None = None  # when a deque: every index handed out, in order
 
     @property
     def num_samples(self) -> int:
@@ -92,25 +96,28 @@ class DistributedShardSampler(Sampler[int]):
         return self.num_samples - self.position
 
     def __iter__(self):
-        indices = self.indices()
-        start, self._yielded = self.position, 0
-        for i, padding in indices[start:]:
-            self._yielded += 1
-            sample = Sample(i, self.epoch, padding)
-            if self.handed is not None:
-                self.handed.append(sample)
-            yield sample
-        self.position, self.cuts = 0, []  # the epoch is over; the next pass starts at its beginning
+        """This rank's indices from the position on; the position does not move (see :meth:`advance`)."""
+        epoch = self.epoch
+        for i, padding in self.indices()[self.position:]:
+            yield Sample(i, epoch, padding)
 
-    def fraction_done(self, consumed: int) -> float:
-        """The share of the epoch trained once this rank has trained ``consumed`` more of its indices, counting
-        what runs before a cut trained."""
+    def advance(self, count: int) -> list[Sample]:
+        """Mark the next ``count`` indices of this rank as trained; returns them. The loader hands batches out in
+        the sampler's order, so these are the samples of the batches the caller took."""
+        if count < 0 or self.position + count > self.num_samples:
+            raise ValueError(f"sampler: cannot advance {count} from {self.position} of {self.num_samples} indices")
+        done = self.indices()[self.position:self.position + count]
+        self.position += count
+        return [Sample(i, self.epoch, padding) for i, padding in done]
+
+    def fraction_done(self) -> float:
+        """The share of the epoch trained, counting what runs before a cut trained."""
         if not self.cuts:
-            return (self.position + consumed) / max(self.num_samples, 1)
+            return self.position / max(self.num_samples, 1)
         ranks, _ = self.cuts[0]
         whole = len(self._rank_list(0, ranks)) * ranks
         before = sum(r * p for r, p in self.cuts)
-        return min(1.0, (before + (self.position + consumed) * self.num_replicas) / max(whole, 1))
+        return min(1.0, (before + self.position * self.num_replicas) / max(whole, 1))
 
     def indices(self) -> list[tuple[int, bool]]:
         """This rank's whole epoch as (index, is evaluation padding), padded entries included."""
@@ -178,13 +185,9 @@ class DistributedShardSampler(Sampler[int]):
         extra = (mine * math.ceil(longest / max(len(mine), 1)))[:longest - len(mine)]
         return [(i, False) for i in mine] + [(i, not self.shuffle) for i in extra]
 
-    def state_dict(self, consumed: int | None = None) -> dict:
-        """Where to resume: ``consumed`` indices of this epoch are done (default: all yielded so far).
-
-        A DataLoader reads ahead of training, so a trainer passes the count it has actually trained on.
-        """
-        done = self.position + (self._yielded if consumed is None else consumed)
-        return {"epoch": self.epoch, "position": done, "mode": self.mode, "seed": self.seed,
+    def state_dict(self) -> dict:
+        """Where to resume: the epoch, the indices of it trained (:meth:`advance`) and its earlier cuts."""
+        return {"epoch": self.epoch, "position": self.position, "mode": self.mode, "seed": self.seed,
                 "num_replicas": self.num_replicas, "total": self.total, "shuffle": self.shuffle,
                 "cuts": [list(c) for c in self.cuts]}
 
@@ -198,8 +201,15 @@ class DistributedShardSampler(Sampler[int]):
         if differs:
             raise ConfigError(f"sampler state does not fit this run: {differs} (saved, now); a resume needs the "
                               "same dataset, seed and mode" + ("" if remap else ", and here the same number of ranks"))
-        self.epoch, self.position, self._yielded = int(state["epoch"]), int(state["position"]), 0
-        self.cuts = [(int(r), int(p)) for r, p in state.get("cuts", [])]
-        if state["num_replicas"] != self.num_replicas:
-            self.cuts.append((int(state["num_replicas"]), self.position))
-            self.position = 0
+        self.epoch = int(state["epoch"])
+        self.cuts = cuts_after(state, self.num_replicas)
+        self.position = int(state["position"]) if state["num_replicas"] == self.num_replicas else 0
+
+
+def cuts_after(state: dict, replicas: int) -> list[tuple[int, int]]:
+    """The cuts of the epoch once ``state`` (a sampler's :meth:`~DistributedShardSampler.state_dict`) is loaded on
+    ``replicas`` ranks: on another count the saved position is one more cut."""
+    cuts = [(int(r), int(p)) for r, p in state.get("cuts", [])]
+    if state["num_replicas"] != replicas:
+        cuts.append((int(state["num_replicas"]), int(state["position"])))
+    return cuts

@@ -220,6 +220,14 @@ class DistContext:
     def world_size(self) -> int:
         return self.env.world_size
 
+    def keep_data_cores(self, cores: int) -> None:
+        """Re-plan this rank's threads with ``cores`` whole cores kept for the data loader, and apply the plan."""
+        if cores == len(self.cpu.data_cpus):
+            return
+        self.cpu = plan_cpus(local_rank=self.env.local_rank, local_size=self.env.local_size,
+                             comm_threads=len(self.cpu.comm_cpus), data_cores=cores, task_cpus=set(self.cpu.task_cpus))
+        apply_cpu_plan(self.cpu)
+
 
 def apply_cpu_plan(plan: CpuPlan, environ: dict[str, str] | None = None) -> None:
     """Bind this process, set OMP_NUM_THREADS (for child processes) and torch's thread count."""

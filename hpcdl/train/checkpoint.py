@@ -7,15 +7,16 @@ rank and is too large to gather on rank 0 (the chunk_sparse hook's residuals: a 
 goes into one file per rank beside it, ``ckpt-STEP.rankRRRRR.pt``, written before rank 0 writes the
 checkpoint that lists them, and removed with it.
 
-A restart reads the checkpoint from the shared filesystem once per job: rank 0 reads its bytes and the
-job's group broadcasts them (:func:`load_latest_shared`), so the filesystem serves one reader at any number
-of ranks; each per-rank file is read by the one rank that needs it.
+A restart reads the checkpoint from the shared filesystem once per job: rank 0 loads it and the job's group
+streams its tensors to the others (:func:`load_latest_shared`, through
+:func:`hpcdl.distributed.share.broadcast_state`: one copy of the state per rank plus a 64 MiB chunk, every
+call under 2 GiB), so the filesystem serves one reader at any number of ranks; each per-rank file is read by
+the one rank that needs it.
 """
 
 from __future__ import annotations
 
 import glob
-import io
 import logging
 import os
 import random
@@ -23,8 +24,8 @@ import re
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from hpcdl.distributed.share import broadcast_state
 from hpcdl.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -62,25 +63,17 @@ class CheckpointManager:
         return sorted(found, reverse=True)
 
     def load_latest(self) -> tuple[str, dict] | None:
-        """(path, state) of the newest checkpoint that loads; None when there is none."""
-        latest = self.read_latest()
-        return (latest[0], latest[2]) if latest else None
-
-    def read_latest(self) -> tuple[str, bytes, dict] | None:
-        """(path, its bytes, state) of the newest checkpoint that loads; None when there is none. Each file
-        is read once."""
+        """(path, state) of the newest checkpoint that loads; None when there is none. Each file is read once."""
         skipped = []
         for path in self.checkpoints():
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
-                state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                state = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, zipfile errors...
                 skipped.append(f"{path} ({type(exc).__name__}: {exc})")
                 continue
             if skipped:
                 log.warning("checkpoint: skipped unreadable %s; resuming from %s", "; ".join(skipped), path)
-            return path, data, state
+            return path, state
         if skipped:
             log.warning("checkpoint: no readable checkpoint in %s (skipped %s); starting fresh", self.folder,
                         "; ".join(skipped))
@@ -89,16 +82,10 @@ class CheckpointManager:
 
 def load_latest_shared(manager: CheckpointManager | None, group) -> tuple[str, dict] | None:
     """Collective over ``group``: (path, state) of the checkpoint rank 0 (the one with ``manager``) chose, on
-    every rank, or None. Rank 0 reads the file; the others get its bytes over the group, not from the
+    every rank, or None. Rank 0 reads the file; the others get its tensors over the group, not from the
     filesystem."""
-    latest = manager.read_latest() if manager is not None else None
-    found = [latest[0], latest[1]] if latest else [None, None]
-    dist.broadcast_object_list(found, src=0, group=group)
-    if found[0] is None:
-        return None
-    if latest:
-        return latest[0], latest[2]
-    return found[0], torch.load(io.BytesIO(found[1]), map_location="cpu", weights_only=True)
+    latest = manager.load_latest() if manager is not None else None
+    return broadcast_state(latest, group)
 
 
 def _write_failed(path: str, tmp: str, state: dict, exc: Exception, kept: list[str]) -> str:
@@ -191,6 +178,13 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     p = state["python"]
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of ``rank``'s RNG streams in a run of ``loop.seed`` = ``seed``: a hash of both, so ranks draw
+    independent streams (dropout masks, stochastic depth) and a rank gets the same one whatever the run's
+    history (from the start, or added by a resume on more ranks)."""
+    return int(np.random.SeedSequence([seed % 2 ** 63, rank]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def seed_rng(seed: int) -> None:

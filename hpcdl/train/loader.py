@@ -1,8 +1,8 @@
 """The rank's DataLoader and the cores it is given, sized from measured rates.
 
-A loader worker used to get a core of its own. On a 2-core node training ResNet-50, that core sat 97%
-idle while compute ran on the other (9.1 images/s against 16.4 with both cores computing). Now the rank
-measures two rates at start-up:
+A core given to the loader whatever its need is a core lost to compute: on a 2-core node training ResNet-50,
+such a core sat 97% idle while compute ran on the other (9.1 images/s against 16.4 with both cores
+computing). So the rank measures two rates at start-up:
 
 - the loader's cost: seconds of one core per image. The probe decodes and transforms images of the
   job's own training shards in this process (:func:`loader_cost`).
@@ -17,19 +17,23 @@ compute gets the rest. ``data.reserve_cores`` set to a count skips the probe.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
 import os
 import signal
 import time
+import traceback
 
 import torch
 from torch.utils.data import DataLoader
 
+from hpcdl.errors import DataError
 from hpcdl.train.step import effects_undone
 
-__all__ = ["LOADER_NICE", "LoaderSizing", "loader_cost", "make_loader", "size_loader", "step_rate"]
+__all__ = ["LOADER_NICE", "LoaderSizing", "data_workers_named", "loader_cost", "make_loader", "size_loader",
+           "step_rate"]
 
 LOADER_NICE = 10  # the workers' niceness: compute's threads win each core the two contend for
 PROBE_S = 0.3  # about how long each probe of the loader runs
@@ -134,3 +138,38 @@ def _start_worker(worker_id: int) -> None:
     # which needs its workers until then (they exit with it). Ignoring it drops one that arrived while blocked.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+@contextlib.contextmanager
+def data_workers_named(rank: int):
+    """A DataLoader worker that dies (the OOM killer, most often) surfaces as a RuntimeError from the loader
+    or from torch's SIGCHLD handler, wherever the main thread is, or as a ConnectionError when it dies
+    handing a batch over: name it as the data's, with the fix."""
+    try:
+        yield
+        return
+    except (RuntimeError, ConnectionError, EOFError) as exc:
+        error = exc
+    for _ in range(3):  # torch's SIGCHLD handler can raise again while this runs: take its error instead
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            named = worker_death(error, rank)
+            break
+        except RuntimeError as again:
+            error = again
+    else:
+        named = None
+    if named is None:
+        raise error
+    raise named from None
+
+
+def worker_death(exc: BaseException, rank: int) -> DataError | None:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if "DataLoader worker" not in str(exc) and not any("torch/utils/data/" in f.filename for f in frames):
+        return None
+    first = (str(exc).strip().splitlines() or [""])[0]
+    what = first if "DataLoader worker" in first else \
+        f"a DataLoader worker died while handing over a batch ({type(exc).__name__}: {first})"
+    return DataError(f"rank {rank}: {what}; the OOM killer is the usual cause (the node's dmesg says): lower "
+                     "data.workers or the per-rank batch, or ask Slurm for more memory per task")

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hpcdl.errors import LaunchError
 from hpcdl.names import signal_number
+from hpcdl.train.preflight import requeue_target
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,6 @@ class StopSignal:
         signal.signal(self.signum, self._previous)
         if self._previous_term is not None:
             signal.signal(signal.SIGTERM, self._previous_term)
-
-
-def requeue_target(environ: Mapping[str, str] = os.environ) -> str | None:
-    """The id ``scontrol requeue`` needs: ``ARRAYJOBID_TASKID`` for an array task, else the job id."""
-    if "SLURM_ARRAY_JOB_ID" in environ and "SLURM_ARRAY_TASK_ID" in environ:
-        return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
-    return environ.get("SLURM_JOB_ID")
 
 
 def requeue(max_requeues: int, environ: Mapping[str, str] = os.environ) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 
 from hpcdl.config import RunConfig
 from hpcdl.data.format import Manifest
@@ -51,3 +52,27 @@ def check_writable(cfg: RunConfig) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"run_dir={cfg.run_dir!r}: {folder} is not writable by this user; --set run_dir to a "
                           "folder you can write (e.g. $SCRATCH/runs/{name}-{job})")
+
+
+def run_dir(cfg: RunConfig) -> str:
+    """The run folder: ``run_dir`` with ``{name}`` and ``{job}`` (the job that requeues, or "local") filled in."""
+    return os.path.expandvars(cfg.run_dir.format(name=cfg.name, job=requeue_target() or "local"))
+
+
+def make_run_dir(cfg: RunConfig) -> str:
+    """The run folder with its checkpoints folder, made; a ConfigError when it cannot be."""
+    check_writable(cfg)  # the refusal the login node gives, before the folder is made
+    folder = run_dir(cfg)
+    try:
+        os.makedirs(os.path.join(folder, "checkpoints"), exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"run_dir {folder}: cannot create it ({exc.strerror or exc}); --set run_dir to a folder "
+                          "this job can write") from None
+    return folder
+
+
+def requeue_target(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The id ``scontrol requeue`` needs: ``ARRAYJOBID_TASKID`` for an array task, else the job id."""
+    if "SLURM_ARRAY_JOB_ID" in environ and "SLURM_ARRAY_TASK_ID" in environ:
+        return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    return environ.get("SLURM_JOB_ID")

@@ -1,16 +1,19 @@
 """The trainer's state as stateful parts: each gives ``state_dict()`` and takes ``load_state_dict()``, as
-torch's modules, optimizers and hpcdl's schedule already do. A checkpoint is their composition (see
-``Trainer._parts``), so that adding a part is one entry there."""
+torch's modules, optimizers and hpcdl's schedule already do. A checkpoint is their composition (the trainer's
+``parts``), so that adding a part is one entry there."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Protocol
 
 import torch.distributed as dist
 
-from hpcdl.train.checkpoint import rng_state, seed_rng, set_rng_state
+from hpcdl.data.sampler import DistributedShardSampler
+from hpcdl.train.checkpoint import rank_seed, rng_state, seed_rng, set_rng_state
 
-__all__ = ["Counters", "RankRng", "SamplerPosition", "Stateful", "upgrade"]
+__all__ = ["FORMAT", "Progress", "RankRng", "SamplerPosition", "Stateful", "upgrade"]
 
 FORMAT = 2  # 1: the counters at the top level of the checkpoint
 
@@ -21,59 +24,71 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class Counters:
-    """The train loop's counters: steps and epochs done, training time, the best evaluation, the time to
-    the target accuracy."""
+@dataclasses.dataclass(slots=True)
+class Progress:
+    """The train loop's counters: steps and epochs done, training time (that of earlier runs, and this
+    process's since :meth:`start_clock`), the best evaluation, the time to the target accuracy."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    step: int = 0
+    epoch: int = 0
+    elapsed_before: float = 0.0
+    best: dict | None = None
+    time_to_target_s: float | None = None
+    started_at: float | None = None  # time.monotonic() when this process began training
+
+    def start_clock(self) -> None:
+        self.started_at = time.monotonic()
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + (time.monotonic() - self.started_at if self.started_at is not None else 0.0)
 
     def state_dict(self) -> dict:
-        t = self.trainer
-        return {"step": t.step, "epoch": t.epoch, "elapsed_s": t._elapsed(), "best": t.best,
-                "time_to_target_s": t.time_to_target}
+        return {"step": self.step, "epoch": self.epoch, "elapsed_s": self.elapsed(), "best": self.best,
+                "time_to_target_s": self.time_to_target_s}
 
     def load_state_dict(self, state: dict) -> None:
-        t = self.trainer
-        t.step, t.epoch, t.elapsed = state["step"], state["epoch"], state["elapsed_s"]
-        t.best, t.time_to_target = state["best"], state["time_to_target_s"]
+        self.step, self.epoch, self.elapsed_before = state["step"], state["epoch"], state["elapsed_s"]
+        self.best, self.time_to_target_s = state["best"], state["time_to_target_s"]
 
 
 class SamplerPosition:
-    """The sampler's epoch, order and how far into the epoch this rank's batches went."""
+    """The sampler's epoch, order and how far into the epoch this rank has trained. On another number of ranks
+    the epoch's unseen samples are dealt to this job's ranks (the resume plan refused the checkpoint before
+    this when ``checkpoint.resume_ranks=same``)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, sampler: DistributedShardSampler):
+        self.sampler = sampler
 
     def state_dict(self) -> dict:
-        return self.trainer.sampler.state_dict(consumed=self.trainer.consumed)
+        return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """On another number of ranks, the epoch's unseen samples are dealt to this job's ranks (the trainer
-        refused the checkpoint before this when ``checkpoint.resume_ranks=same``)."""
-        sampler = self.trainer.sampler
-        sampler.load_state_dict(state, remap=True)
-        self.trainer.consumed = 0  # counted from the sampler's position, as state_dict takes it
+        self.sampler.load_state_dict(state, remap=True)
 
 
 class RankRng:
-    """Every rank's torch, numpy and Python RNG states (collective: each rank gives its own; rank 0 saves
-    them all, and each rank takes its own back). A rank beyond the saved ones seeds its streams from
-    ``seed`` and its rank."""
+    """Every rank's torch, numpy and Python RNG states. Collective on save: each rank gives its own and rank 0,
+    which writes the checkpoint, gathers them (the others get None). On load each rank takes the saved
+    streams ``rng_from`` names for it (the resume plan's), or, with none, seeds them by the rule of the start."""
 
-    def __init__(self, ctx, seed: int = 0):
-        self.ctx, self.seed = ctx, seed
+    def __init__(self, group, rank: int, world_size: int, seed: int, rng_from: tuple[int | None, ...] | None = None):
+        self.group, self.rank, self.world_size, self.seed = group, rank, world_size, seed
+        self.rng_from = rng_from
 
-    def state_dict(self) -> list:
-        states = [None] * self.ctx.world_size
-        dist.all_gather_object(states, rng_state(), group=self.ctx.group)
+    def state_dict(self) -> list | None:
+        states = [None] * self.world_size if self.rank == 0 else None
+        if self.world_size == 1:
+            return [rng_state()]
+        dist.gather_object(rng_state(), states, dst=0, group=self.group)
         return states
 
     def load_state_dict(self, states: list) -> None:
-        if self.ctx.rank < len(states):
-            set_rng_state(states[self.ctx.rank])
+        source = self.rng_from[self.rank] if self.rng_from is not None else \
+            (self.rank if self.rank < len(states) else None)
+        if source is not None:
+            set_rng_state(states[source])
         else:
-            seed_rng(self.seed * 100_003 + self.ctx.rank)
+            seed_rng(rank_seed(self.seed, self.rank))
 
 
 def upgrade(state: dict) -> dict:

@@ -1,0 +1,168 @@
+"""What a run is built from, once per process: the model with its optimizer and schedule, its starting
+weights, the data (manifests, datasets, sampler, loaders, normalization) and the cores kept for the loader.
+
+Each builder takes the config and the job's context and returns a narrow object; the trainer wires them.
+Shared files are read by rank 0 alone and handed to the others (:func:`hpcdl.distributed.share.from_rank0`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+
+import torch
+
+from hpcdl.config import RunConfig
+from hpcdl.data.dataset import InMemory, ShardDataset
+from hpcdl.data.format import Manifest
+from hpcdl.data.recipe import channel_stats, parse
+from hpcdl.data.sampler import DistributedShardSampler
+from hpcdl.data.transforms import Augment, BatchMix, EvalTransform, normalize_batch
+from hpcdl.data.verify import check_dataset, load_manifest
+from hpcdl.distributed.process_group import DistContext
+from hpcdl.distributed.share import from_rank0
+from hpcdl.errors import ConfigError, DataError
+from hpcdl.models import build_model, model_info
+from hpcdl.models.finetune import load_weights, lr_scales, read_weights
+from hpcdl.optim.factory import build_optimizer
+from hpcdl.optim.schedule import LRSchedule
+from hpcdl.train.accel import apply_ipex
+from hpcdl.train.checkpoint import rank_seed, seed_rng
+from hpcdl.train.loader import LoaderSizing, loader_cost, make_loader, size_loader, step_rate
+from hpcdl.train.step import criterion as make_criterion
+
+__all__ = ["DataParts", "ModelParts", "build_data", "build_model_parts", "read_manifests", "size_loader_for"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class ModelParts:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    criterion: torch.nn.Module
+    ipex_note: str
+
+
+def build_model_parts(cfg: RunConfig, ctx: DistContext, precision: str, *, resuming: bool) -> ModelParts:
+    """The model (initialized alike on every rank: seeded with ``loop.seed``), ``model.weights`` unless the run
+    resumes its own checkpoint, the optimizer and the schedule. Then each rank's RNG streams are seeded by
+    (seed, rank), so dropout and stochastic depth draw differently on each rank."""
+    tuned = cfg.model
+    torch.manual_seed(cfg.loop.seed)
+    model = build_model(tuned.name, cfg.num_classes, in_channels=cfg.data.channels)
+    scales, body = {}, None
+    if tuned.weights:
+        if not resuming:  # a checkpoint of the run itself holds the weights it got to
+            _start_weights(model, cfg, ctx)
+        scales, body = lr_scales(model, cfg.num_classes, tuned.body_lr_scale, tuned.layer_decay,
+                                 needed=tuned.body_lr_scale != 1.0 or tuned.layer_decay != 1.0
+                                 or tuned.freeze_body_epochs > 0)
+    seed_rng(rank_seed(cfg.loop.seed, ctx.rank))
+    if cfg.loop.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(model, cfg.optimizer, scales, body)
+    model, optimizer, note = apply_ipex(model, optimizer, precision=precision, mode=cfg.loop.ipex)
+    freeze = round(tuned.freeze_body_epochs * cfg.schedule.steps_per_epoch)
+    return ModelParts(model, optimizer, LRSchedule(optimizer, cfg.schedule, freeze_steps=freeze),
+                      make_criterion(cfg.label_smoothing), note)
+
+
+def _start_weights(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) -> None:
+    """model.weights into rank 0's model, read by rank 0 alone: DDP gives the other ranks rank 0's weights when
+    it wraps the model. Rank 0's error stops every rank."""
+    m = cfg.model
+    found = from_rank0(lambda: load_weights(model, read_weights(m.weights, m.name), cfg.num_classes, m.weights),
+                       ctx.group, "load model.weights", catch=(ConfigError,))
+    if ctx.rank == 0:
+        log.info("fine-tuning from %s: %s; body lr x%g, frozen for %g epochs, layer decay %g", m.weights,
+                 "; ".join(found) or "every tensor loaded", m.body_lr_scale, m.freeze_body_epochs, m.layer_decay)
+
+
+def read_manifests(cfg: RunConfig, ctx: DistContext) -> tuple[Manifest | None, Manifest | None]:
+    """data.train's and data.val's manifests on every rank, read once, by rank 0."""
+    def read():
+        train = load_manifest(os.path.expandvars(cfg.data.train)) if cfg.data.train else None
+        return train, load_manifest(os.path.expandvars(cfg.data.val)) if cfg.data.val else None
+
+    return from_rank0(read, ctx.group, "read a manifest", catch=(DataError, OSError))
+
+
+@dataclasses.dataclass(slots=True)
+class DataParts:
+    train_loader: torch.utils.data.DataLoader
+    val_loader: torch.utils.data.DataLoader | None
+    sampler: DistributedShardSampler
+    mix: BatchMix
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    channels_last: bool
+    classes: list[str]  # for the confusion matrix
+
+    def prepare(self, images: torch.Tensor) -> torch.Tensor:
+        return normalize_batch(images, self.mean, self.std, channels_last=self.channels_last)
+
+    def blank_batch(self, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch of black images, class 0: for the probes that only time or order a step."""
+        images = torch.zeros(cfg.micro_batch, cfg.crop, cfg.crop, cfg.data.channels, dtype=torch.uint8)
+        return self.prepare(images), torch.zeros(cfg.micro_batch, dtype=torch.long)
+
+
+def build_data(cfg: RunConfig, ctx: DistContext, manifests: tuple[Manifest, Manifest | None]) -> DataParts:
+    steps = parse(cfg.data.augment)
+    augment = Augment(steps, cfg.crop, decoder=cfg.data.decoder, channels=cfg.data.channels)
+    train = _dataset(cfg, ctx, os.path.expandvars(cfg.data.train), manifests[0], augment, seed=cfg.data.seed)
+    info = model_info(cfg.model.name)
+    mean, std, why = channel_stats(cfg.data, train.manifest.stats, train.root,
+                                   stated=(info.mean, info.std, info.description), finetuning=bool(cfg.model.weights))
+    names = [c["name"] or c["wnid"] for c in train.manifest.classes]
+    if ctx.rank == 0:
+        log.info("data: %s; normalized with mean %s, std %s (%s)", ", ".join(cfg.data.augment),
+                 [round(v, 4) for v in mean], [round(v, 4) for v in std], why)
+    sampler = DistributedShardSampler(train.shard_sizes, ctx.world_size, ctx.rank, cfg.data.sampler,
+                                      shuffle=True, seed=cfg.data.seed)
+    if cfg.data.in_memory:
+        train = InMemory(train, cfg.data.in_memory)
+    val_loader = None
+    if cfg.data.val:
+        val = _dataset(cfg, ctx, os.path.expandvars(cfg.data.val), manifests[1],
+                       EvalTransform(cfg.data.eval_resize, cfg.crop, decoder=cfg.data.decoder, channels=cfg.data.channels))
+        val_sampler = DistributedShardSampler(val.shard_sizes, ctx.world_size, ctx.rank, "global", shuffle=False)
+        val_loader = make_loader(val, val_sampler, cfg.micro_batch, cfg.data.workers)
+    return DataParts(make_loader(train, sampler, cfg.micro_batch, cfg.data.workers), val_loader, sampler,
+                     BatchMix(steps, cfg.num_classes), mean, std, cfg.loop.channels_last,
+                     names if len(names) == cfg.num_classes else [str(i) for i in range(cfg.num_classes)])
+
+
+def _dataset(cfg: RunConfig, ctx: DistContext, root: str, manifest: Manifest, transform,
+             seed: int | None = None) -> ShardDataset:
+    """The packed dataset at ``root`` without every rank reading the same files: ``manifest`` is rank 0's; the
+    shards' check (``data.verify``) is split over the ranks, and when any rank found a problem every rank stops
+    (each naming what it found)."""
+    problems = [] if cfg.data.verify == "none" else check_dataset(
+        root, manifest, full=cfg.data.verify == "full", rank=ctx.rank, world=ctx.world_size, split=True)
+    bad = torch.tensor([len(problems)], dtype=torch.int64)
+    torch.distributed.all_reduce(bad, group=ctx.group)
+    if bad.item():
+        mine = ("; here:\n  " + "\n  ".join(problems)) if problems else " (the ranks that checked them name them)"
+        raise DataError(f"{root}: {bad.item()} damaged or missing shards{mine}\nrun 'hpcdl verify --full {root}', "
+                        "then repack or restore them")
+    return ShardDataset(root, transform, verify="none", seed=seed, manifest=manifest)
+
+
+def size_loader_for(cfg: RunConfig, ctx: DistContext, data: DataParts, parts: ModelParts,
+                    precision: str) -> LoaderSizing:
+    """Keep whole cores from compute for the loader only where its measured need fills them (see
+    :mod:`hpcdl.train.loader`), and re-plan the rank's threads around them."""
+    def measure() -> tuple[float, float]:
+        x, y = data.blank_batch(cfg)
+        autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" \
+            else contextlib.nullcontext
+        return loader_cost(data.train_loader.dataset), step_rate(parts.model, parts.criterion, x, y, autocast)
+
+    sizing = size_loader(cfg.data.reserve_cores, cfg.data.workers, measure)
+    ctx.keep_data_cores(sizing.reserved)
+    return sizing

@@ -1,0 +1,113 @@
+"""The run's start and end as the user reads them: the lines announced at the start, the replica check, and
+the summary (``summary.json`` and its text)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from hpcdl.config import RunConfig
+from hpcdl.distributed.affinity import allocator_in_use
+from hpcdl.distributed.process_group import DistContext
+from hpcdl.errors import TrainingDiverged
+from hpcdl.train.metrics import phase_shares
+from hpcdl.train.outcome import Outcome, summary_text
+from hpcdl.train.state import Progress
+from hpcdl.utils import atomic_write_text
+
+__all__ = ["Facts", "announce", "check_replicas", "write_summary"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Facts:
+    """What the start-up decided, for the announcement."""
+
+    run_dir: str
+    resumed_from: str | None
+    last_step: int
+    model_defaults: str
+    precision: str
+    precision_why: str
+    loader: str
+    ipex_note: str
+    compile_note: str
+
+
+def announce(cfg: RunConfig, ctx: DistContext, progress: Progress, facts: Facts) -> None:
+    """Rank 0 logs the derived quantities once: the batch split, steps, model, backend, threads, precision and
+    the gradient sync."""
+    if ctx.rank != 0:
+        return
+    s, sync = cfg.schedule, cfg.sync
+    resumed = (f", resuming from {facts.resumed_from} (step {progress.step}, epoch {progress.epoch})"
+               if facts.resumed_from else ", from scratch")
+    sparse = (f" (keep {sync.keep:g} of {sync.chunk}-element chunks{', fp16 on the wire' if sync.fp16 else ''} after "
+              f"{sync.dense_warmup_epochs:g} dense epochs; each rank's residuals checkpointed with it)"
+              if sync.hook == "chunk_sparse" else "")
+    lines = [
+        f"run {cfg.name} in {facts.run_dir}{resumed}",
+        f"world size {ctx.world_size}; batch per rank {cfg.per_rank_batch} = {cfg.loop.accum_steps} x "
+        f"{cfg.micro_batch}; global batch {cfg.global_batch}",
+        f"{cfg.train_images} training images: {s.steps_per_epoch} steps per epoch, {s.warmup_steps} warmup steps, "
+        f"{facts.last_step} steps to run of {s.total_steps}; peak lr {s.peak_lr:.5g}",
+        f"model {cfg.model.name} at crop {cfg.crop}" + (f" ({facts.model_defaults})" if facts.model_defaults else ""),
+        f"backend {ctx.backend.name}; {ctx.cpu.threads} threads per rank; allocator {allocator_in_use()}",
+        facts.loader, f"cpu plan: {ctx.cpu.describe()}",
+        f"precision {facts.precision} ({facts.precision_why}); channels_last {cfg.loop.channels_last}",
+        facts.ipex_note, facts.compile_note,
+        f"gradient sync: DDP, buckets of {sync.bucket_cap_mb:g} MB"
+        + (f" (the first {sync.first_bucket_mb:g} MB)" if sync.first_bucket_mb else "")
+        + f", comm hook {sync.hook}{sparse}",
+    ]
+    for line in lines:
+        log.info("%s", line)
+
+
+def check_replicas(model: torch.nn.Module, ctx: DistContext, step: int) -> str:
+    """Collective: that every rank holds the same weights, bitwise (a sha256 of them, its first 8 bytes
+    compared by an all-reduce of min and max). Replicas that drifted apart (a rank that skipped an update,
+    a non-deterministic hook) end the run with the ranks that differ from rank 0 named. Buffers are left
+    out: batch norm's running statistics follow each rank's last batch until DDP's next forward hands out
+    rank 0's, which are the ones a checkpoint keeps."""
+    digest = hashlib.sha256()
+    for tensor in model.parameters():
+        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    mine = int.from_bytes(digest.digest()[:8], "little", signed=True)
+    both = torch.tensor([mine, -mine], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.group)
+    if both[0].item() == -both[1].item() == mine:
+        verdict = f"identical on {ctx.world_size} ranks (sha256 of the weights)"
+        if ctx.rank == 0:
+            log.info("replicas: %s", verdict)
+        return verdict
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, mine, group=ctx.group)
+    differ = [r for r, h in enumerate(every) if h != every[0]]
+    raise TrainingDiverged(f"the replicas differ after step {step}: ranks {differ} hold other weights than rank 0; "
+                           "this is a bug in hpcdl or in a custom comm hook: report it with the run folder")
+
+
+def write_summary(cfg: RunConfig, ctx: DistContext, progress: Progress, *, outcome: Outcome, epochs: float,
+                  run_dir: str, replicas: str) -> dict:
+    """The run's summary (the same on every rank); rank 0 writes summary.json and logs its text."""
+    elapsed = progress.elapsed()
+    best = progress.best or {}
+    jsonl = os.path.join(run_dir, "train.jsonl")
+    s = {"outcome": outcome.value, "name": cfg.name, "steps": progress.step, "world_size": ctx.world_size,
+         "epochs": epochs, "train_s": elapsed,
+         "images_per_s": progress.step * cfg.global_batch / elapsed if elapsed else 0.0,
+         "best_top1": best.get("top1"), "best_top5": best.get("top5"), "best_step": best.get("step"),
+         "target_top1": cfg.loop.target_top1, "time_to_target_s": progress.time_to_target_s, "run_dir": run_dir,
+         "replicas": replicas, "phases": phase_shares(jsonl) if ctx.rank == 0 and os.path.exists(jsonl) else {}}
+    if ctx.rank == 0:
+        atomic_write_text(os.path.join(run_dir, "summary.json"), json.dumps(s, indent=1) + "\n")
+        log.info("%s", summary_text(s))
+    return s
