@@ -1,21 +1,17 @@
-"""The core of hpcdl's own process groups: a communication library called from Python, asynchronously.
+"""The torch side of hpcdl's own process groups: a torch ``Backend`` whose collectives a communication library
+called from Python runs on a :class:`~hpcdl.distributed.comm_thread.CommThread`.
 
-torch's wheels carry gloo only. hpcdl reaches other libraries (MPI through mpi4py, oneCCL through its
-C API) with a torch ``ProcessGroup`` written in Python; this module is what they share, so that a
-library is one small file of primitives (see :class:`ThreadedProcessGroup`).
+torch's wheels carry gloo only. hpcdl reaches other libraries (MPI through mpi4py, oneCCL through its C
+API) with a torch backend written in Python; this module is what they share, so that a library is one small
+file of primitives (see :class:`ThreadedProcessGroup`).
 
-Collectives are asynchronous. Each call queues the operation for a :class:`CommThread` and returns a
-:class:`torch.distributed.Work` at once; the thread runs the library's calls in issue order and
-completes the Work's future, so DDP keeps computing gradients while earlier buckets are reduced. A
-small collective (at most the group's ``inline_bytes``) issued while nothing is queued may run on the
-caller's thread instead, which saves two thread hand-offs (the small-message latency); a library that
-must be called from one thread only (oneCCL) sets ``inline_bytes = 0``.
-
-A collective that does not complete within its group's timeout fails its Work with a message that
-names this rank, the library and the operation; the caller (``hpcdl.distributed.process_group.fail_fast``)
-then names the lost rank from the heartbeats. A library that cannot abort a call leaves its thread
-stuck in it; at exit such a process leaves at once (``exit_if_stuck``) instead of crashing in the
-library's destructors.
+Collectives are asynchronous: each call queues the operation for the group's thread and returns a
+:class:`torch.distributed.Work` at once, whose future the thread completes. A small collective (at most the
+group's ``inline_bytes``) issued while nothing is queued may run on the caller's thread instead, which saves
+two thread hand-offs (the small-message latency); a library that must be called from one thread only
+(oneCCL) sets ``inline_bytes = 0``. A collective that does not complete within its group's timeout fails
+its Work with a message that names this rank, the library and the operation; the caller
+(``hpcdl.distributed.process_group.fail_fast``) then names the lost rank from the heartbeats.
 
 The base also does what every library needs around its primitives: AVG as a sum divided by the size,
 reductions of dtypes the library lacks in fp32, non-contiguous tensors, the list and ``_single`` forms
@@ -24,24 +20,17 @@ of the collectives torch calls, and an unsupported reduce op refused with the sa
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
 import functools
-import logging
-import queue
-import threading
-import time
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from hpcdl.distributed.comm_thread import CommThread, Liveness, describe
 from hpcdl.errors import ConfigError
-from hpcdl.utils import leave_now
 
-__all__ = ["CommThread", "DoneWork", "Liveness", "ThreadedProcessGroup", "library_group"]
+__all__ = ["CommThread", "DoneWork", "Liveness", "ThreadedProcessGroup", "library_group"]  # CommThread, Liveness: for the libraries
 
 _SUM, _AVG = dist.ReduceOp.RedOpType.SUM, dist.ReduceOp.RedOpType.AVG
 _PREMUL = dist.ReduceOp.RedOpType.PREMUL_SUM
@@ -84,160 +73,6 @@ class DoneWork(dist.Work):
         return True
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Liveness:
-    """Whether the job's ranks are alive (from init_distributed's heartbeats): the watchdog asks ``probe`` about
-    a collective that has run longer than ``after_s``."""
-
-    probe: Callable[[], str | None]  # a message naming the ranks whose heartbeat stopped, or None
-    after_s: float = 6.0
-
-
-class CommThread:
-    """One thread that runs the queued collectives of one or more groups in issue order, and a watchdog
-    that fails the Work of one that outlives its group's timeout (no library here can cancel a call).
-
-    ``exit_if_stuck``: at exit, a process whose thread is still inside a library call leaves with
-    ``os._exit(1)`` after flushing its logs (oneCCL crashes in its destructors otherwise).
-    """
-
-    def __init__(self, name: str, *, exit_if_stuck: bool = False, liveness: Liveness | None = None):
-        self.name, self.exit_if_stuck, self.liveness = name, exit_if_stuck, liveness
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C-implemented: the cheapest hand-off
-        # While collectives are queued only the thread calls the library; a caller runs one inline only when
-        # none is, and holds the lock meanwhile so that nothing is queued (and started) under it.
-        self.lock = threading.Lock()
-        self.queued = 0  # collectives handed to the thread and not yet finished
-        self._started = None  # (start time, group, operation, future) of the collective in progress
-        self._closed = threading.Event()
-        self.closers: dict[int, object] = {}  # what must run on the thread before it stops (live communicators)
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
-        self._thread.start()
-        self._watchdog.start()
-        atexit.register(self.shutdown)
-
-    def put(self, fn, future: Future, group: "ThreadedProcessGroup", what) -> None:
-        """Queue ``fn(False)``; the caller holds ``lock`` and has counted it in ``queued``."""
-        self._queue.put((fn, future, group, what))
-
-    def run_here(self, fn, group: "ThreadedProcessGroup | None" = None, what: str = "setup"):
-        """Run ``fn()`` on the thread, wait for it and return its result (creating or destroying a
-        communicator); timed by ``group``'s timeout when one is given."""
-        done: Future = Future()
-        self._enqueue(lambda inline: fn(), done, group, what)
-        return done.wait()
-
-    def _enqueue(self, fn, future: Future, group, what) -> None:
-        """Count and queue ``fn`` (for callers that do not hold ``lock``)."""
-        with self.lock:
-            self.queued += 1
-        self._queue.put((fn, future, group, what))
-
-    def _serve(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, future, group, what = item
-            self._started = (time.monotonic(), group, what, future)
-            try:
-                result = fn(False)
-            except Exception as exc:  # the library's error goes to whoever waits on the Work
-                result = exc if group is None else group.failed(what, exc)
-            with self.lock:
-                self.queued -= 1
-            self._started = None
-            if future.done():  # the watchdog failed it already
-                continue
-            if isinstance(result, Exception):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
-
-    def _watch(self) -> None:
-        probed = None  # the collective last probed, and when
-        while not self._closed.wait(0.2):
-            started = self._started
-            if not started or started[1] is None or started[3].done():
-                continue
-            group, running = started[1], time.monotonic() - started[0]
-            limit = group.timeout.total_seconds()
-            if limit and running > limit:
-                started[3].set_exception(dist.DistBackendError(
-                    f"rank {group.rank()}: {group.LIBRARY} {describe(started[2])} {group.timed_out()}"))
-            elif self.liveness and running > self.liveness.after_s and (
-                    probed is None or probed[0] is not started or time.monotonic() - probed[1] > self.liveness.after_s):
-                probed = (started, time.monotonic())
-                threading.Thread(target=self._probe, args=(started,), name=f"{self.name}-probe", daemon=True).start()
-
-    def _probe(self, started) -> None:
-        """Fail a long collective at once when a peer's heartbeat has stopped: no library here notices a dead
-        peer (oneCCL and MPI wait for it), and the timeout may be the start-up's 10 minutes."""
-        lost = self.liveness.probe()
-        if lost and not started[3].done():
-            group = started[1]
-            started[3].set_exception(dist.DistBackendError(
-                f"rank {group.rank()}: {group.LIBRARY} {describe(started[2])} cannot complete: {lost}"))
-
-    def _close_all(self, timeout_s: float) -> None:
-        """Run the registered closers on the thread, waiting at most ``timeout_s`` (a process that exits with a
-        live oneCCL communicator hangs in oneCCL's destructors)."""
-        done, closers = threading.Event(), list(self.closers.values())
-        self.closers.clear()
-
-        def run(inline):
-            for close in closers:
-                try:
-                    close()
-                except Exception as exc:  # leaving anyway: say what could not be closed
-                    logging.getLogger(__name__).warning("%s: closing at exit failed: %s", self.name, exc)
-            done.set()
-
-        self._enqueue(run, Future(), None, "closing")
-        done.wait(timeout_s)
-
-    def closed(self) -> bool:
-        return self._closed.is_set()
-
-    def is_current(self) -> bool:
-        return self._thread is threading.current_thread()
-
-    def park(self, why: str) -> None:
-        """On the thread, in place of a library call that cannot return (oneCCL aborting inside one): fail the
-        collective in progress with ``why`` and block here for good. The thread is then stuck as it is when a
-        call never returns, and the process leaves as it does then (:meth:`shutdown`)."""
-        started = self._started
-        if started and not started[3].done():
-            group = started[1]
-            rank = f"rank {group.rank()}: " if group is not None else ""
-            library = group.LIBRARY if group is not None else self.name
-            started[3].set_exception(dist.DistBackendError(f"{rank}{library} {describe(started[2])} {why}"))
-        threading.Event().wait()
-
-    def stuck(self) -> bool:
-        """Whether the thread is inside a library call that the watchdog has already given up on."""
-        started = self._started
-        return bool(started and started[3].done() and self._thread.is_alive())
-
-    def shutdown(self) -> None:
-        """Stop the threads: after what is queued has run, and before the interpreter finalizes (a daemon
-        thread woken during finalization is unwound through C++ frames, which aborts the process)."""
-        if self._closed.is_set():
-            return
-        if self.closers and not self.stuck():
-            self._close_all(timeout_s=30.0)
-        self._closed.set()
-        self._queue.put(None)
-        if self._thread is not threading.current_thread():  # bounded: a thread stuck in a call stays behind
-            self._thread.join(timeout=0.5 if self.stuck() else 5.0)
-        self._watchdog.join(timeout=1.0)
-        if self.exit_if_stuck and self._thread.is_alive():
-            logging.getLogger(__name__).error("%s: a collective never completed; leaving without finalizing the "
-                                              "library (it cannot abort the call)", self.name)
-            leave_now(1)
-
-
 def library_group(group=None) -> "ThreadedProcessGroup | None":
     """The hpcdl backend behind ``group`` (default: the world), or ``None`` for torch's own (gloo)."""
     if isinstance(group, ThreadedProcessGroup):
@@ -252,7 +87,7 @@ def library_group(group=None) -> "ThreadedProcessGroup | None":
 
 def _python_backend_base() -> type:
     """torch's C++ ``Backend`` where Python may subclass it (torch 2.14 here); ``ProcessGroup`` where its
-    binding has no Python constructor (torch 2.8, which IPEX needs), as hpcdl's groups were before."""
+    binding has no Python constructor (torch 2.8, which IPEX needs)."""
     base = torch._C._distributed_c10d.Backend
 
     class Probe(base):
@@ -581,14 +416,6 @@ class ThreadedProcessGroup(_python_backend_base()):
 
     def _barrier(self, inline: bool) -> None:
         raise NotImplementedError
-
-
-def describe(what) -> str:
-    """The operation, for messages: built only when one is needed, never on the fast path."""
-    if isinstance(what, str):
-        return what
-    name, tensors = what
-    return f"{name} of {sum(t.numel() for t in tensors)} elements ({', '.join(sorted({str(t.dtype) for t in tensors}))})"
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
