@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import PYTHON
+from conftest import PYTHON, REPO
 from PIL import Image
 
 from hpcdl.data.format import Manifest, open_h5
@@ -336,6 +336,16 @@ def test_bad_options_are_refused_with_the_flag(tmp_path):
     old = hpcdl("pack", tmp_path, tmp_path / "out", "--layout", "imagenet-val", check=False)  # the old spelling
     assert old.returncode == 2 and "--tree imagenet-val needs --val-labels" in old.stderr
     assert "warning: --layout is now --tree; --layout goes in the next release" in old.stderr
+
+
+def test_the_generators_old_layout_flag_still_works_with_a_warning(tmp_path):
+    """generate.py's --layout became --tree with pack's; scripts written before still run, for a release."""
+    run = subprocess.run([PYTHON, REPO / "datasets" / "synthetic" / "generate.py", tmp_path / "src", "--classes", "2",
+                          "--per-class", "2", "--val-per-class", "1", "--layout", "imagenet"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "--layout is now --tree; --tree imagenet is used" in run.stderr
+    assert (tmp_path / "src" / "ILSVRC2012_validation_ground_truth.txt").exists()  # the imagenet tree's
 
 
 def test_mpi_parts_need_no_rendezvous_address():

@@ -321,22 +321,35 @@ def test_startup_terms_follow_the_counts_they_are_made_of():
 
 
 def test_plan_cli_prints_startup_and_restart_from_a_startup_report(tmp_path):
-    from hpcdl.bench.reports import CountFit, StartupReport, StoreCapacity
+    """--startup-json replaces the built-in counts with the report's: 3,000 python files per rank, 10 s of imports
+    and model on the smallest job, 2 + 0 N store requests per rank (a flat rendezvous) at 10,000/s. Each row's
+    terms follow those counts, and the restart adds the checkpoint read once and broadcast, no more."""
+    from hpcdl.bench.reports import CountFit, StartupReport, StartupRow, StoreCapacity
     from hpcdl.schema import to_dict
 
-    report = StartupReport(rows=(), store=StoreCapacity(3200, 16, 10000.0, 2.0, 0.16),
-                           fits=(CountFit("python files per rank", 1000.0, 0.0),
-                                 CountFit("rendezvous requests per rank", 2.0, 0.0)))
-    path = tmp_path / "startup.json"
-    path.write_text(json.dumps({"benchmark": "startup", **to_dict(report)}))
+    row = StartupRow(2, "start", {"interpreter and imports": 7.5, "model": 2.5}, 12.0, {}, {}, 0, 0, 4, 8, 0, None)
+    fits = (CountFit("python files per rank", 3000.0, 0.0), CountFit("rendezvous requests per rank", 2.0, 0.0))
+    for rows, name in (((), "empty.json"), ((row,), "startup.json")):
+        report = StartupReport(rows=rows, store=StoreCapacity(3200, 16, 10000.0, 2.0, 0.16), fits=fits)
+        (tmp_path / name).write_text(json.dumps({"benchmark": "startup", **to_dict(report)}))
     # a report without rows: the imports on one node come from its smallest job, so it must have one
-    run = subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--nodes", "256,1024,2048", "--batch", "32768", "--profile",
-                          "stampede2-skx", "--startup-json", str(path)], capture_output=True, text=True)
+    plan = [PYTHON, "-m", "hpcdl", "plan", "--nodes", "256,1024,2048", "--batch", "32768", "--profile", "stampede2-skx"]
+    run = subprocess.run([*plan, "--startup-json", str(tmp_path / "empty.json")], capture_output=True, text=True)
     assert run.returncode == 2 and "no rows" in run.stderr, run.stderr
-    run = subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--nodes", "256,1024,2048", "--batch", "32768", "--profile",
-                          "stampede2-skx", "--json", str(tmp_path / "p.json")], capture_output=True, text=True, check=True)
-    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
-    assert [r["nodes"] for r in rows] == [256, 1024, 2048] and all(r["restart_s"] > r["startup_s"] for r in rows)
-    assert "# start-up (ranks' start to first step)" in run.stdout
-    for r in rows:
-        assert f"{r['restart_s']:.1f}" in run.stdout
+    rows, notes = {}, {}
+    for source, extra in (("report", ["--startup-json", str(tmp_path / "startup.json")]), ("built-in", [])):
+        run = subprocess.run([*plan, *extra, "--json", str(tmp_path / f"{source}.json")], capture_output=True,
+                             text=True, check=True)
+        found = json.loads((tmp_path / f"{source}.json").read_text())
+        rows[source], notes[source] = found["rows"], " ".join(found["notes"])
+        assert "# start-up (ranks' start to first step)" in run.stdout
+        assert all(f"{r['restart_s']:.1f}" in run.stdout for r in rows[source])
+    assert f"start-up from {tmp_path / 'startup.json'}: 3,000 files per rank, imports 10.0 s on one node, 2 + 0 N " \
+           "store requests per rank at 10,000/s" in notes["report"], notes["report"]
+    for r, builtin in zip(rows["report"], rows["built-in"]):
+        ranks = r["ranks"]
+        assert r["imports_shared_fs_s"] == pytest.approx(10.0 + ranks * 3000 / 50000)  # the profile's 50,000 opens/s
+        assert r["rendezvous_s"] == pytest.approx(ranks * 2.0 / 10000)  # flat: each rank's 2 requests at 10,000/s
+        assert r["rendezvous_s"] < builtin["rendezvous_s"] / 10  # gloo's mesh: 2 + 4 N per rank
+        assert r["restart_s"] - r["startup_s"] == pytest.approx(r["checkpoint_s"])
+        assert r["checkpoint_s"] == pytest.approx(builtin["checkpoint_s"])  # the same model: the same checkpoint

@@ -107,17 +107,21 @@ def test_hostile_values_reach_slurm_literally(slurm, tmp_path, value):
 
 def test_stage_env_starts_the_ranks_from_a_node_local_copy(two_nodes, tmp_path):
     """hpcdl sbatch --stage-env on 2 nodes: the environment is packed once beside itself, each node unpacks it
-    into its own folder, each rank's interpreter runs from its node's copy, and the copies are gone at the end.
-    The venv is a small one of the test's own (the suite's is 6 GB of CUDA wheels), reaching hpcdl and its
-    packages through a .pth file, as an editable install does."""
+    into its own folder, each rank's interpreter runs from its node's copy and imports what the environment holds
+    (hpcdl, copied into it) from that copy, and the copies are gone at the end. The venv is a small one of the
+    test's own: the suite's is 6 GB of CUDA wheels, so torch and the other packages are reached through a .pth
+    file into the suite's site-packages, which stays on the shared filesystem here as it would not in a venv that
+    holds its packages."""
     import json
+    import shutil
     import site
     import sys
 
     venv = tmp_path / "venv"
     subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     packages = next(venv.glob("lib/python3*/site-packages"))
-    (packages / "hpcdl-test.pth").write_text(f"{REPO}\n{site.getsitepackages()[0]}\n")
+    shutil.copytree(REPO / "hpcdl", packages / "hpcdl", ignore=shutil.ignore_patterns("__pycache__"))
+    (packages / "hpcdl-test.pth").write_text(f"{site.getsitepackages()[0]}\n")
     script, nodes = tmp_path / "staged.sbatch", tmp_path / "node-local"
     made = subprocess.run([PYTHON, "-m", "hpcdl", "sbatch", "--profile", "local", "--nodes", "2", "--time", "5",
                            "--stage-env", "--python", str(venv / "bin" / "python"), "--output", f"{tmp_path}/%j.out",
@@ -135,6 +139,7 @@ def test_stage_env_starts_the_ranks_from_a_node_local_copy(two_nodes, tmp_path):
     stage = nodes / f"hpcdl-env-{job}"
     assert sorted(r["prefix"] for r in ranks) == [str(stage / "n1"), str(stage / "n2")], first
     assert all(r["python"].startswith(r["prefix"] + "/bin/") for r in ranks)
+    assert all(r["hpcdl"].startswith(r["prefix"] + "/lib/") for r in ranks), ranks  # not REPO: the node's copy
     assert "packing" in first and "packing" not in second  # the archive is reused until the venv changes
     assert (tmp_path / "venv.hpcdl-env.tar").exists()
     assert not list(stage.iterdir()) if stage.exists() else True  # each node removed its copy

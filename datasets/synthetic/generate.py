@@ -4,6 +4,7 @@
 """
 
 import argparse
+import sys
 
 from hpcdl.data.synthetic import TREES, generate
 
@@ -13,12 +14,18 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--per-class", type=int, default=100, help="train images per class")
-    p.add_argument("--val-per-class", type=int, default=20, help="val images per class (layout imagenet)")
+    p.add_argument("--val-per-class", type=int, default=20, help="val images per class (tree imagenet)")
     p.add_argument("--tree", default="imagenet", choices=TREES)
+    # the spelling before --tree, kept for a release as hpcdl pack keeps it
+    p.add_argument("--layout", dest="old_layout", choices=TREES, help=argparse.SUPPRESS)
     p.add_argument("--quirks", action="store_true", help="add a PNG named .JPEG, CMYK, grayscale, truncated (in data and header), "
                                                          "corrupt, empty, non-image, unreadable, non-UTF-8 name")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
+    if a.old_layout:
+        print(f"generate.py: --layout is now --tree; --tree {a.old_layout} is used (--layout goes in the next "
+              "release)", file=sys.stderr)
+        a.tree = a.old_layout
     gen = generate(a.out, classes=a.classes, per_class=a.per_class, tree=a.tree, quirks=a.quirks, seed=a.seed,
                    val_per_class=a.val_per_class)
     print(f"wrote {gen.count} train images in {a.classes} classes to {a.out}"

@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import hpcdl
 from hpcdl.bench.configs import TuneConfig
 from hpcdl.cli.common import command
 from hpcdl.deferred import deferred
@@ -125,7 +126,8 @@ def format_layouts(r) -> str:
 def env(_: EnvCommand) -> int:
     # One write: under mpiexec the ranks share stdout, and print's separate newline can land after
     # another rank's line when Python runs unbuffered.
-    found = {**dataclasses.asdict(discover()), "python": sys.executable, "prefix": sys.prefix}
+    found = {**dataclasses.asdict(discover()), "python": sys.executable, "prefix": sys.prefix,
+             "hpcdl": os.path.dirname(hpcdl.__file__)}  # where it was imported from: the node's copy under --stage-env
     sys.stdout.write(json.dumps(found) + "\n")
     sys.stdout.flush()
     return 0
