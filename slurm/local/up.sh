@@ -118,8 +118,8 @@ fabric_conf=""
 if [ -n "$fabric_nodes" ]; then
     fabric_conf="# The shaped fabric (slurm/local/fabric.sh): each node in its namespace hX, hostname nX, at 10.77.0.X,
 # bound to half the cores (CPUs counts them all, so that a node takes 2 tasks on a 2-core host).
-NodeName=n3 NodeHostname=n3 NodeAddr=10.77.0.3 Port=17003 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
-NodeName=n4 NodeHostname=n4 NodeAddr=10.77.0.4 Port=17004 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
+NodeName=n3 NodeHostname=n3 NodeAddr=10.77.0.3 Port=7003 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
+NodeName=n4 NodeHostname=n4 NodeAddr=10.77.0.4 Port=7004 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
 PartitionName=fabric Nodes=n[3-4] MaxTime=INFINITE State=UP
 # On n3 and n4, MPICH's UCX must use TCP (the script says why).
 TaskProlog=$STATE/fabric-task-prolog.sh"
@@ -159,10 +159,12 @@ MailProg=/bin/true
 KillWait=2
 MinJobAge=600
 SlurmdParameters=config_overrides
-NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[17001-17002] CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
+# Each slurmd listens on 7000 + its number: below hpcdl's rendezvous ports (15000-29999, derived from the job
+# id), which a job step on these nodes would otherwise meet (job 103's step 0 drew 17013, n13's port)
+NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[7001-7002] CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
 PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
 # Many-rank rehearsals: nodes that share this host's cores (see the top of up.sh).
-NodeName=n[11-$wide_last] NodeHostname=$host NodeAddr=127.0.0.1 Port=[17011-$(( 17000 + wide_last ))] CPUs=$(( ncpu > 2 ? ncpu : 2 )) RealMemory=$mem_mb State=UNKNOWN
+NodeName=n[11-$wide_last] NodeHostname=$host NodeAddr=127.0.0.1 Port=[7011-$(( 7000 + wide_last ))] CPUs=$(( ncpu > 2 ? ncpu : 2 )) RealMemory=$mem_mb State=UNKNOWN
 PartitionName=wide Nodes=n[11-$wide_last] MaxTime=INFINITE State=UP
 $fabric_conf
 CONF
