@@ -142,6 +142,9 @@ class CheckpointConfig:
     # a checkpoint of another number of ranks: "any" resumes it (same global batch, the epoch's unseen samples
     # dealt to this job's ranks; docs/training.md says what differs), "same" refuses it
     resume_ranks: str = "any"
+    # when a peer rank is lost, the survivors save the last completed step before they exit (status 4; the
+    # supervisor of hpcdl sbatch --spares restarts from it): hpcdl.train.rescue. false: every rank exits at once
+    jit: bool = True
 
     def __post_init__(self):
         names.signal_number("checkpoint.signal", self.signal)

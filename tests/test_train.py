@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -17,6 +18,7 @@ from conftest import PYTHON, REPO, SIMULATED_CPUS, free_port, hpcdl, rank_env, s
 from PIL import Image
 
 from hpcdl.train.precision import choose_precision
+from hpcdl.train.rescue import EXIT_PEER_LOST
 
 BASE = ["demo_tiny_lars", "--set", "global_batch=16", "--set", "crop=32", "--set", "data.eval_resize=36",
         "--set", "data.augment=resized_crop(min_scale=0.5), hflip", "--set", "epochs=4", "--set", "loop.log_every=1"]
@@ -515,7 +517,9 @@ def test_a_stall_past_its_phase_timeout_stops_the_other_rank_within_it(data, tmp
 def test_fault_matrix_a_rank_killed_in_each_phase(data, tmp_path, phase, victim):
     """SIGKILL of one rank at start-up (DDP), while fetching a batch, between forward and backward, with a
     gradient bucket in flight, half-way through writing a checkpoint, and in evaluation: the other rank
-    exits non-zero within the timeout, naming the lost rank, and the newest complete checkpoint loads."""
+    saves the last completed step (the just-in-time checkpoint; none at start-up, where no step ran) and exits
+    with status 4 within the timeout, naming the lost rank; the newest complete checkpoint loads and holds the
+    step the survivor completed last."""
     from hpcdl.train.checkpoint import CheckpointManager
 
     run = tmp_path / "run"
@@ -533,22 +537,27 @@ def test_fault_matrix_a_rank_killed_in_each_phase(data, tmp_path, phase, victim)
     elapsed = time.time() - killed
     log = (tmp_path / f"rank{survivor}.log").read_text()
     assert f"SIGKILLed in {phase}" in (tmp_path / f"rank{victim}.log").read_text()
-    assert code == 1 and elapsed < 10 + 10, (code, elapsed, log[-3000:])
+    assert code == EXIT_PEER_LOST and elapsed < 10 + 10, (code, elapsed, log[-3000:])
     last = log.strip().splitlines()[-1]
     assert f"rank {victim}" in last and "lost" in last and "Traceback" not in log, log[-3000:]
-    if phase != "ddp":  # a checkpoint was written before the fault: the newest complete one loads
-        half_written = list((run / "checkpoints").glob(".ckpt-*.tmp"))
-        newest = CheckpointManager(str(run / "checkpoints")).load_latest()
-        assert newest is not None and {"model", "optimizer", "counters"} <= newest[1].keys()
-        if phase == "save":  # the half-written one is a temporary file, never listed (the next run removes it)
-            assert newest[0].endswith("ckpt-000000002.pt") and half_written
+    [result] = [json.loads(p.read_text()) for p in (run / "jit").glob("*/result.json")]
+    assert result["survivors"] == [survivor] and result["lost"] == [victim], result
+    if phase == "ddp":
+        assert result["checkpoint"] is None and "no step trained in this start" in log, log[-2000:]
+        return
+    completed = int(re.findall(r"step (\d+)", log.split("the survivors save")[1])[0])
+    newest = CheckpointManager(str(run / "checkpoints")).load_latest()
+    assert newest is not None and {"model", "optimizer", "counters"} <= newest[1].keys()
+    assert newest[0] == result["checkpoint"] and newest[1]["counters"]["step"] == completed == result["step"]
+    if phase == "save":  # the half-written one was a temporary file, never listed; the survivor's write removed it
+        assert result["written"] and not list((run / "checkpoints").glob(".ckpt-*.tmp"))
 
 
 @pytest.mark.ranks
 def test_fault_matrix_a_full_disk_during_a_checkpoint_keeps_the_previous_one(data, tmp_path):
     """The run folder's filesystem fills up (another job's file) after the first checkpoint: the next write
-    fails, rank 0 names the path, the bytes and the checkpoint kept, both ranks exit non-zero, and the
-    kept checkpoint loads."""
+    fails, rank 0 names the path, the bytes and the checkpoint kept, both ranks exit non-zero (rank 1's just-in-
+    time checkpoint fails the same way), and the kept checkpoint loads."""
     from hpcdl.train.checkpoint import CheckpointManager
 
     disk = tmp_path / "disk"
@@ -572,7 +581,10 @@ def test_fault_matrix_a_full_disk_during_a_checkpoint_keeps_the_previous_one(dat
                 f.flush()
         codes = [p.wait(timeout=60) for p in procs]
         log = (tmp_path / "rank0.log").read_text()
-        assert codes[0] == 2 and codes[1] == 1, (codes, log[-3000:])
+        # rank 1 saves the step it completed just in time, into the same full disk: that fails too, named
+        assert codes[0] == 2 and codes[1] == EXIT_PEER_LOST, (codes, log[-3000:])
+        other = (tmp_path / "rank1.log").read_text()
+        assert "the just-in-time checkpoint failed" in other and "No space left on device" in other, other[-3000:]
         assert "the checkpoint could not be written (No space left on device" in log and "Traceback" not in log
         assert f"the previous checkpoint {run / 'checkpoints'}" in log and "is kept" in log
         (disk / "filler").unlink()
@@ -617,7 +629,7 @@ def test_fault_matrix_a_killed_data_loader_worker_is_named(data, tmp_path):
         for p in procs:
             p.kill()
     victim, survivor = (tmp_path / "rank1.log").read_text(), (tmp_path / "rank0.log").read_text()
-    assert codes == [1, 2], (codes, victim[-2000:], survivor[-2000:])
+    assert codes == [EXIT_PEER_LOST, 2], (codes, victim[-2000:], survivor[-2000:])
     assert "rank 1: " in victim and "DataLoader worker" in victim and "the OOM killer is the usual cause" in victim
     # no traceback through hpcdl (multiprocessing's resource_sharer thread may print its own, for the
     # connection the dead worker broke)

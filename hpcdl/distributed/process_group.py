@@ -121,6 +121,7 @@ class Heartbeat:
         self.env, self.interval_s = env, interval_s
         self.use = use or StoreUse()
         self._last_lost = None  # (when, lost ranks or None) of the last probe that found a problem
+        self.last_probe = None  # (when, finding) of the last probe
         self._store = self._client(timedelta(seconds=max(10.0, 5 * interval_s)))
         self._store.add(_key("hb", env.rank), 1)
         self.use.beat()
@@ -149,9 +150,17 @@ class Heartbeat:
         if fresh_s and last and time.monotonic() - last[0] < fresh_s:
             return last[1]
         found = self._measure()
+        self.last_probe = (time.monotonic(), found)
         if found is None or found:
             self._last_lost = (time.monotonic(), found)
         return found
+
+    def recent(self, fresh_s: float) -> list[int] | None:
+        """The finding of a probe of the last ``fresh_s`` seconds, whatever it found; a new probe otherwise."""
+        last = self.last_probe
+        if last and time.monotonic() - last[0] < fresh_s:
+            return last[1]
+        return self.lost_ranks()
 
     def _measure(self) -> list[int] | None:
         if self._store_refuses():
@@ -366,7 +375,8 @@ def set_group_timeout(group, timeout: timedelta) -> None:
 
 
 @contextlib.contextmanager
-def fail_fast(ctx: DistContext, hook_failure: Callable[[], BaseException | None] = lambda: None) -> Iterator[None]:
+def fail_fast(ctx: DistContext, hook_failure: Callable[[], BaseException | None] = lambda: None,
+              on_lost: Callable[[str], None] | None = None) -> Iterator[None]:
     """Turn a failed collective into a :class:`RankLostError` that names the lost rank.
 
     A ``torch.distributed.DistError`` (timeouts, the MPI group's failures) is a collective's. gloo reports
@@ -374,6 +384,8 @@ def fail_fast(ctx: DistContext, hook_failure: Callable[[], BaseException | None]
     only when the heartbeats show a rank or the store gone, and otherwise goes on as it was raised.
     ``hook_failure``: the gradient bucket collective that failed, kept typed by the comm hook's timer
     (:attr:`hpcdl.distributed.sync.CommTimer.failure`; DDP re-raises it as text only), or None.
+    ``on_lost``: called with the message instead of raising (the trainer's just-in-time checkpoint, which
+    ends the process).
     """
     try:
         yield
@@ -382,6 +394,8 @@ def fail_fast(ctx: DistContext, hook_failure: Callable[[], BaseException | None]
         message = explain_failure(ctx, failure or exc, collective=failure is not None or is_collective_error(exc))
         if message is None:
             raise
+        if on_lost is not None:
+            on_lost(message)
         raise RankLostError(message) from exc
 
 

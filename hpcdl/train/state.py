@@ -69,7 +69,8 @@ class SamplerPosition:
 class RankRng:
     """Every rank's torch, numpy and Python RNG states. Collective on save: each rank gives its own and rank 0,
     which writes the checkpoint, gathers them (the others get None). On load each rank takes the saved
-    streams ``rng_from`` names for it (the resume plan's), or, with none, seeds them by the rule of the start."""
+    streams ``rng_from`` names for it (the resume plan's), or, with none (or a lost rank's), seeds them by the rule
+    of the start."""
 
     def __init__(self, group, rank: int, world_size: int, seed: int, rng_from: tuple[int | None, ...] | None = None):
         self.group, self.rank, self.world_size, self.seed = group, rank, world_size, seed
@@ -85,7 +86,7 @@ class RankRng:
     def load_state_dict(self, states: list) -> None:
         source = self.rng_from[self.rank] if self.rng_from is not None else \
             (self.rank if self.rank < len(states) else None)
-        if source is not None:
+        if source is not None and states[source] is not None:  # None: a rank lost before a just-in-time save
             set_rng_state(states[source])
         else:
             seed_rng(rank_seed(self.seed, self.rank))

@@ -66,8 +66,12 @@ class Stepper:
 
     def __init__(self, net: torch.nn.Module, criterion: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule, *, precision: str = "fp32", comm: CommTimer | None = None, group=None,
-                 distributed: bool = True, timeline=None):
+                 distributed: bool = True, timeline=None, guard=None,
+                 commit: Callable[[StepResult], None] | None = None):
+        """``guard`` (a lock) is held over the update and ``commit``, which is called after it with the result:
+        the trainer's step counter and what a just-in-time checkpoint reads (:mod:`hpcdl.train.rescue`)."""
         self.net, self.criterion, self.optimizer, self.schedule = net, criterion, optimizer, schedule
+        self.guard, self.commit = guard or contextlib.nullcontext(), commit
         self.comm, self.group, self.distributed, self.timeline = comm, group, distributed, timeline
         if timeline is not None and comm is not None:
             comm.on_done = lambda index, start, end: timeline.span(f"bucket {index}", start, end, thread="comm")
@@ -99,10 +103,13 @@ class Stepper:
         result = self._control(loss_sum, images, flags(), times)
         times["comm_wait"] += time.perf_counter() - t
         t1 = time.perf_counter()
-        if result.finite:
-            self.optimizer.step()
-            self.schedule.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.guard:
+            if result.finite:
+                self.optimizer.step()
+                self.schedule.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.commit is not None:
+                self.commit(result)
         t2 = time.perf_counter()
         times["optimizer"] = t2 - t1
         self._span("control", t, t1)

@@ -12,6 +12,7 @@ replica check, the summary).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -34,6 +35,7 @@ from hpcdl.train.outcome import Outcome
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal, hand_to_submitit, requeue
 from hpcdl.train.preflight import make_run_dir, preflight, run_dir
+from hpcdl.train.rescue import Rescue
 from hpcdl.train.resume import Saved, changed_config, fold_residuals, plan_resume
 from hpcdl.train.startup import StartupRecord
 from hpcdl.train.state import FORMAT, Progress, RankRng, SamplerPosition, Stateful, upgrade
@@ -57,10 +59,13 @@ def train(cfg: RunConfig) -> dict:
     if record:
         record.mark("rendezvous and backend")
     trainer = None
-    with fail_fast(ctx, lambda: trainer and trainer.wrapped.comm and trainer.wrapped.comm.failure), \
-            data_workers_named(ctx.rank):
+    rescue = Rescue(ctx, run_dir(cfg)) if cfg.checkpoint.jit and ctx.world_size > 1 else None
+    with fail_fast(ctx, lambda: trainer and trainer.wrapped.comm and trainer.wrapped.comm.failure,
+                   on_lost=rescue.run if rescue else None), data_workers_named(ctx.rank):
         set_timeout(ctx, startup)  # the job's group; the step timeout follows the first completed step
-        trainer = Trainer(cfg, ctx, stop, record)
+        if rescue:
+            rescue.start_watch()
+        trainer = Trainer(cfg, ctx, stop, record, rescue)
         stop.arm()  # after every communicator exists (see StopSignal.arm)
         summary = trainer.fit()
     stop.close()
@@ -69,8 +74,9 @@ def train(cfg: RunConfig) -> dict:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, ctx: DistContext, stop: StopSignal, record: StartupRecord | None = None):
-        self.ctx, self.stop, self.record = ctx, stop, record
+    def __init__(self, cfg: RunConfig, ctx: DistContext, stop: StopSignal, record: StartupRecord | None = None,
+                 rescue: Rescue | None = None):
+        self.ctx, self.stop, self.record, self.rescue = ctx, stop, record, rescue
         self.dir = make_run_dir(cfg)
         self.ckpt = CheckpointManager(os.path.join(self.dir, "checkpoints"), cfg.checkpoint.keep) \
             if ctx.rank == 0 else None
@@ -104,6 +110,13 @@ class Trainer:
         self.started = False  # whether this process completed a step (start-up timeout until then)
         self.replicas = "not checked (the run ended early)"
         self.samples = _sample_file(self.dir, ctx.rank) if cfg.loop.record_samples else None
+        self._taken: list = []  # the samples of the step in flight, recorded when it completes
+        self.wrapped.stepper.commit = self._commit
+        if rescue is not None:
+            rescue.attach(self)
+            self.wrapped.stepper.guard = rescue.lock
+            with rescue.lock:
+                rescue.take_boundary()
         self.facts = Facts(self.dir, self.plan.path if self.plan else None, self.last_step, model_defaults, precision,
                            precision_why, sizing.describe(), self.parts.ipex_note, self.wrapped.compile_note)
 
@@ -153,14 +166,18 @@ class Trainer:
         if sparse is not None:  # every rank's own part first; the gather of the RNG states waits for all
             hook = sparse.state_dict()
             save_rank_state(os.path.join(self.dir, "checkpoints"), self.progress.step, self.ctx.rank, hook)
-        state = {"format": FORMAT, "world_size": self.ctx.world_size, "config": to_dict(self.cfg),
-                 "accum_remapped": bool(self.plan and self.plan.accum_remapped), "rank_states": sparse is not None,
+        state = {**self.checkpoint_header(), "rank_states": sparse is not None,
                  **{name: part.state_dict() for name, part in self.parts_of_state().items()}}
         if sparse is not None:
             state["hook"] = {k: v for k, v in hook.items() if k != "residuals"}
         if self.ckpt is not None:
             log.info("checkpoint (%s): %s", why, self.ckpt.save(self.progress.step, state))
         self.last_save_step, self.last_save_time = self.progress.step, time.monotonic()
+
+    def checkpoint_header(self) -> dict:
+        """What every checkpoint holds beside the parts' states."""
+        return {"format": FORMAT, "world_size": self.ctx.world_size, "config": to_dict(self.cfg),
+                "accum_remapped": bool(self.plan and self.plan.accum_remapped)}
 
     # -- the loop -------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -195,8 +212,11 @@ class Trainer:
             outcome = self._train_epoch(runlog)
             if outcome != "epoch":
                 return outcome
-            p.epoch += 1
-            sampler.set_epoch(p.epoch)  # a checkpoint from here on names the next epoch's start
+            with self.rescue.lock if self.rescue else contextlib.nullcontext():
+                p.epoch += 1
+                sampler.set_epoch(p.epoch)  # a checkpoint from here on names the next epoch's start
+                if self.rescue:
+                    self.rescue.take_boundary()
             every = self.cfg.loop.eval_every
             if every and p.epoch % every == 0 and p.step < self.last_step:
                 self._evaluate(runlog)
@@ -210,7 +230,6 @@ class Trainer:
                 return "epoch"
             if not result.finite:
                 self._diverged()
-            p.step += 1
             if not self.started:  # start-up is over: from here on a collective gets the step timeout
                 self.started = True
                 set_timeout(self.ctx, timedelta(seconds=self.cfg.loop.timeout_s))
@@ -225,14 +244,26 @@ class Trainer:
                 return "terminate" if result.stop == 2 else "stop"
         return "done"
 
+    def _commit(self, result) -> None:
+        """After the step's update (under the rescue's lock): the step counts, its samples are recorded, and
+        the rescue takes the boundary. A step whose update was skipped (a loss not finite) does not count."""
+        if not result.finite:
+            return
+        self.progress.step += 1
+        if self.samples is not None:
+            self.samples.write("".join(f"{s.epoch} {int(s)}\n" for s in self._taken))
+            self.samples.flush()
+        self._taken = []
+        if self.rescue is not None:
+            self.rescue.take_boundary()
+
     def _batches(self):
         """The epoch's micro-batches, normalized and mixed. The sampler advances by each batch as the step takes
-        it, whatever the loader's workers have read ahead."""
+        it, whatever the loader's workers have read ahead; a step's samples are recorded once it completes."""
         for images, labels in self.data.train_loader:
             trained = self.data.sampler.advance(len(labels))
             if self.samples is not None:
-                self.samples.write("".join(f"{s.epoch} {int(s)}\n" for s in trained))
-                self.samples.flush()
+                self._taken.extend(trained)
             images = self._prepare(images)
             yield self.data.mix(images, labels) if self.data.mix else (images, labels)
 
@@ -281,6 +312,8 @@ class Trainer:
         return self.progress.epoch + self.data.sampler.fraction_done()
 
     def _summary(self, outcome: Outcome) -> dict:
+        if self.rescue is not None:
+            self.rescue.stop_watch()  # the ranks leave one by one from here: a stopped heartbeat is no loss
         if self.record is not None:
             self.record.finish(self.ctx.store_use.as_dict())
         return write_summary(self.cfg, self.ctx, self.progress, outcome=outcome, epochs=self._epochs(),
