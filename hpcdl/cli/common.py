@@ -8,7 +8,7 @@ import enum
 
 from hpcdl.deferred import deferred
 from hpcdl.flags import add_flags, config_from_args
-from hpcdl.train.outcome import Outcome
+from hpcdl.train.outcome import EXIT_PEER_LOST, Outcome
 
 __all__ = ["Exit", "command", "exit_code"]
 
@@ -18,6 +18,7 @@ class Exit(enum.IntEnum):
     FAILED = 1  # a check failed (wrong values, damaged shards), or a rank was lost
     BAD_INPUT = 2  # a config, flag or file was refused; the message says what to fix
     STOPPED = 3  # training stopped before its end and will not go on by itself (SIGTERM, no requeue left)
+    PEER_LOST = EXIT_PEER_LOST  # a rank was lost; this one saved what it could (hpcdl.train.rescue)
 
 
 _OUTCOME_EXIT = {Outcome.FINISHED: Exit.OK, Outcome.REQUEUED: Exit.OK, Outcome.STOPPED: Exit.STOPPED,

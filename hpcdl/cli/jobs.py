@@ -16,8 +16,11 @@ from hpcdl.launch.job import JobRequest
 from hpcdl.launch.layout import load_layout, train_overrides
 from hpcdl.launch.profiles import PROFILES
 from hpcdl.launch.sbatch import render_sbatch
+from hpcdl.launch.supervisor import from_slurm
+from hpcdl.presets import resolve
 from hpcdl.train.job import TrainJob
 from hpcdl.train.outcome import summary_text
+from hpcdl.train.preflight import run_dir
 from hpcdl.utils import atomic_write_text, format_duration
 
 _COMMAND = meta(remainder=True)
@@ -41,6 +44,16 @@ class SubmitCommand:
 
 
 @dataclass(kw_only=True, slots=True)
+class SuperviseCommand:
+    spares: int = 0  # the allocation's last nodes kept idle, each to take a lost node's place
+    max_restarts: int = 3  # restarts of the training step inside the allocation; the next failure ends the job
+    tasks_per_node: int = 0  # ranks per node (0: SLURM_NTASKS_PER_NODE)
+    probe_timeout_s: float = 15.0  # a suspect node that cannot run a one-task step in this long is lost
+    # -- then what srun starts on every rank: PYTHON -m hpcdl train CONFIG --set ...
+    command: tuple[str, ...] = field(default=(), metadata=_COMMAND)
+
+
+@dataclass(kw_only=True, slots=True)
 class ProfilesCommand:
     pass
 
@@ -50,6 +63,9 @@ def add_commands(sub) -> None:
             help="print or write an sbatch script that runs an hpcdl command")
     command(sub, "submit", submit, JobRequest, SubmitCommand,
             help="submit an hpcdl command through submitit (Slurm, or local processes)")
+    command(sub, "supervise", supervise, SuperviseCommand,
+            help="in a batch script: run the training step, and restart it inside the allocation when a rank or "
+                 "node is lost (hpcdl sbatch --spares writes the call)")
     command(sub, "profiles", profiles, ProfilesCommand, help="list the cluster profiles")
 
 
@@ -67,6 +83,8 @@ def sbatch(req: JobRequest, cmd: SbatchCommand) -> int:
     argv = _argv(cmd.command, req)
     if argv[0] == "train":
         checked_config(parse_train(argv), req.ntasks)
+    elif req.supervised:
+        raise HpcdlError(f"--spares and --max-restarts restart a training step; '{argv[0]}' is not one: drop them")
     script = render_sbatch(req, argv, stage_env=cmd.stage_env)
     if cmd.write:
         atomic_write_text(cmd.write, script, mode=0o755)
@@ -78,6 +96,10 @@ def sbatch(req: JobRequest, cmd: SbatchCommand) -> int:
 
 def submit(req: JobRequest, cmd: SubmitCommand) -> int:
     argv = _argv(cmd.command, req)
+    if req.supervised:
+        raise HpcdlError("--spares and --max-restarts need hpcdl's supervisor in the batch script, and submitit "
+                         "writes its own and starts the ranks itself: use hpcdl sbatch --spares K ... -- train ... "
+                         "(sbatch the file it writes), or drop them")
     params = {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
     if argv[0] == "train":  # a checkpointable job object: submitit's requeue protocol reaches the trainer
 
@@ -96,6 +118,18 @@ def submit(req: JobRequest, cmd: SubmitCommand) -> int:
         return exit_code(outputs[0]["outcome"])
     sys.stdout.write(outputs[0] if outputs and isinstance(outputs[0], str) else "")
     return 0
+
+
+def supervise(cmd: SuperviseCommand) -> int:
+    ranks = list(cmd.command[1:] if cmd.command[:1] == ("--",) else cmd.command)
+    at = next((i + 2 for i in range(len(ranks) - 2) if ranks[i:i + 3] == ["-m", "hpcdl", "train"]), None)
+    if at is None:
+        raise HpcdlError("hpcdl supervise restarts a training step: give what srun starts on each rank after --, "
+                         "e.g. -- python3 -m hpcdl train PRESET --set ...")
+    train = parse_train(ranks[at:])
+    cfg = resolve(train.config, train.set)
+    return from_slurm(ranks, run_dir(cfg), cfg.global_batch, spares=cmd.spares, max_restarts=cmd.max_restarts,
+                      tasks_per_node=cmd.tasks_per_node, probe_timeout_s=cmd.probe_timeout_s).run()
 
 
 def profiles(_: ProfilesCommand) -> int:

@@ -37,6 +37,13 @@ class JobRequest:
     # a node layout from hpcdl tune --measure: its ranks per node, cores per rank and allocator replace the three
     # above, and a train command gets its precision and memory format
     layout: str | None = dataclasses.field(default=None, metadata=meta(metavar="LAYOUT.json"))
+    # a train command: allocate this many nodes more, kept idle; when a node is lost the job goes on, on a spare
+    # (hpcdl supervise, in the batch script: docs/reliability.md). hpcdl sbatch only
+    spares: int = 0
+    # a train command: restarts of the training step inside the allocation after a lost rank or node, each from
+    # the survivors' just-in-time checkpoint (0 with no spares: one failed rank ends the job, as srun's
+    # --kill-on-bad-exit does). hpcdl sbatch only
+    max_restarts: int = 0
 
     def __post_init__(self):
         if self.layout:
@@ -47,6 +54,10 @@ class JobRequest:
         for name in ("nodes", "tasks_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.spares < 0 or self.max_restarts < 0:
+            raise ConfigError(f"spares={self.spares} and max_restarts={self.max_restarts} must be >= 0")
+        if self.spares and not self.max_restarts:
+            self.max_restarts = 3  # a spare serves only a restart
         if self.cpus_per_task is None and prof.cores_per_node:
             self.cpus_per_task = max(1, prof.cores_per_node // self.tasks_per_node)
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
@@ -78,6 +89,15 @@ class JobRequest:
     def ntasks(self) -> int:
         return self.nodes * self.tasks_per_node
 
+    @property
+    def allocated_nodes(self) -> int:
+        return self.nodes + self.spares
+
+    @property
+    def supervised(self) -> bool:
+        """Whether the batch script runs hpcdl supervise, which restarts the step inside the allocation."""
+        return bool(self.spares or self.max_restarts)
+
 
 def _check_against(req: JobRequest, prof: ClusterProfile) -> None:
     used = req.tasks_per_node * (req.cpus_per_task or 1)
@@ -86,8 +106,9 @@ def _check_against(req: JobRequest, prof: ClusterProfile) -> None:
             f"{req.tasks_per_node} tasks per node x {req.cpus_per_task or 1} CPUs per task = {used} CPUs, but a "
             f"{prof.name} node has {prof.cores_per_node} cores; choose tasks_per_node x cpus_per_task <= "
             f"{prof.cores_per_node} (e.g. {prof.cores_per_node // req.tasks_per_node or 1} CPUs per task)")
-    if prof.max_nodes and req.nodes > prof.max_nodes and req.partition is None:
-        raise ConfigError(f"nodes={req.nodes} exceeds the {prof.max_nodes} nodes that partition {prof.partition} of "
+    if prof.max_nodes and req.allocated_nodes > prof.max_nodes and req.partition is None:
+        asked = f"nodes={req.nodes}" + (f" + spares={req.spares}" if req.spares else "")
+        raise ConfigError(f"{asked} exceeds the {prof.max_nodes} nodes that partition {prof.partition} of "
                           f"{prof.name} allows; ask for <= {prof.max_nodes} nodes or name a larger --partition. "
                           f"{prof.notes}".rstrip())
     wall = req.walltime

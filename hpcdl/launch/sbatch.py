@@ -81,12 +81,14 @@ def _directives(req: JobRequest, command: list[str]) -> list[tuple[str, str | No
     training = command[:1] == ["train"]
     return [
         ("job-name", req.job_name), ("partition", req.partition_name), ("account", req.account),
-        ("qos", req.qos), ("nodes", str(req.nodes)), ("ntasks-per-node", str(req.tasks_per_node)),
+        ("qos", req.qos), ("nodes", str(req.allocated_nodes)), ("ntasks-per-node", str(req.tasks_per_node)),
         ("cpus-per-task", None if req.cpus_per_task is None else str(req.cpus_per_task)),
         ("time", format_duration(req.walltime)), ("output", req.output),
         # A training job checkpoints on the signal, requeues itself and appends to the same output file.
         ("signal", f"USR2@{TRAIN_SIGNAL_GRACE_S}" if training else None),
         ("requeue", "" if training else None), ("open-mode", "append" if training else None),
+        # supervised: a failed node leaves the allocation alive; the supervisor takes a spare
+        ("no-kill", "" if req.supervised else None),
     ]
 
 
@@ -172,13 +174,24 @@ def render_sbatch(req: JobRequest, command: list[str], stage_env: bool = False) 
         'if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi',
         'echo "hpcdl: job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES node(s) ($SLURM_JOB_NODELIST), $SLURM_NTASKS tasks"',
         *(_STAGE_ENV if stage_env else []),
-        "# --kill-on-bad-exit: one failed rank ends the step at once instead of holding the allocation.",
-        (f"""srun --kill-on-bad-exit=1 bash -c 'exec "$0/$SLURMD_NODENAME/bin/python" "$@"' "$HPCDL_STAGE" """
-         f"-m hpcdl {shlex.join(command)}" if stage_env else
-         f'srun --kill-on-bad-exit=1 "$HPCDL_PYTHON" -m hpcdl {shlex.join(command)}'),
+        *_launch(req, command, stage_env),
         "",
     ]
     return "\n".join(lines)
+
+
+def _launch(req: JobRequest, command: list[str], stage_env: bool) -> list[str]:
+    ranks = (f"""bash -c 'exec "$0/$SLURMD_NODENAME/bin/python" "$@"' "$HPCDL_STAGE" -m hpcdl {shlex.join(command)}"""
+             if stage_env else f'"$HPCDL_PYTHON" -m hpcdl {shlex.join(command)}')
+    if not req.supervised:
+        return ["# --kill-on-bad-exit: one failed rank ends the step at once instead of holding the allocation.",
+                f"srun --kill-on-bad-exit=1 {ranks}"]
+    return [f"# hpcdl supervise trains on {req.nodes} of the {req.allocated_nodes} nodes and, when a rank or node is lost, "
+            "restarts the step",
+            "# inside this allocation from the survivors' just-in-time checkpoint, on a spare for a lost node "
+            "(docs/reliability.md).",
+            f'"$HPCDL_PYTHON" -m hpcdl supervise --spares {req.spares} --max-restarts {req.max_restarts} '
+            f"--tasks-per-node {req.tasks_per_node} -- {ranks}"]
 
 
 def write_ready_scripts(directory: str) -> list[str]:

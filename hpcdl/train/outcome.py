@@ -4,8 +4,12 @@ as the log and ``hpcdl submit`` print it."""
 from __future__ import annotations
 
 import enum
+import json
+import os
 
-__all__ = ["Outcome", "summary_text"]
+__all__ = ["EXIT_PEER_LOST", "Outcome", "read_result", "summary_text"]
+
+EXIT_PEER_LOST = 4  # a peer was lost; the survivors wrote what they could (RUN/jit/ATTEMPT/result.json)
 
 
 class Outcome(str, enum.Enum):
@@ -30,3 +34,13 @@ def summary_text(s: dict) -> str:
     if s.get("phases"):
         lines.append("  step time: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["phases"].items()))
     return "\n".join(lines)
+
+
+def read_result(folder: str) -> dict | None:
+    """``result.json`` of a just-in-time rescue's folder (:mod:`hpcdl.train.rescue`), or None when no rank
+    finished one there."""
+    try:
+        with open(os.path.join(folder, "result.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

@@ -54,14 +54,12 @@ import torch
 
 from hpcdl.errors import CheckpointError
 from hpcdl.train.checkpoint import CheckpointManager, rng_state
+from hpcdl.train.outcome import EXIT_PEER_LOST, read_result
 from hpcdl.utils import atomic_write_text, leave_now
 
 __all__ = ["EXIT_PEER_LOST", "Boundary", "Rescue", "attempt_name", "read_result"]
 
 log = logging.getLogger(__name__)
-
-EXIT_PEER_LOST = 4  # a peer was lost; the survivors wrote what they could (RUN/jit/ATTEMPT/result.json)
-
 
 def attempt_name(master_port: int) -> str:
     """The folder of this start's rescue: the supervisor names its attempts (HPCDL_ATTEMPT); otherwise the job,
@@ -70,15 +68,6 @@ def attempt_name(master_port: int) -> str:
     if named:
         return named
     return f"{os.environ.get('SLURM_JOB_ID', 'local')}.{os.environ.get('SLURM_STEP_ID', '0')}.{master_port}"
-
-
-def read_result(folder: str) -> dict | None:
-    """``result.json`` of a rescue folder, or None when no rank finished one there."""
-    try:
-        with open(os.path.join(folder, "result.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 @dataclasses.dataclass(slots=True)
@@ -124,11 +113,12 @@ class Rescue:
         self.boundary = Boundary(t.progress.step, t.progress.state_dict(), t.data.sampler.state_dict(), rng_state(),
                                  {name: b.detach().clone() for name, b in t.parts.model.named_buffers()}, now)
 
-    def stall_s(self) -> float:
+    def stall_s(self, report: bool = False) -> float:
         """How long without a completed step before the watch thread looks for a lost peer: three median
-        steps, at least two heartbeats' detection time."""
+        steps, and at least five heartbeat intervals before it probes the heartbeats (``report``: one before
+        it looks for another rank's report, which a rank that saw the failure writes at once)."""
         typical = statistics.median(self._steps) if self._steps else 0.0
-        return max(3 * typical, 5 * self.heartbeat_s)
+        return max(3 * typical, (1 if report else 5) * self.heartbeat_s)
 
     # -- the watch thread ---------------------------------------------------------------------------------
     def start_watch(self) -> None:
@@ -140,13 +130,15 @@ class Rescue:
 
     def _look(self) -> None:
         probed = 0.0
-        while not self._stop.wait(1.0):
+        while not self._stop.wait(0.5):
             since = self.boundary.at if self.boundary is not None else self.created
             now = time.monotonic()
+            if now - since < self.stall_s(report=True):
+                continue
+            if self._others_reported():  # a stat of one folder, only while no step completes
+                self.run("another rank reported a lost peer (see its report in " + self.folder + ")")
             if now - since < self.stall_s():
                 continue
-            if self._others_reported():
-                self.run("another rank reported a lost peer (see its report in " + self.folder + ")")
             if self.boundary is None and now - probed < 10.0:
                 continue  # start-up's phases may be long: a heartbeat probe every 10 s, not every second
             probed = now

@@ -1,0 +1,307 @@
+"""``hpcdl supervise``: inside the allocation, a lost rank or node costs a restart, not a queue wait.
+
+The batch script of ``hpcdl sbatch --spares K`` (or ``--max-restarts R``) runs this on the job's first node,
+one process and no daemon. The job holds N + K nodes and keeps them when one fails (``#SBATCH --no-kill``).
+The supervisor starts the training step on N of them, and when the step ends without finishing:
+
+1. It reads what the surviving ranks wrote (:mod:`hpcdl.train.rescue`): the lost ranks, the Slurm node
+   each ran on (from the heartbeat's record), the step they saved just in time. A step whose survivors
+   finished that rescue but whose lost node cannot answer is ended here (``scancel --signal=KILL`` of the
+   step, then srun itself): a dead node never reports its tasks' end.
+2. It asks each suspect node for a one-task step (``srun -w NODE true``, bounded): a node that answers
+   was a rank's failure (kill -9, the OOM killer, a stopped process), and the next step uses it again; one
+   that does not is dropped from the list and a spare takes its place; with none left the step goes on
+   fewer nodes, the largest count whose ranks divide the global batch (a resume keeps the global batch).
+3. It starts the step again, which resumes from the newest checkpoint: the just-in-time one.
+
+Each restart is logged with its cause, the nodes involved and its cost, and appended to
+``RUN/supervisor.json``. After ``max_restarts`` restarts the next failure ends the job with status 1 and the
+newest checkpoint named. Steps are started with ``--overlap``: a step whose node died is never confirmed
+ended by Slurm (until the node is declared down, minutes later) and would otherwise hold the CPUs of the
+survivors' nodes. The requeue path (the time limit's signal, preemption) is the trainer's, as without
+the supervisor.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import time
+
+from hpcdl.distributed.hostlist import expand_hostlist
+from hpcdl.errors import LaunchError
+from hpcdl.train.outcome import read_result
+from hpcdl.utils import atomic_write_text
+
+__all__ = ["Supervisor", "fit_nodes", "lost_nodes"]
+
+log = logging.getLogger("hpcdl.supervise")
+
+BAD_INPUT = 2  # the trainer refused its config: restarting cannot help
+
+
+def fit_nodes(available: int, tasks_per_node: int, global_batch: int) -> int:
+    """The most nodes, up to ``available``, whose ranks divide ``global_batch`` (0 when none does)."""
+    return next((n for n in range(available, 0, -1) if global_batch % (n * tasks_per_node) == 0), 0)
+
+
+_NODE = re.compile(r"Slurm node (\S+?)\)")
+
+
+def lost_nodes(result: dict, used: list[str], tasks_per_node: int) -> list[str]:
+    """The nodes of the ranks a rescue found lost: the heartbeat's record names each rank's node; rank 0's
+    (whose store is gone when it is lost) follows from srun's block distribution of ranks over ``used``."""
+    found = []
+    for rank in result.get("lost") or []:
+        where = _NODE.search((result.get("lost_where") or {}).get(str(rank), ""))
+        node = where.group(1) if where else used[int(rank) // tasks_per_node]
+        if node not in found:
+            found.append(node)
+    return found
+
+
+@dataclasses.dataclass(kw_only=True)
+class Supervisor:
+    rank_command: list[str]  # what srun starts on every rank, e.g. python -m hpcdl train PRESET --set ...
+    run_dir: str
+    global_batch: int
+    nodes: list[str]  # the allocation's, in Slurm's order
+    tasks_per_node: int
+    spares: int = 0
+    max_restarts: int = 3
+    cpus_per_task: int | None = None
+    probe_timeout_s: float = 10.0  # a node that cannot start a one-task step in this long is lost
+    grace_s: float = 2.0  # after the survivors' rescue, how long srun may take to end by itself
+    rescue_timeout_s: float = 300.0  # after the first report, how long the rescue may take before the step is ended
+    job: str = dataclasses.field(default_factory=lambda: os.environ.get("SLURM_JOB_ID", "local"))
+    events: list[dict] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if self.spares < 0 or self.max_restarts < 0:
+            raise LaunchError(f"spares={self.spares} and max_restarts={self.max_restarts} must be >= 0")
+        if self.spares >= len(self.nodes):
+            raise LaunchError(f"--spares {self.spares} leaves no node to train on: the job has {len(self.nodes)} "
+                              f"({','.join(self.nodes)}); ask for more nodes or fewer spares")
+        self.active = self.nodes[:len(self.nodes) - self.spares]
+        self.spare = self.nodes[len(self.nodes) - self.spares:]
+        self.lost: list[str] = []
+        self._pool = concurrent.futures.ThreadPoolExecutor(1)  # the probe that starts while a step ends
+        self._probing = None
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        log.info("supervising job %s: training on %d node(s) %s, spares %s, at most %d restart(s); run folder %s",
+                 self.job, len(self.active), ",".join(self.active), ",".join(self.spare) or "none",
+                 self.max_restarts, self.run_dir)
+        attempt, restarts = 0, 0
+        while True:
+            attempt += 1
+            count = fit_nodes(len(self.active), self.tasks_per_node, self.global_batch)
+            if count == 0:
+                return self._give_up(f"no count of the {len(self.active)} node(s) left has ranks that divide the "
+                                     f"global batch {self.global_batch}")
+            use = sorted(self.active, key=self.nodes.index)[:count]
+            name = f"{self.job}-a{attempt}"
+            started = time.time()
+            self._mark_recovery(started)
+            code, result = self._run_step(use, name)
+            ended = time.time()
+            finished = self._summary_since(started)
+            if finished is not None:
+                log.info("training ended: %s after %d restart(s)", finished["outcome"], restarts)
+                self._write(final=finished["outcome"])
+                return 0 if finished["outcome"] in ("finished", "requeued") else 3
+            if code == BAD_INPUT and result is None:
+                log.error("the training step refused its input (status 2): not restarted")
+                self._write(final="refused")
+                return BAD_INPUT
+            event = self._diagnose(code, result, use, started, ended)
+            self.events.append(event)
+            if restarts >= self.max_restarts:
+                return self._give_up(f"{event['cause']}; {restarts} restart(s) done, --max-restarts "
+                                     f"{self.max_restarts}")
+            restarts += 1
+            event["restart"] = restarts
+            log.warning("restart %d of %d: %s; nodes now %s", restarts, self.max_restarts, event["what"],
+                        ",".join(sorted(self.active, key=self.nodes.index)))
+            self._write()
+
+    def _run_step(self, use: list[str], name: str) -> tuple[int, dict | None]:
+        """srun the ranks on ``use``; (its exit status, the rescue's result or None)."""
+        cpus = [f"--cpus-per-task={self.cpus_per_task}"] if self.cpus_per_task else []
+        argv = ["srun", "--overlap", "--kill-on-bad-exit=0", f"--nodes={len(use)}",
+                f"--ntasks={len(use) * self.tasks_per_node}", f"--ntasks-per-node={self.tasks_per_node}",
+                f"--nodelist={','.join(use)}", *cpus, *self.rank_command]
+        log.info("step %s: %d rank(s) on %s", name, len(use) * self.tasks_per_node, ",".join(use))
+        proc = subprocess.Popen(argv, env={**os.environ, "HPCDL_ATTEMPT": name})
+        folder = os.path.join(self.run_dir, "jit", name)
+        first_report = done_at = None
+        self._probing = None
+        while proc.poll() is None:
+            time.sleep(0.25)
+            if first_report is None and os.path.isdir(folder) and any(f.startswith("report-")
+                                                                       for f in os.listdir(folder)):
+                first_report = time.monotonic()
+            result = read_result(folder) if done_at is None else None
+            if result is not None:  # ask the suspect nodes now, while the step ends
+                done_at = time.monotonic()
+                suspects = lost_nodes(result, use, self.tasks_per_node) or list(use)
+                self._probing = (suspects, self._pool.submit(self._probe, suspects))
+            late = (done_at is not None and time.monotonic() - done_at > self.grace_s) or \
+                (first_report is not None and time.monotonic() - first_report > self.rescue_timeout_s)
+            if late:
+                self._end_step(proc, folder)
+                break
+        return proc.wait(), read_result(folder)
+
+    def _end_step(self, proc: subprocess.Popen, folder: str) -> None:
+        """The survivors are done; what is left are tasks on a dead node (or stopped ones): end the step."""
+        steps = set()
+        for entry in os.listdir(folder):
+            if entry.startswith("report-"):
+                try:
+                    with open(os.path.join(folder, entry)) as f:
+                        steps.add(json.load(f).get("slurm_step"))
+                except (OSError, ValueError):
+                    pass
+        for step in steps - {None}:
+            subprocess.run(["scancel", "--signal=KILL", f"{self.job}.{step}"], capture_output=True, timeout=30)
+        try:
+            proc.wait(timeout=self.grace_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)  # srun waits for a node that cannot answer
+
+    # -- after a failed step ----------------------------------------------------------------------------------
+    def _diagnose(self, code: int, result: dict | None, use: list[str], started: float, ended: float) -> dict:
+        if result is not None:
+            suspects = lost_nodes(result, use, self.tasks_per_node)
+            first = min(result["reports"], key=lambda r: r["time"]) if result.get("reports") else {}
+            found = first.get("reason", "?").split(": heartbeat stopped")[0].split("; rank ")[0]
+            cause = (f"rank(s) {','.join(map(str, result['lost']))} lost on {','.join(suspects) or '?'} (rank "
+                     f"{first.get('rank')} found: {found[:200]})" if result["lost"] else
+                     "a collective timed out with every heartbeat alive")
+            saved = result.get("checkpoint")
+            detected = first.get("time", ended)
+        else:
+            suspects, saved, detected = list(use), None, ended
+            cause = f"the step ended with status {code} and no rank's report"
+        suspects = suspects or list(use)
+        started_probe = self._probing
+        dead = started_probe[1].result() if started_probe and started_probe[0] == suspects else self._probe(suspects)
+        replaced = {}
+        for node in dead:
+            self.active.remove(node)
+            self.lost.append(node)
+            if self.spare:
+                replaced[node] = self.spare.pop(0)
+                self.active.append(replaced[node])
+        if dead:
+            what = "; ".join(f"node {n} lost, " + (f"spare {replaced[n]} takes its place" if n in replaced else
+                                                   "no spare left") for n in dead)
+        else:
+            what = f"node(s) {','.join(suspects) or 'none'} answer: the same nodes again"
+        saved_text = f"step {result['step']} saved just in time ({saved})" if saved else \
+            "nothing saved just in time: the newest checkpoint on disk"
+        log.warning("step ended (status %s): %s; %s; %s", code, cause, what, saved_text)
+        return {"cause": cause, "what": f"{cause}; {what}; {saved_text}", "status": code, "lost_nodes": dead,
+                "healthy_suspects": [n for n in suspects if n not in dead], "spares_taken": replaced,
+                "saved_step": result.get("step") if result else None, "checkpoint": saved, "detected_at": detected,
+                "step_ended_at": ended, "ranks_lost": result["lost"] if result else None}
+
+    def _probe(self, nodes: list[str]) -> list[str]:
+        """The nodes among ``nodes`` that cannot run a one-task step within the bound."""
+        def answers(node: str) -> bool:
+            try:
+                done = subprocess.run(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "true"],
+                                      capture_output=True, timeout=self.probe_timeout_s)
+            except subprocess.TimeoutExpired:
+                return False
+            return done.returncode == 0
+        with concurrent.futures.ThreadPoolExecutor(min(32, max(1, len(nodes)))) as pool:
+            alive = list(pool.map(answers, nodes))
+        return [n for n, ok in zip(nodes, alive) if not ok]
+
+    def _mark_recovery(self, started: float) -> None:
+        """The last restart's cost once its step has started: noted when the next attempt begins, or at the end."""
+        self._pending = (self.events[-1] if self.events else None, started)
+
+    def _summary_since(self, started: float) -> dict | None:
+        self._note_recovery()
+        path = os.path.join(self.run_dir, "summary.json")
+        try:
+            if os.path.getmtime(path) < started:
+                return None
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def _note_recovery(self) -> None:
+        """For the restart before the step that just ended: when its first step trained (train.jsonl), and the
+        time from the loss's first report to it."""
+        event, started = getattr(self, "_pending", (None, None))
+        if event is None or "next_step_at" in event:
+            return
+        first = _first_step_after(os.path.join(self.run_dir, "train.jsonl"), started)
+        if first is not None:
+            event["next_step_at"] = first
+            event["loss_to_next_step_s"] = round(first - event["detected_at"], 1)
+            log.info("restart %s cost: %.1f s from the first report of the loss to the next training step "
+                     "(%.1f s of it until the step ended, %.1f s to start and resume)", event.get("restart"),
+                     first - event["detected_at"], event["step_ended_at"] - event["detected_at"],
+                     first - event["step_ended_at"])
+
+    def _give_up(self, why: str) -> int:
+        newest = _newest_checkpoint(self.run_dir)
+        log.error("giving up: %s. Newest checkpoint: %s; submit the job again to resume from it", why,
+                  newest or "none")
+        self._write(final="gave up", why=why)
+        return 1
+
+    def _write(self, final: str | None = None, why: str | None = None) -> None:
+        state = {"job": self.job, "nodes": self.nodes, "active": self.active, "spares_left": self.spare,
+                 "lost": self.lost, "restarts": self.events, "outcome": final, "why": why}
+        atomic_write_text(os.path.join(self.run_dir, "supervisor.json"), json.dumps(state, indent=1) + "\n")
+
+
+def _first_step_after(path: str, started: float) -> float | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if '"kind": "step"' in line:
+                    record = json.loads(line)
+                    if record["time"] >= started:
+                        return record["time"]
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _newest_checkpoint(run_dir: str) -> str | None:
+    folder = os.path.join(run_dir, "checkpoints")
+    try:
+        names = sorted(n for n in os.listdir(folder) if re.fullmatch(r"ckpt-\d{9}\.pt", n))
+    except OSError:
+        return None
+    return os.path.join(folder, names[-1]) if names else None
+
+
+def from_slurm(rank_command: list[str], run_dir: str, global_batch: int, **kw) -> Supervisor:
+    """A supervisor of this Slurm job's nodes (SLURM_JOB_NODELIST), with its tasks and CPUs per node."""
+    if "SLURM_JOB_NODELIST" not in os.environ:
+        raise LaunchError("hpcdl supervise runs inside a Slurm allocation (its batch script): SLURM_JOB_NODELIST "
+                          "is not set; submit it with hpcdl sbatch --spares K")
+    if not kw.get("tasks_per_node"):
+        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "1")
+        kw["tasks_per_node"] = int(re.match(r"\d+", per_node).group())
+    if kw.get("cpus_per_task") is None and os.environ.get("SLURM_CPUS_PER_TASK"):
+        kw["cpus_per_task"] = int(os.environ["SLURM_CPUS_PER_TASK"])
+    return Supervisor(rank_command=rank_command, run_dir=run_dir, global_batch=global_batch,
+                      nodes=expand_hostlist(os.environ["SLURM_JOB_NODELIST"]), **kw)
+
