@@ -353,3 +353,44 @@ def test_plan_cli_prints_startup_and_restart_from_a_startup_report(tmp_path):
         assert r["rendezvous_s"] < builtin["rendezvous_s"] / 10  # gloo's mesh: 2 + 4 N per rank
         assert r["restart_s"] - r["startup_s"] == pytest.approx(r["checkpoint_s"])
         assert r["checkpoint_s"] == pytest.approx(builtin["checkpoint_s"])  # the same model: the same checkpoint
+
+
+def test_the_failure_table_follows_its_formulas_from_the_plans_own_terms(tmp_path):
+    """hpcdl plan --node-mtbf-hours: each path's expected time to train is T0 (1 + C / tau) / (1 - L / M) with M the
+    node MTBF over the nodes, C the checkpoint's write at one writer's bandwidth, R the plan's own restart, and L
+    per path (a) tau / 2 + R + Q, (b) tau / 2 + R, (c) half a step + D + C + R; the intervals are Young's and Daly's."""
+    import math
+
+    from hpcdl.plan.failures import daly_interval
+
+    out = subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--profile", "stampede2-skx", "--nodes", "256,1024,2048",
+                          "--batch", "32768", "--node-mtbf-hours", "2000", "--queue-wait-hours", "3",
+                          "--checkpoint-minutes", "20", "--detect-s", "40", "--fs-read-gb-s", "0.5",
+                          "--json", str(tmp_path / "p.json")], capture_output=True, text=True, check=True).stdout
+    assert "# failures: node MTBF 2,000 h, periodic checkpoint every 20 min, queue wait 3 h" in out
+    report = json.loads((tmp_path / "p.json").read_text())
+    ckpt_bytes = model_facts("resnet50").gradient_bytes * 2  # the weights and one momentum buffer (startup model)
+    for row in report["rows"]:
+        f, n, t0 = row["failures_model"], row["nodes"], row["time_to_train_s"]
+        m, tau, c, r, q = 2000 * 3600 / n, 20 * 60, ckpt_bytes / 0.5e9, row["restart_s"], 3 * 3600
+        assert f["job_mtbf_s"] == pytest.approx(m) and f["checkpoint_write_s"] == pytest.approx(c, rel=0.05)
+        c = f["checkpoint_write_s"]
+        expect = lambda overhead, loss: t0 * (1 + overhead) / (1 - loss / m) if loss < m else math.inf  # noqa: E731
+        assert f["requeue_s"] == pytest.approx(expect(c / tau, tau / 2 + r + q))
+        assert f["allocation_s"] == pytest.approx(expect(c / tau, tau / 2 + r))
+        assert f["jit_s"] == pytest.approx(expect(0, row["step_s"] / 2 + 40 + c + r))
+        assert f["young_interval_s"] == pytest.approx(math.sqrt(2 * c * m))
+        daly = f["daly_interval_s"]
+        assert daly == pytest.approx(daly_interval(c, m)) and abs(daly - math.sqrt(2 * c * m)) < c + 0.1 * daly
+        assert t0 < f["jit_s"] < f["allocation_s"] <= f["requeue_s"]  # each path cheaper than the one before
+        line = next(x for x in out.splitlines() if x.split()[:1] == [str(n)] and len(x.split()) == 11)
+        assert f"{f['jit_s'] / 3600:.2f}" in line and ("never" in line) == (f["requeue_s"] == math.inf)
+    assert math.isinf(report["rows"][-1]["failures_model"]["requeue_s"])  # 3 h in the queue > 2048 nodes' MTBF
+    # the expected time at the Daly interval is no worse than at a twice longer or shorter one
+    for row in report["rows"]:
+        f = row["failures_model"]
+        from hpcdl.plan.failures import expected_time
+
+        m, c, r = f["job_mtbf_s"], f["checkpoint_write_s"], row["restart_s"]
+        at = lambda tau: expected_time(row["time_to_train_s"], c, tau, tau / 2 + r, m)  # noqa: E731
+        assert at(f["daly_interval_s"]) <= min(at(2 * f["daly_interval_s"]), at(f["daly_interval_s"] / 2))

@@ -10,6 +10,7 @@ from hpcdl.bench.runner import Job, Output
 from hpcdl.cli.common import command
 from hpcdl.presets import get_preset
 from hpcdl.distributed.env import discover
+from hpcdl.plan.failures import FailureModel, format_failures
 from hpcdl.plan.planner import PlanInputs, PlanQuestion, format_plan, plot
 from hpcdl.plan.planner import plan as planned
 from hpcdl.plan.validate import format_validation, validate
@@ -22,14 +23,14 @@ class PlanCommand:
 
 
 def add_commands(sub) -> None:
-    command(sub, "plan", plan, PlanCommand, PlanQuestion, PlanInputs, Output,
+    command(sub, "plan", plan, PlanCommand, PlanQuestion, PlanInputs, FailureModel, Output,
             help="predict step time, time to train and efficiency at each node count",
             description="A performance model (docs/scaling.md): per-node compute, the all-reduce's alpha-beta cost, "
                         "its overlap with backward, data loading. --validate checks it against published Stampede2 "
                         "runs.", defer=(PlanQuestion,))
 
 
-def plan(cmd: PlanCommand, question, inputs: PlanInputs, output: Output) -> int:
+def plan(cmd: PlanCommand, question, inputs: PlanInputs, failures: FailureModel, output: Output) -> int:
     job = Job(env=discover())  # %j in --json and --plot, as the benchmarks expand it
     json_path, plot_path = (job.expand(p) if p else None for p in (output.json_path, output.plot_path))
     if cmd.validate:
@@ -45,9 +46,15 @@ def plan(cmd: PlanCommand, question, inputs: PlanInputs, output: Output) -> int:
     rows = planned(model, list(question.nodes), question.batch, question.epochs, question.train_images, startup)
     title = (f"{question.preset + ': ' if question.preset else ''}{inputs.model}, global batch {question.batch}, {question.epochs:g} epochs of "
              f"{question.train_images:,} images")
+    write_s = startup.checkpoint_bytes / startup.fs_read_bytes_s  # one rank writes it, at one writer's bandwidth
+    for row in rows:
+        row["failures_model"] = failures.terms(row["nodes"], row["time_to_train_s"], row["step_s"], write_s,
+                                               row["restart_s"])
     print(format_plan(rows, "\n".join(f"# {line}" for line in [title, *notes])))
+    print(format_failures(rows, failures))
     if json_path:
-        _write(json_path, {"inputs": dataclasses.asdict(inputs), "notes": notes, "rows": rows})
+        _write(json_path, {"inputs": dataclasses.asdict(inputs), "failures": dataclasses.asdict(failures),
+                           "notes": notes, "rows": rows})
     if plot_path:
         plot(rows, title, plot_path)
     return 0

@@ -217,12 +217,23 @@ class Supervisor:
     def _probe(self, nodes: list[str]) -> list[str]:
         """The nodes among ``nodes`` that cannot run a one-task step within the bound."""
         def answers(node: str) -> bool:
+            proc = subprocess.Popen(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "true"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            os.set_blocking(proc.stderr.fileno(), False)
+            said, deadline = b"", time.monotonic() + self.probe_timeout_s
             try:
-                done = subprocess.run(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "true"],
-                                      capture_output=True, timeout=self.probe_timeout_s)
-            except subprocess.TimeoutExpired:
-                return False
-            return done.returncode == 0
+                while proc.poll() is None:
+                    said += proc.stderr.read() or b""
+                    # srun says so at once when the node's slurmd refuses the launch, then waits on
+                    if b"Communication connection failure" in said or time.monotonic() > deadline:
+                        return False
+                    time.sleep(0.1)
+                return proc.returncode == 0
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                proc.stderr.close()
         with concurrent.futures.ThreadPoolExecutor(min(32, max(1, len(nodes)))) as pool:
             alive = list(pool.map(answers, nodes))
         return [n for n, ok in zip(nodes, alive) if not ok]

@@ -1,0 +1,302 @@
+"""A lost rank or node inside a supervised job (hpcdl sbatch --spares K / --max-restarts R): the survivors save
+the step they completed, the supervisor swaps a dead node for a spare or restarts on the same nodes, and the
+run goes on in the same job with each sample of every epoch trained once. Real Slurm, real processes; a node
+is "lost" as a whole: its slurmd, the step's slurmstepd there and its ranks, SIGKILLed (then its slurmd is
+started again, as a rebooted node would come back, for the tests after)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import PYTHON, hpcdl, same_states, sbatch_wait
+
+from hpcdl.distributed.hostlist import expand_hostlist
+
+IMAGES, BATCH = 240, 60  # 4 steps an epoch: 12 ranks x 5 images, 10 x 6 after the third loss
+
+
+def script_for(tmp_path: Path, data: Path, run: Path, *, nodes: int, tasks: int, partition: str, name: str,
+               spares: int = 0, restarts: int = 3, extra: tuple[str, ...] = ()) -> Path:
+    script = tmp_path / f"{name}.sbatch"
+    made = hpcdl("sbatch", "--profile", "local", "--partition", partition, "--nodes", nodes, "--spares", spares,
+                 "--max-restarts", restarts, "--tasks-per-node", tasks, "--time", 20, "--job-name", name,
+                 "--output", f"{tmp_path}/{name}-%j.out", "--python", PYTHON, "--write", script, "--",
+                 "train", "demo_tiny_lars", "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}",
+                 "--set", f"run_dir={run}", "--set", f"global_batch={BATCH}", "--set", "crop=32",
+                 "--set", "data.eval_resize=36", "--set", "loop.log_every=1", "--set", "loop.record_samples=true",
+                 "--set", "loop.eval_every=0", "--set", "checkpoint.every_minutes=0", *extra)
+    assert made.returncode == 0, made.stderr
+    return script
+
+
+def submit(script: Path, tmp_path: Path) -> str:
+    return subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(script)], capture_output=True, text=True,
+                          check=True).stdout.strip().split(";")[0]
+
+
+def steps(run: Path) -> list[dict]:
+    path = run / "train.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if '"kind": "step"' in line] \
+        if path.exists() else []
+
+
+def wait_for_step(run: Path, count: int, out: Path, after: float = 0.0, timeout: float = 240) -> dict:
+    """The first step record numbered ``count`` or more, logged after ``after`` (time.time())."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = [s for s in steps(run) if s["step"] >= count and s["time"] >= after]
+        if done:
+            return done[0]
+        assert time.monotonic() < deadline, out.read_text()[-4000:] if out.exists() else "no output"
+        time.sleep(0.1)
+
+
+def processes_of(job: str, node: str, step_only: bool = True) -> list[int]:
+    """The job's processes that Slurm node ``node`` started (their environment says so); ``step_only``: not the
+    batch script's (the supervisor runs there, on the first node)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job}".encode() in env and f"SLURMD_NODENAME={node}".encode() in env and \
+                (not step_only or b"HPCDL_ATTEMPT" in b"\0".join(env)):
+            found.append(int(proc.name))
+    return found
+
+
+def kill_node(job: str, node: str) -> float:
+    """SIGKILL node ``node``: its slurmd, the job's step daemon there and the ranks; returns time.time()."""
+    tasks = processes_of(job, node)
+    stepds = set()
+    for pid in tasks:
+        try:
+            stepds.add(int(Path(f"/proc/{pid}/stat").read_text().split()[3]))
+        except OSError:
+            pass
+    slurmd = subprocess.run(["pgrep", "-f", f"slurmd -N {node}$"], capture_output=True, text=True).stdout.split()
+    assert tasks and slurmd, (node, tasks, slurmd)
+    for pid in [*map(int, slurmd), *stepds, *tasks]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return time.time()
+
+
+def rank_pid(job: str, rank: int) -> int:
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or b"hpcdl\0train" not in (proc / "cmdline").read_bytes():
+                continue
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job}".encode() in env and f"SLURM_PROCID={rank}".encode() in env:
+            return int(proc.name)
+    raise AssertionError(f"rank {rank} of job {job} not found")
+
+
+def bring_back(nodes: list[str]) -> None:
+    """Start the killed nodes' slurmd again and wait until Slurm has them idle."""
+    for node in nodes:
+        if not subprocess.run(["pgrep", "-f", f"slurmd -N {node}$"], capture_output=True).stdout:
+            subprocess.run(["/usr/sbin/slurmd", "-N", node], check=False)
+    deadline = time.monotonic() + 120
+    while True:
+        states = dict(line.split() for line in subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True,
+                                                              text=True).stdout.splitlines())
+        if all(states.get(n) == "idle" for n in nodes) or time.monotonic() > deadline:
+            return
+        subprocess.run(["scontrol", "update", f"nodename={','.join(nodes)}", "state=resume"], capture_output=True)
+        time.sleep(1)
+
+
+def job_state(job: str) -> str:
+    deadline = time.monotonic() + 60  # the accounting lags behind the job (slurmdbd)
+    while not (state := subprocess.run(["sacct", "-n", "-X", "-j", job, "-o", "State,ExitCode", "-P"],
+                                       capture_output=True, text=True).stdout.strip()).startswith(("FAILED", "COMPLETED")):
+        assert time.monotonic() < deadline, state
+        time.sleep(1)
+    return state
+
+
+def wait_for_job(job: str, out: Path, timeout: float = 400) -> None:
+    deadline = time.monotonic() + timeout
+    while subprocess.run(["squeue", "-h", "-j", job, "-t", "PD,R"], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, out.read_text()[-4000:]
+        time.sleep(1)
+
+
+def samples(run: Path) -> Counter:
+    return Counter(tuple(map(int, line.split())) for f in (run / "samples").iterdir()
+                   for line in f.read_text().splitlines())
+
+
+def check_each_sample_once(run: Path, whole_epochs: int) -> None:
+    seen = samples(run)
+    assert max(seen.values()) == 1, [k for k, v in seen.items() if v > 1][:10]
+    for epoch in range(whole_epochs):
+        assert sorted(i for e, i in seen if e == epoch) == list(range(IMAGES)), epoch
+
+
+def lose_nodes(job: str, run: Path, out: Path, kills: int, every: int) -> list[dict]:
+    """Kill the second node of the step in flight ``kills`` times, ``every`` steps into each start; per loss:
+    the node, the kill's time, the last step logged before it, the first step after it (None after the last)."""
+    losses = []
+    for n in range(kills):
+        last = losses[-1]["next"]["step"] if losses else 0
+        wait_for_step(run, last + every, out, after=losses[-1]["at"] if losses else 0.0)
+        active = json.loads((run / "supervisor.json").read_text())["active"] if (run / "supervisor.json").exists() \
+            else None
+        used = sorted(active or expand_hostlist(subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"],
+                                                               capture_output=True, text=True).stdout.strip()),
+                      key=lambda x: int(x[1:]))
+        victim = used[1]
+        logged = steps(run)[-1]["step"]
+        at = kill_node(job, victim)
+        loss = {"node": victim, "at": at, "logged": logged}
+        losses.append(loss)
+        if n < kills - 1 or kills == 1:
+            loss["next"] = wait_for_step(run, 0, out, after=at + 1.0)
+            print(f"loss {n + 1}: node {victim} killed after step {logged}; the next step ({loss['next']['step']}) "
+                  f"trained {loss['next']['time'] - at:.1f} s after the kill")
+    return losses
+
+
+def check_restarts(run: Path, losses: list[dict], spares: list[str | None]) -> dict:
+    sup = json.loads((run / "supervisor.json").read_text())
+    assert len(sup["restarts"]) >= len(spares), sup
+    for loss, event, spare in zip(losses, sup["restarts"], spares):
+        assert event["lost_nodes"] == [loss["node"]], (event, loss)
+        assert event["spares_taken"] == ({loss["node"]: spare} if spare else {}), event
+        # the lost work: at most the step in flight; the next start trains the step after the saved one
+        assert loss["logged"] <= event["saved_step"] <= loss["logged"] + 1, (event, loss)
+        if "next" in loss:
+            assert loss["next"]["step"] == event["saved_step"] + 1, (event, loss)
+    return sup
+
+
+@pytest.mark.timeout(900)
+def test_a_lost_node_of_six_is_replaced_by_a_spare_twice_then_the_job_goes_on_on_five_and_gives_up_after_three(
+        wide, data, ccl, tmp_path):
+    """oneCCL, 6 nodes + 2 spares, 2 ranks each, the loader's default read-ahead (data.workers=4), in one job: a
+    node lost mid-epoch three times (a spare, the other spare, then 5 nodes: 10 ranks of 6 images), and a fourth
+    time past --max-restarts 3, which ends the job naming the newest checkpoint. A new job resumes it and
+    finishes: every replica identical, each sample of every epoch trained once across the five starts."""
+    run = tmp_path / "run"
+    extra = ("--set", "loop.backend=ccl", "--set", f"loop.ccl_lib={ccl.library.parent}", "--set", "epochs=14",
+             "--set", "data.workers=4")
+    script = script_for(tmp_path, data, run, nodes=6, tasks=2, partition="wide", name="spares", spares=2, extra=extra)
+    job = submit(script, tmp_path)
+    out = tmp_path / f"spares-{job}.out"
+    nodes = []
+    try:
+        losses = lose_nodes(job, run, out, kills=4, every=5)
+        nodes = [loss["node"] for loss in losses]
+        wait_for_job(job, out)
+    finally:
+        subprocess.run(["scancel", job], check=False)
+        bring_back(nodes)
+    text = out.read_text()
+    allocated = expand_hostlist(text.split(f"hpcdl: job {job} on 8 node(s) (")[1].split(")")[0])
+    spares = allocated[6:]
+    sup = check_restarts(run, losses, [spares[0], spares[1], None])
+    assert f"node {nodes[0]} lost, spare {spares[0]} takes its place" in text, text[-4000:]
+    assert f"node {nodes[2]} lost, no spare left" in text and "10 rank(s) on" in text
+    assert sup["outcome"] == "gave up" and "--max-restarts 3" in sup["why"], sup
+    assert job_state(job).startswith("FAILED"), text[-3000:]
+    newest = sorted((run / "checkpoints").glob("ckpt-*.pt"))[-1]
+    assert f"Newest checkpoint: {newest}" in text
+    # a new job goes on from it, on 6 nodes again, to the end
+    again = script_for(tmp_path, data, run, nodes=6, tasks=2, partition="wide", name="again", extra=extra)
+    sbatch_wait(again, f"--chdir={tmp_path}", timeout=400)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["replicas"] == "identical on 12 ranks (sha256 of the weights)"
+    check_each_sample_once(run, whole_epochs=14)
+    numbers = [s["step"] for s in steps(run)]
+    assert sorted(set(numbers)) == list(range(1, 14 * 4 + 1))
+    assert len(numbers) - len(set(numbers)) <= 4  # each loss trained at most the step in flight again
+
+
+@pytest.mark.timeout(600)
+def test_a_lost_node_on_gloo_is_replaced_by_a_spare_within_the_job(wide, data, tmp_path):
+    """gloo, 6 nodes + 2 spares, 2 ranks each: one node lost mid-epoch; the same job goes on on a spare to the end,
+    with the time from the kill to the next step printed, every replica identical and each sample once."""
+    run = tmp_path / "run"
+    script = script_for(tmp_path, data, run, nodes=6, tasks=2, partition="wide", name="gloo", spares=2,
+                        extra=("--set", "loop.backend=gloo", "--set", "epochs=5"))
+    job = submit(script, tmp_path)
+    out = tmp_path / f"gloo-{job}.out"
+    nodes = []
+    try:
+        losses = lose_nodes(job, run, out, kills=1, every=6)
+        nodes = [losses[0]["node"]]
+        wait_for_job(job, out)
+    finally:
+        subprocess.run(["scancel", job], check=False)
+        bring_back(nodes)
+    text = out.read_text()
+    spare = expand_hostlist(text.split(f"hpcdl: job {job} on 8 node(s) (")[1].split(")")[0])[6]
+    check_restarts(run, losses, [spare])
+    assert f"node {nodes[0]} lost, spare {spare} takes its place" in text and "from the first report of the loss" in text
+    assert job_state(job).startswith("COMPLETED"), text[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["replicas"] == "identical on 12 ranks (sha256 of the weights)" and summary["steps"] == 20
+    check_each_sample_once(run, whole_epochs=5)
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_rank_and_a_stopped_one_restart_on_the_same_nodes_from_a_valid_just_in_time_checkpoint(
+        two_nodes, data, tmp_path):
+    """gloo, 2 nodes x 1 rank, --max-restarts 2: rank 1 SIGKILLed (its node healthy), then the restarted rank 1
+    SIGSTOPped (no error anywhere: rank 0's watch finds its heartbeat stopped). Each time the job goes on on
+    the same nodes; the first just-in-time checkpoint equals, bit for bit, the periodic checkpoint a fault-free
+    job writes at the same step."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    extra = ("--set", "loop.backend=gloo", "--set", "epochs=6", "--set", "data.workers=4", "--set", "global_batch=16",
+             "--set", "data.reserve_cores=0")  # the same threads in every start: bitwise comparable
+    script = script_for(tmp_path, data, run, nodes=2, tasks=1, partition="debug", name="rank", restarts=2, extra=extra)
+    job = submit(script, tmp_path)
+    out = tmp_path / f"rank-{job}.out"
+    try:
+        wait_for_step(run, 6, out)
+        os.kill(rank_pid(job, 1), signal.SIGKILL)
+        killed = time.time()
+        first = wait_for_step(run, 0, out, after=killed + 1.0)
+        wait_for_step(run, first["step"] + 5, out)
+        os.kill(rank_pid(job, 1), signal.SIGSTOP)
+        stopped = time.time()
+        second = wait_for_step(run, 0, out, after=stopped + 1.0, timeout=120)
+        print(f"kill -9: next step {first['time'] - killed:.1f} s after; SIGSTOP: {second['time'] - stopped:.1f} s")
+        wait_for_job(job, out)
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    text = out.read_text()
+    assert job_state(job).startswith("COMPLETED"), text[-3000:]
+    sup = json.loads((run / "supervisor.json").read_text())
+    assert [e["lost_nodes"] for e in sup["restarts"]] == [[], []], sup
+    assert [e["healthy_suspects"] for e in sup["restarts"]] == [["n2"], ["n2"]], sup
+    assert "answer: the same nodes again" in text and "heartbeat stopped on rank 1" in text
+    assert json.loads((run / "summary.json").read_text())["replicas"].startswith("identical on 2 ranks")
+    check_each_sample_once(run, whole_epochs=6)
+    # the first just-in-time checkpoint against a fault-free run's periodic checkpoint of the same step
+    import torch
+
+    saved = sup["restarts"][0]["saved_step"]
+    jit = torch.load(sup["restarts"][0]["checkpoint"], map_location="cpu", weights_only=True)
+    assert jit["counters"]["step"] == saved and jit["jit"]["lost"] == [1] and jit["rng"][1] is None
+    plain = script_for(tmp_path, data, reference, nodes=2, tasks=1, partition="debug", name="reference",
+                       extra=(*extra, "--set", f"loop.max_steps={saved}"))
+    sbatch_wait(plain, f"--chdir={tmp_path}", timeout=300)
+    ref = torch.load(reference / "checkpoints" / f"ckpt-{saved:09d}.pt", map_location="cpu", weights_only=True)
+    for part in ("model", "optimizer", "schedule", "sampler"):
+        assert same_states(jit[part], ref[part]) == [], part
