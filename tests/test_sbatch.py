@@ -44,6 +44,8 @@ def test_newline_is_refused_naming_the_field(field):
     (dict(nodes=0), "nodes=0"),
     (dict(time="soon"), "not a time"),
     (dict(allocator="hoard"), "choose one of"),
+    (dict(profile="frontera-clx", nodes=510, spares=4), "nodes=510 \\+ spares=4 exceeds the 512 nodes"),
+    (dict(spares=-1), "spares=-1"),
 ])
 def test_impossible_requests_are_rejected_with_the_fix(params, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -73,6 +75,35 @@ def test_cli_rejects_before_submitting():
     run = subprocess.run([PYTHON, "-m", "hpcdl", "submit", "--profile", "stampede2-skx", "--time", "72:00:00",
                           "--", "bench", "allreduce"], capture_output=True, text=True)
     assert run.returncode == 2 and "exceeds the 2-00:00:00 limit" in run.stderr and "submitted" not in run.stderr
+
+
+def test_spares_allocate_more_nodes_and_the_supervisor_starts_the_training_step():
+    train = ["train", "demo_tiny_lars"]
+    text = render_sbatch(job_request(profile="generic", nodes=4, spares=2, tasks_per_node=2), train)
+    assert "#SBATCH --nodes=6" in text and "#SBATCH --no-kill" in text and "srun --kill-on-bad-exit" not in text
+    assert ('"$HPCDL_PYTHON" -m hpcdl supervise --spares 2 --max-restarts 3 --tasks-per-node 2 -- "$HPCDL_PYTHON" '
+            '-m hpcdl train demo_tiny_lars') in text
+    restarts = render_sbatch(job_request(profile="generic", nodes=4, max_restarts=5), train)
+    assert "#SBATCH --nodes=4" in restarts and "--spares 0 --max-restarts 5" in restarts
+    plain = render_sbatch(job_request(profile="generic", nodes=4), train)
+    assert "--no-kill" not in plain and 'srun --kill-on-bad-exit=1 "$HPCDL_PYTHON" -m hpcdl train' in plain
+    for command in (["sbatch", "--spares", "1", "--", "bench", "allreduce"],
+                    ["submit", "--spares", "1", "--", "train", "demo_tiny_lars"]):
+        run = subprocess.run([PYTHON, "-m", "hpcdl", *command], capture_output=True, text=True)
+        assert run.returncode == 2 and "--spares" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_the_supervisor_keeps_the_global_batch_and_finds_the_lost_ranks_nodes():
+    from hpcdl.launch.supervisor import Supervisor, fit_nodes, lost_nodes
+
+    assert [fit_nodes(n, 2, 60) for n in (6, 5, 4, 3, 1)] == [6, 5, 3, 3, 1]
+    assert fit_nodes(4, 2, 7) == 0
+    used = ["n11", "n13", "n14"]
+    result = {"lost": [2, 3], "lost_where": {"2": "host vm (Slurm node n14), pid 5", "3": "host vm (Slurm node n14), pid 6"}}
+    assert lost_nodes(result, used, 2) == ["n14"]
+    assert lost_nodes({"lost": [0], "lost_where": {}, "rank0_lost": True}, used, 2) == ["n11"]  # its store went too
+    with pytest.raises(Exception, match="leaves no node"):
+        Supervisor(rank_command=["x"], run_dir="/tmp", global_batch=8, nodes=["n1", "n2"], tasks_per_node=1, spares=2)
 
 
 def test_defaults_fill_the_node():
