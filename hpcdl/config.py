@@ -92,7 +92,7 @@ class LoopConfig:
     seed: int = 0  # the model's initial weights
     target_top1: float = 0.0  # time-to-accuracy: first evaluation at or above this top-1 (0: none)
     timeline: bool = False  # per-rank trace spans in RUN_DIR/timeline (hpcdl timeline merge RUN_DIR)
-    # each rank appends the samples it trains to RUN_DIR/samples/rankRRRRR.txt, "EPOCH INDEX" a line: to audit
+    # each rank appends the samples it trains to RUN_DIR/samples/rankRRRRR.txt, "EPOCH INDEX STEP" a line: to audit
     # the data order, or count that an epoch saw every sample once across restarts on any number of ranks
     record_samples: bool = False
     # each rank writes RUN_DIR/startup/rankRRRRR.json at its first step: each start-up phase's time and the

@@ -65,7 +65,7 @@ def train_job(tmp_path: Path, data: Path, run: Path, nodes: int, backend: str, *
 
 
 def samples(run: Path) -> Counter:
-    return Counter(tuple(map(int, line.split())) for f in (run / "samples").iterdir()
+    return Counter(tuple(map(int, line.split()[:2])) for f in (run / "samples").iterdir()
                    for line in f.read_text().splitlines())
 
 

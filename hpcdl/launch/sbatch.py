@@ -145,7 +145,8 @@ _STAGE_ENV = [
     '  tar -C "$env_root" -cf "$archive.$SLURM_JOB_ID.tmp" . && mv -f "$archive.$SLURM_JOB_ID.tmp" "$archive"',
     "fi",
     'HPCDL_STAGE="${HPCDL_STAGE_DIR:-${TMPDIR:-/tmp}}/hpcdl-env-$SLURM_JOB_ID"',
-    "hpcdl_unstage() { srun --ntasks-per-node=1 --ntasks=\"$SLURM_JOB_NUM_NODES\" bash -c 'rm -rf \"$1/$SLURMD_NODENAME\"' "
+    "# bounded: under hpcdl supervise a lost node never answers, and the job would hold its allocation",
+    "hpcdl_unstage() { timeout 120 srun --overlap --ntasks-per-node=1 --ntasks=\"$SLURM_JOB_NUM_NODES\" bash -c 'rm -rf \"$1/$SLURMD_NODENAME\"' "
     "unstage \"$HPCDL_STAGE\" || true; }",
     "trap hpcdl_unstage EXIT",
     "# one task per node unpacks the archive into $HPCDL_STAGE/NODE",

@@ -152,7 +152,8 @@ class Rescue:
     def _describe(self, lost: list[int] | None) -> str:
         if lost is None:
             return "rank 0 was lost (the rendezvous store it served no longer answers)"
-        return "heartbeat stopped on " + ", ".join(f"rank {r}" for r in lost)
+        names = "; ".join(f"rank {r} ({self.ctx.heartbeat.who(r)})" for r in lost)
+        return f"lost {names}: heartbeat stopped"
 
     # -- the rescue ---------------------------------------------------------------------------------------
     def run(self, reason: str) -> None:
@@ -250,6 +251,8 @@ class Rescue:
             path, wrote = manager.path(step), False  # the periodic checkpoint of this very step is on disk
         else:
             path, wrote = manager.save(step, self._state(step, rngs, survivors, missing, lost)), True
+        if t is not None and t.cfg.loop.record_samples and step is not None:
+            _drop_samples_after(os.path.join(t.dir, "samples"), step)
         where = {r: self.ctx.heartbeat.who(r) for r in lost} if lost else {}
         result = {"step": step, "checkpoint": path, "written": wrote, "writer": self.rank, "survivors": survivors,
                   "lost": lost if lost is not None else [0], "rank0_lost": lost is None, "rng_lost": missing,
@@ -273,6 +276,16 @@ class Rescue:
                       "jit": {"survivors": survivors, "lost": lost if lost is not None else [0], "rng_lost": missing,
                               "residuals_lost": t.cfg.sync.hook == "chunk_sparse"}})
         return state
+
+
+def _drop_samples_after(folder: str, step: int) -> None:
+    """loop.record_samples: every rank writes a step's samples before its exchange, so a lost rank's record holds
+    each step it took part in, and every record may hold the step in flight: keep the steps up to ``step``.
+    Each file is replaced (a survivor still appending writes to the old one)."""
+    for path in glob.glob(os.path.join(glob.escape(folder), "rank*.txt")):
+        with open(path) as f:
+            kept = [line for line in f if len(line.split()) < 3 or int(line.split()[2]) <= step]
+        atomic_write_text(path, "".join(kept))
 
 
 def _save(path: str, obj) -> None:

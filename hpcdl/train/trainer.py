@@ -110,7 +110,6 @@ class Trainer:
         self.started = False  # whether this process completed a step (start-up timeout until then)
         self.replicas = "not checked (the run ended early)"
         self.samples = _sample_file(self.dir, ctx.rank) if cfg.loop.record_samples else None
-        self._taken: list = []  # the samples of the step in flight, recorded when it completes
         self.wrapped.stepper.commit = self._commit
         if rescue is not None:
             rescue.attach(self)
@@ -245,25 +244,25 @@ class Trainer:
         return "done"
 
     def _commit(self, result) -> None:
-        """After the step's update (under the rescue's lock): the step counts, its samples are recorded, and
-        the rescue takes the boundary. A step whose update was skipped (a loss not finite) does not count."""
+        """After the step's update (under the rescue's lock): the step counts, and the rescue takes the boundary.
+        A step whose update was skipped (a loss not finite) does not count."""
         if not result.finite:
             return
         self.progress.step += 1
-        if self.samples is not None:
-            self.samples.write("".join(f"{s.epoch} {int(s)}\n" for s in self._taken))
-            self.samples.flush()
-        self._taken = []
         if self.rescue is not None:
             self.rescue.take_boundary()
 
     def _batches(self):
         """The epoch's micro-batches, normalized and mixed. The sampler advances by each batch as the step takes
-        it, whatever the loader's workers have read ahead; a step's samples are recorded once it completes."""
+        it, whatever the loader's workers have read ahead. Recorded samples carry the step that takes them, written
+        before its exchange: a just-in-time checkpoint drops the steps after the one it saves from every rank's
+        record (:mod:`hpcdl.train.rescue`)."""
         for images, labels in self.data.train_loader:
             trained = self.data.sampler.advance(len(labels))
             if self.samples is not None:
-                self._taken.extend(trained)
+                step = self.progress.step + 1
+                self.samples.write("".join(f"{s.epoch} {int(s)} {step}\n" for s in trained))
+                self.samples.flush()
             images = self._prepare(images)
             yield self.data.mix(images, labels) if self.data.mix else (images, labels)
 
@@ -321,6 +320,6 @@ class Trainer:
 
 
 def _sample_file(folder: str, rank: int):
-    """loop.record_samples: each rank appends "epoch index" of every sample it trains."""
+    """loop.record_samples: each rank appends "epoch index step" of every sample it trains."""
     os.makedirs(os.path.join(folder, "samples"), exist_ok=True)
     return open(os.path.join(folder, "samples", f"rank{rank:05d}.txt"), "a")
