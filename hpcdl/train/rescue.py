@@ -29,8 +29,10 @@ survivor exits with :data:`EXIT_PEER_LOST`, which the supervisor (:mod:`hpcdl.la
 How it starts. A collective that fails raises in the training thread (gloo's reset connection, the MPI and
 oneCCL groups' watchdog): :meth:`Rescue.run` there. A collective that hangs (a stopped rank, a peer that
 died while this rank waits on a third) does not return, so a watch thread looks when no step has completed
-for :meth:`Rescue.stall_s`: another rank's report in the folder, or a rank whose heartbeat stopped, starts the
-rescue from that thread while the training thread stays blocked.
+for :meth:`Rescue.stall_s`: another rank's report in the folder, or (once a step of this start completed) a
+rank whose heartbeat stopped, starts the rescue from that thread while the training thread stays blocked. A
+store that does not answer must fail two probes, 10 s apart: under start-up's load at 32 ranks on 2 cores one
+probe timed out while rank 0 was alive.
 
 What is lost: the lost ranks' RNG streams (their successors are seeded by the start's rule) and every rank's
 chunk_sparse residuals (the failed step may have folded its gradients into some buckets' residuals; they
@@ -129,7 +131,7 @@ class Rescue:
         self._stop.set()
 
     def _look(self) -> None:
-        probed = 0.0
+        probed, unreachable = 0.0, 0
         while not self._stop.wait(0.5):
             since = self.boundary.at if self.boundary is not None else self.created
             now = time.monotonic()
@@ -137,12 +139,16 @@ class Rescue:
                 continue
             if self._others_reported():  # a stat of one folder, only while no step completes
                 self.run("another rank reported a lost peer (see its report in " + self.folder + ")")
-            if now - since < self.stall_s():
+            # The heartbeats only once a step of this start completed: start-up (rendezvous, the checkpoint's
+            # broadcast, the first step) loads rank 0's store most and has its own timeout; and at most every
+            # 10 s, whatever the stall (a long evaluation), so that rank 0's store sees no more requests.
+            if not self._steps or now - since < self.stall_s() or now - probed < 10.0:
                 continue
-            if self.boundary is None and now - probed < 10.0:
-                continue  # start-up's phases may be long: a heartbeat probe every 10 s, not every second
             probed = now
             lost = self.ctx.heartbeat.lost_ranks()
+            unreachable = unreachable + 1 if lost is None else 0
+            if lost is None and unreachable < 2:
+                continue  # a store that does not answer in time may be busy: ask once more before acting
             if (lost is None or lost) and not self._stop.is_set():
                 self.run(self._describe(lost) + f"; no step completed for {time.monotonic() - since:.0f} s")
 
