@@ -198,6 +198,21 @@ def start_long_sweep(tmp_path: Path, timeout_s: float, *extra: str) -> list[subp
     return procs
 
 
+def processes_of(job: str, node: str, step_only: bool = True) -> list[int]:
+    """The job's processes that Slurm node ``node`` started (their environment says so); ``step_only``: not the
+    batch script's (the supervisor runs there, on the first node)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job}".encode() in env and f"SLURMD_NODENAME={node}".encode() in env and \
+                (not step_only or any(e.startswith(b"HPCDL_ATTEMPT=") for e in env)):
+            found.append(int(proc.name))
+    return found
+
+
 def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int = 240, args: tuple = ()) -> str:
     """Submit with sbatch options ``extra`` and script arguments ``args``, wait for the end, return the job
     id; raise with the output on failure. A job still queued or running when the wait ends (this timeout, or

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, hpcdl, same_states, sbatch_wait
+from conftest import PYTHON, hpcdl, processes_of, same_states, sbatch_wait
 
 from hpcdl.distributed.hostlist import expand_hostlist
 
@@ -56,21 +56,6 @@ def wait_for_step(run: Path, count: int, out: Path, after: float = 0.0, timeout:
             return done[0]
         assert time.monotonic() < deadline, out.read_text()[-4000:] if out.exists() else "no output"
         time.sleep(0.1)
-
-
-def processes_of(job: str, node: str, step_only: bool = True) -> list[int]:
-    """The job's processes that Slurm node ``node`` started (their environment says so); ``step_only``: not the
-    batch script's (the supervisor runs there, on the first node)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"SLURM_JOB_ID={job}".encode() in env and f"SLURMD_NODENAME={node}".encode() in env and \
-                (not step_only or b"HPCDL_ATTEMPT" in b"\0".join(env)):
-            found.append(int(proc.name))
-    return found
 
 
 def kill_node(job: str, node: str) -> float:

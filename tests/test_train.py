@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PYTHON, REPO, SIMULATED_CPUS, free_port, hpcdl, rank_env, same_states, sbatch_wait, start_ranks
+from conftest import (PYTHON, REPO, SIMULATED_CPUS, free_port, hpcdl, processes_of, rank_env, same_states, sbatch_wait,
+                      start_ranks)
 from PIL import Image
 
 from hpcdl.train.precision import choose_precision
@@ -663,19 +664,6 @@ def test_fault_matrix_scancel_stops_every_rank_with_a_checkpoint(slurm, data, tm
     assert newest is not None and newest[1]["counters"]["step"] >= 4
 
 
-def _processes_of(job: str, node: str) -> list[int]:
-    """The job's processes that Slurm node ``node`` started (their environment says so)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"SLURM_JOB_ID={job}".encode() in env and f"SLURMD_NODENAME={node}".encode() in env:
-            found.append(int(proc.name))
-    return found
-
-
 def test_fault_matrix_the_second_node_fails_mid_job(two_nodes, data, tmp_path):
     """Node n2 fails: its slurmd, the step's slurmstepd there and its rank are SIGKILLed (then slurmd starts
     again, as a rebooted node would). Rank 0 on n1 exits 1 naming rank 1 and node n2, srun ends the step,
@@ -695,7 +683,7 @@ def test_fault_matrix_the_second_node_fails_mid_job(two_nodes, data, tmp_path):
         while steps_logged(run) < 4:
             assert time.monotonic() < deadline, "the job did not start training"
             time.sleep(0.1)
-        tasks = _processes_of(job, "n2")
+        tasks = processes_of(job, "n2", step_only=False)
         stepds = {int(Path(f"/proc/{pid}/stat").read_text().split()[3]) for pid in tasks}
         slurmd = subprocess.run(["pgrep", "-f", "slurmd -N n2$"], capture_output=True, text=True).stdout.split()
         assert tasks and slurmd, (tasks, slurmd)
