@@ -89,7 +89,7 @@ class Rescue:
     :meth:`attach`: its ``parts`` (model, optimizer, schedule), ``data.sampler``, ``progress``, ``cfg``,
     ``dir``, ``last_save_step`` and :meth:`checkpoint_header`."""
 
-    def __init__(self, ctx, run_folder: str, heartbeat_s: float = 2.0, report_wait_s: float | None = None):
+    def __init__(self, ctx, run_folder: str):
         self.ctx, self.trainer = ctx, None
         self.rank, self.world = ctx.rank, ctx.world_size
         self.folder = os.path.join(run_folder, "jit", attempt_name(ctx.env.master_port))
@@ -97,10 +97,9 @@ class Rescue:
         self._started = threading.Lock()
         self.boundary: Boundary | None = None
         self._steps: deque[float] = deque(maxlen=20)  # recent step durations, for the stall bound
-        self.heartbeat_s, self.report_wait_s = heartbeat_s, report_wait_s
+        self.heartbeat_s = ctx.heartbeat.interval_s  # the job's heartbeat: what a lost rank's detection takes
         self.created = time.monotonic()
         self._stop = threading.Event()
-        self._watch = None
 
     def attach(self, trainer) -> None:
         self.trainer = trainer
@@ -124,8 +123,7 @@ class Rescue:
 
     # -- the watch thread ---------------------------------------------------------------------------------
     def start_watch(self) -> None:
-        self._watch = threading.Thread(target=self._look, name="hpcdl-rescue-watch", daemon=True)
-        self._watch.start()
+        threading.Thread(target=self._look, name="hpcdl-rescue-watch", daemon=True).start()
 
     def stop_watch(self) -> None:
         self._stop.set()
@@ -212,8 +210,7 @@ class Rescue:
         timed out within about a step of each other, and the stuck one will not report."""
         gone = set(lost) if lost is not None else {0}
         expected = set(range(self.world)) - gone
-        bound = self.report_wait_s if self.report_wait_s is not None else \
-            self.stall_s() + 4 * self.heartbeat_s + 5.0 if gone else self.heartbeat_s
+        bound = self.stall_s() + 4 * self.heartbeat_s + 5.0 if gone else self.heartbeat_s
         deadline = time.monotonic() + bound
         while True:
             reports = {}
