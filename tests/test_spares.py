@@ -135,7 +135,7 @@ def check_each_sample_once(run: Path, whole_epochs: int) -> None:
 
 def lose_nodes(job: str, run: Path, out: Path, kills: int, every: int) -> list[dict]:
     """Kill the second node of the step in flight ``kills`` times, ``every`` steps into each start; per loss:
-    the node, the kill's time, the last step logged before it, the first step after it (None after the last)."""
+    the node, the kill's time, the first step after it (None after the last)."""
     losses = []
     for n in range(kills):
         last = losses[-1]["next"]["step"] if losses else 0
@@ -146,15 +146,20 @@ def lose_nodes(job: str, run: Path, out: Path, kills: int, every: int) -> list[d
                                                                capture_output=True, text=True).stdout.strip()),
                       key=lambda x: int(x[1:]))
         victim = used[1]
-        logged = steps(run)[-1]["step"]
         at = kill_node(job, victim)
-        loss = {"node": victim, "at": at, "logged": logged}
+        loss = {"node": victim, "at": at}
         losses.append(loss)
         if n < kills - 1 or kills == 1:
             loss["next"] = wait_for_step(run, 0, out, after=at + 1.0)
-            print(f"loss {n + 1}: node {victim} killed after step {logged}; the next step ({loss['next']['step']}) "
+            print(f"loss {n + 1}: node {victim} killed after step {logged_before(run, at)}; the next step "
+                  f"({loss['next']['step']}) "
                   f"trained {loss['next']['time'] - at:.1f} s after the kill")
     return losses
+
+
+def logged_before(run: Path, at: float) -> int:
+    """The last step rank 0 logged before time ``at`` (time.time())."""
+    return max(s["step"] for s in steps(run) if s["time"] <= at)
 
 
 def check_restarts(run: Path, losses: list[dict], spares: list[str | None]) -> dict:
@@ -163,8 +168,13 @@ def check_restarts(run: Path, losses: list[dict], spares: list[str | None]) -> d
     for loss, event, spare in zip(losses, sup["restarts"], spares):
         assert event["lost_nodes"] == [loss["node"]], (event, loss)
         assert event["spares_taken"] == ({loss["node"]: spare} if spare else {}), event
-        # the lost work: at most the step in flight; the next start trains the step after the saved one
-        assert loss["logged"] <= event["saved_step"] <= loss["logged"] + 1, (event, loss)
+        # the lost work: at most the step in flight; the next start trains the step after the saved one. The
+        # bound is the last step rank 0 logged before the kill's time, not the one the test read before it looked
+        # up the node's processes: on the busy CI machine, two steps completed in between (a gloo run, saved 8
+        # of "logged 6"). Rank 0 logs a step before it starts the next, so a step completed before the kill but
+        # logged after it is the one in flight.
+        done = logged_before(run, loss["at"])
+        assert done <= event["saved_step"] <= done + 1, (event, loss, done)
         if "next" in loss:
             assert loss["next"]["step"] == event["saved_step"] + 1, (event, loss)
     return sup
