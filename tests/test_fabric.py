@@ -45,10 +45,12 @@ def test_a_second_fabric_comes_up_shaped_and_goes_down_leaving_nothing(tmp_path)
 
 
 def test_two_nodes_over_the_shaped_link_measure_its_rate(fabric, tmp_path):
-    """A 2-node job crosses the link; the ring fit's bus bandwidth is the shaped rate, within 15%.
+    """A 2-node job crosses the link; the best 8 and 16 MiB all-reduce runs at the shaped rate, within 15%.
 
-    From 1 MiB up: below it the time of a size is mostly latency and scheduling, which the other tests' load
-    stretches (256 KiB at 81 MB/s idle), and the fit then tilts to a rate above the link's (148 MB/s in CI)."""
+    Not the fit over all sizes: tbf's bucket (2 ms at the rate) refills whenever the sender pauses, and under the
+    other tests' load the pauses between iterations let a 1 MiB message pass a quarter of its bytes at once; the
+    fit then tilted to a rate above the link's (148 and 150 MB/s in CI, 118 MB/s idle). At 8 MiB and up the
+    bucket is at most 3% of a message, and the best of the iterations is the least stretched by the load."""
     script = tmp_path / "fabric.sbatch"
     script.write_text(render_sbatch(
         job_request(profile="local", nodes=2, tasks_per_node=1, time="5", python=PYTHON, partition="fabric",
@@ -59,8 +61,9 @@ def test_two_nodes_over_the_shaped_link_measure_its_rate(fabric, tmp_path):
     report = load_json(tmp_path / f"fabric-{job}-n3.json")  # rank 0's node, by Slurm's name
     assert sorted(r["host"] for r in report["ranks"]) == ["n3", "n4"]
     assert all(row["correct"] for row in report["rows"])
-    fitted = report["fit"]["gloo"]["busbw_GBps"] * 1e9
-    assert abs(fitted / fabric - 1) <= 0.15, (fitted, fabric, (tmp_path / f"{job}.out").read_text()[-2000:])
+    # 2 ranks: the bus bandwidth is the algorithm's, bytes over time
+    best = max(row["bytes"] / (row["min_time_us"] * 1e-6) for row in report["rows"] if row["bytes"] >= 8 << 20)
+    assert abs(best / fabric - 1) <= 0.15, (best, fabric, report["rows"], (tmp_path / f"{job}.out").read_text()[-2000:])
 
 
 def test_a_hook_trains_to_the_target_across_the_shaped_link(fabric, demo_data, tmp_path):
