@@ -8,7 +8,9 @@ The supervisor starts the training step on N of them, and when the step ends wit
    each ran on (from the heartbeat's record), the step they saved just in time. A step whose survivors
    finished that rescue but whose lost node cannot answer is ended here (``scancel --signal=KILL`` of the
    step, then srun itself): a dead node never reports its tasks' end.
-2. It asks each suspect node for a one-task step (``srun -w NODE true``, bounded): a node that answers
+2. It asks each suspect node's slurmd for a connection (a refused or unanswered one: the node is lost, at
+   once; srun itself retries a refused launch for Slurm's ``MessageTimeout``, 10 s by default), then for a
+   one-task step (``srun -w NODE true``, bounded): a node that answers
    was a rank's failure (kill -9, the OOM killer, a stopped process), and the next step uses it again; one
    that does not is dropped from the list and a spare takes its place; with none left the step goes on
    fewer nodes, the largest count whose ranks divide the global batch (a resume keeps the global batch).
@@ -31,6 +33,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 
@@ -170,8 +173,9 @@ class Supervisor:
                         steps.add(json.load(f).get("slurm_step"))
                 except (OSError, ValueError):
                     pass
-        for step in steps - {None}:
-            subprocess.run(["scancel", "--signal=KILL", f"{self.job}.{step}"], capture_output=True, timeout=30)
+        for step in steps - {None}:  # not waited for: slurmctld answers only once it gave up on a dead node (11 s)
+            subprocess.Popen(["scancel", "--signal=KILL", f"{self.job}.{step}"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             proc.wait(timeout=self.grace_s)
         except subprocess.TimeoutExpired:
@@ -216,7 +220,14 @@ class Supervisor:
 
     def _probe(self, nodes: list[str]) -> list[str]:
         """The nodes among ``nodes`` that cannot run a one-task step within the bound."""
+        addresses = slurmd_addresses(nodes)
+
         def answers(node: str) -> bool:
+            if node in addresses:
+                try:
+                    socket.create_connection(addresses[node], timeout=self.probe_timeout_s).close()
+                except OSError:  # refused (no slurmd), unreachable, or no answer in time
+                    return False
             proc = subprocess.Popen(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "true"],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             os.set_blocking(proc.stderr.fileno(), False)
@@ -279,6 +290,25 @@ class Supervisor:
         state = {"job": self.job, "nodes": self.nodes, "active": self.active, "spares_left": self.spare,
                  "lost": self.lost, "restarts": self.events, "outcome": final, "why": why}
         atomic_write_text(os.path.join(self.run_dir, "supervisor.json"), json.dumps(state, indent=1) + "\n")
+
+
+def slurmd_addresses(nodes: list[str]) -> dict[str, tuple[str, int]]:
+    """Each node's slurmd address and port, from ``scontrol show node`` (the configured ``SlurmdPort`` where the
+    node names none); nodes Slurm does not describe are left out."""
+    try:
+        text = subprocess.run(["scontrol", "show", "node", "-o", ",".join(nodes)], capture_output=True, text=True,
+                              timeout=30).stdout
+        default = re.search(r"^SlurmdPort\s*=\s*(\d+)", subprocess.run(
+            ["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout, re.M)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found = {}
+    for line in text.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        port = fields.get("Port") or (default.group(1) if default else None)
+        if fields.get("NodeName") in nodes and fields.get("NodeAddr") and port and port.isdigit():
+            found[fields["NodeName"]] = (fields["NodeAddr"], int(port))
+    return found
 
 
 def _first_step_after(path: str, started: float) -> float | None:
