@@ -9,7 +9,7 @@ takes. The sleep and the SIGKILL are real; the rest is the real trainer.
 PHASE: rendezvous (before the process group), checkpoint (resume: load and broadcast), ddp (DDP and the
 hook's groups), first_step, step3 (the first and third training steps); for kills also data (fetching
 the 5th batch), forward (step 5's loss, between forward and backward), allreduce (step 5's first gradient
-bucket handed to the hook), save (half-way through writing the second checkpoint), eval (the first
+bucket handed to the hook; with hook none, half of step 5's gradients accumulated), save (half-way through writing the second checkpoint), eval (the first
 evaluation).
 
 The save phase writes half of step 4's checkpoint (every_steps=2: step 2's is complete).
@@ -83,6 +83,20 @@ trainer.Trainer._prepare = fault("data", on_call=5)(trainer.Trainer._prepare)
 step = hpcdl.train.step.Stepper.step
 hpcdl.train.step.Stepper.step = fault("step3", on_call=3)(fault("first_step")(step))
 hpcdl.distributed.sync._timed = fault("allreduce", on_call=9)(hpcdl.distributed.sync._timed)  # a bucket of step 5 (2 a step)
+watch = hpcdl.distributed.sync.CommTimer.watch
+
+
+def watch_with_fault(timer, model):
+    """Hook none has no comm hook (DDP's own all-reduce): the fault comes half-way through step 5's gradients, after
+    the first bucket (the last layers', ready first) was handed to its all-reduce."""
+    watch(timer, model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    hit = fault("allreduce", on_call=4 * len(params) + len(params) // 2)(lambda p: None)
+    for p in params:
+        p.register_post_accumulate_grad_hook(hit)
+
+
+hpcdl.distributed.sync.CommTimer.watch = watch_with_fault
 criterion = build.make_criterion
 build.make_criterion = lambda smoothing: fault("forward", on_call=5)(criterion(smoothing))
 checkpoint.torch.save = half_written_save(checkpoint.torch.save)

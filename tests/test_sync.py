@@ -85,8 +85,10 @@ def test_bench_sync_reports_every_path(mpiexec, tmp_path):
     full = r.parameters * 4 / 2 ** 20
     assert hooks["none"].mb_sent == full and hooks["fp16"].mb_sent == full / 2
     assert 0.05 * full < hooks["chunk_sparse"].mb_sent < 0.15 * full  # keep 0.1 of the chunks, plus their norms
-    assert set(r.ddp_parts) == {"no exchange", "torch's all-reduce"} and all(p.ms > 0 for p in r.ddp_parts.values())
-    assert "where DDP's sync (hook none" in run.stdout and "+ hpcdl's hook over torch's all-reduce" in run.stdout
+    assert set(r.ddp_parts) == {"no exchange", "torch's all-reduce", "Python hook"}
+    assert all(p.ms > 0 for p in r.ddp_parts.values())
+    assert "where DDP's sync (hook none" in run.stdout and "+ hpcdl over torch's all-reduce" in run.stdout
+    assert "hook none through hpcdl's Python hook" in run.stdout
     assert set(r.bucket_sweep) == {"25", "0.05:25"} and "bucket sweep" in run.stdout
     assert format_report(read) in run.stdout  # the table printed is the table of the JSON, through its type
     bad = mpi_run(mpiexec, "-m", "hpcdl", "bench", "sync", "--buckets", "1:x")
@@ -186,3 +188,47 @@ def test_a_bucket_collective_failure_is_kept_typed_for_fail_fast(monkeypatch, tm
     assert run.returncode != 0 and "RankLostError" in run.stderr, run.stderr
     assert "a collective failed on rank 0 while every rank's heartbeat is alive" in run.stderr
     assert "gradient bucket 0's collective failed: gone" in run.stderr
+
+
+@pytest.mark.ranks
+def test_a_failed_all_reduce_reaches_fail_fast_through_ddps_own_reduction(tmp_path):
+    """Hook none registers no comm hook: DDP's reducer reads each bucket's Work future itself. A failure of
+    hpcdl's group must reach backward with the collective's own message (not the reducer's "Expected TensorList
+    but got PyObject"), and fail_fast must take it as a collective's failure. The group is a stand-in for oneCCL
+    whose all-reduce raises (a real one cannot be made to fail on demand in one process)."""
+    code = """
+import dataclasses
+import torch, torch.distributed as dist
+from hpcdl.distributed.threaded import CommThread, ThreadedProcessGroup
+from hpcdl.distributed.process_group import fail_fast, init_distributed
+from hpcdl.distributed.sync import data_parallel
+
+class StandInForOneCCL(ThreadedProcessGroup):
+    BACKEND_NAME, LIBRARY, NATIVE = "stand-in", "oneCCL", frozenset({torch.float32})
+    def library_op(self, name):
+        return name
+    def _allreduce(self, buf, op, inline):
+        raise RuntimeError("its transport is gone")
+    def _allgather(self, send, recv, inline):  # one rank: DDP's checks at construction pass
+        recv.copy_(send.reshape(recv.shape))
+    def _broadcast(self, buf, root, inline):
+        pass
+    def _barrier(self, inline):
+        pass
+
+ctx = init_distributed("gloo", heartbeat_s=0.2)
+dist.Backend.register_backend("stand-in", lambda o, _=None: StandInForOneCCL(o.group_rank, o.group_size, o.timeout,
+                              CommThread("stand-in")), extended_api=True, devices=["cpu"])
+group = dist.new_group([0], backend="stand-in")
+net, timer = data_parallel(torch.nn.Linear(4, 2), dataclasses.replace(ctx.env, world_size=2), group)
+assert timer.hook is None, "hook none registers no comm hook"
+with fail_fast(ctx, lambda: timer.failure):
+    net(torch.randn(3, 4)).sum().backward()
+"""
+    from conftest import free_port, rank_env
+
+    run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert run.returncode != 0 and "RankLostError" in run.stderr, run.stderr
+    assert "a collective failed on rank 0 while every rank's heartbeat is alive" in run.stderr, run.stderr
+    assert "rank 0: oneCCL allreduce of 10 elements (torch.float32) failed: its transport is gone" in run.stderr

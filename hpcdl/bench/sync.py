@@ -70,9 +70,12 @@ def _fused(buckets: list, dtype, group) -> None:
             b.copy_(t)
 
 
-def _timed_ms(fn, group):
-    """A case for :func:`alternate`: the ranks line up at a barrier, then ``fn`` is timed, in ms."""
+def _timed_ms(fn, group, prepare=None):
+    """A case for :func:`alternate`: ``prepare()`` (untimed), the ranks line up at a barrier, then ``fn`` is timed,
+    in ms."""
     def case() -> float:
+        if prepare is not None:
+            prepare()
         dist.barrier(group=group)
         t0 = time.perf_counter()
         fn()
@@ -120,28 +123,39 @@ def _bench(cfg: Config, env, group=None) -> SyncFigures:
 def _gradient_set_class():
     """The module class below, made on first use (it subclasses torch's classes: no torch at import)."""
     class _Emit(torch.autograd.Function):
-        """Backward hands each parameter its fixed gradient: no arithmetic, so DDP's sync is all there is."""
+        """Backward hands each parameter the gradient :meth:`_GradientSet.prepare` made, at once: no arithmetic,
+        so DDP's sync is all there is."""
 
         @staticmethod
-        def forward(ctx, noise, *params):
-            ctx.noise = noise
+        def forward(ctx, owner, *params):
+            ctx.owner = owner
             return params[0].new_zeros(())
 
         @staticmethod
         def backward(ctx, _):
-            return (None, *ctx.noise)
+            grads, ctx.owner.pending = ctx.owner.pending, None
+            return (None, *grads)
 
 
     class _GradientSet(torch.nn.Module):
-        """The model's parameter shapes; backward gives each a fixed random gradient at once."""
+        """The model's parameter shapes; backward gives each a random gradient at once.
+
+        As a real backward's, each gradient is a fresh tensor that nothing else holds, so autograd hands it to
+        the parameter without a copy and DDP copies it into its bucket once (the trainer's ``zero_grad(
+        set_to_none=True)`` leaves no gradient to add to). A gradient the module kept would be cloned first."""
 
         def __init__(self, model: torch.nn.Module):
             super().__init__()
             self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros_like(p)) for p in model.parameters())
             self.noise = [torch.randn_like(p) for p in model.parameters()]
+            self.pending = None
+
+        def prepare(self) -> None:
+            """The next backward's gradients (untimed: a real backward computes them)."""
+            self.pending = [n.clone() for n in self.noise]
 
         def forward(self) -> torch.Tensor:
-            return _Emit.apply(self.noise, *self.weights)
+            return _Emit.apply(self, *self.weights)
 
     return _GradientSet
 
@@ -161,16 +175,16 @@ def hook_rows(cfg: Config, env, group=None) -> tuple[dict[str, SyncHook], dict[s
                                       bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb, sparse=sparse)
         sent[hook] = sparse
 
-    parts = _ddp_parts(cfg, model, group)
+    parts = _ddp_parts(cfg, env, model, group)
 
     def sync(net):
         net().backward()
-        net.zero_grad(set_to_none=False)
+        net.zero_grad(set_to_none=True)  # as the trainer's step
 
     # two warm-ups: the first builds DDP's buckets, the second the hooks' state for them (chunk_sparse's
     # residual buffers: a one-time allocation, 2x the step it falls in)
-    times = alternate({hook: _timed_ms(lambda net=net: sync(net), group) for hook, net in {**nets, **parts}.items()},
-                      cfg.rounds, warmup=2)
+    times = alternate({hook: _timed_ms(lambda net=net: sync(net), group, prepare=net.module.prepare)
+                       for hook, net in {**nets, **parts}.items()}, cfg.rounds, warmup=2)
     rows = {}
     for hook in nets:
         elements = sent[hook].last_step_sent[0] if sent[hook] else parameters
@@ -180,11 +194,14 @@ def hook_rows(cfg: Config, env, group=None) -> tuple[dict[str, SyncHook], dict[s
 
 
 DDP_PARTS = {"no exchange": "DDP with a hook that returns each bucket at once: its own work (autograd hooks, "
-                            "the copy of each gradient into its bucket, zero_grad)",
-             "torch's all-reduce": "DDP with no comm hook: torch's C++ all-reduce of each bucket"}
+                            "the copy of each gradient into its bucket)",
+             "torch's all-reduce": "DDP with no comm hook: torch's C++ all-reduce of each bucket (hook none's "
+                                   "path since issue 37)",
+             "Python hook": "hook none through hpcdl's timed Python hook (its path before issue 37; now only "
+                            "with loop.timeline's per-bucket spans)"}
 
 
-def _ddp_parts(cfg: Config, model, group) -> dict:
+def _ddp_parts(cfg: Config, env, model, group) -> dict:
     """The references that split hook ``none``'s DDP sync (:data:`DDP_PARTS`), on the same gradient set and
     buckets, timed in the same alternation."""
 
@@ -194,12 +211,16 @@ def _ddp_parts(cfg: Config, model, group) -> dict:
         return done
 
     nets = {}
-    for part in DDP_PARTS:
+    for part in ("no exchange", "torch's all-reduce"):
         torch.manual_seed(dist.get_rank())
         with bucket_caps(cfg.bucket_cap_mb, cfg.first_bucket_mb) as caps:
             nets[part] = DistributedDataParallel(_gradient_set_class()(model), process_group=group,
                                                  gradient_as_bucket_view=True, **caps)
     nets["no exchange"].register_comm_hook(None, no_exchange)
+    torch.manual_seed(dist.get_rank())
+    nets["Python hook"], _ = data_parallel(_gradient_set_class()(model), env, group, backend=dist.get_backend(group),
+                                           bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_mb=cfg.first_bucket_mb,
+                                           bucket_spans=True)
     return nets
 
 
@@ -359,13 +380,19 @@ def format_comparison(reports: dict[str, SyncFigures]) -> str:
 
 def _ddp_split(r: SyncFigures, none_ms: float) -> list[str]:
     """Where hook ``none``'s DDP sync goes: DDP's own work, the exchange as torch's DDP issues it, and what
-    hpcdl's hook adds to that; the same buckets exchanged outside DDP (``fused``) for comparison."""
+    hpcdl adds to that; the same buckets exchanged outside DDP (``fused``) and hpcdl's timed Python hook (hook
+    none's path before issue 37) for comparison."""
     own, torchs = r.ddp_parts["no exchange"].ms, r.ddp_parts["torch's all-reduce"].ms
-    return [f"where DDP's sync (hook none, {none_ms:.1f} ms) goes:",
-            f"  DDP's own work (a hook that returns each bucket at once)  {own:9.1f} ms",
-            f"  + the exchange, as DDP with torch's all-reduce issues it   {torchs - own:9.1f} ms  "
-            f"(the same buckets outside DDP: fused {r.ms['fused']:.1f} ms)",
-            f"  + hpcdl's hook over torch's all-reduce                     {none_ms - torchs:9.1f} ms"]
+    lines = [f"where DDP's sync (hook none, {none_ms:.1f} ms, {none_ms / r.ms['flat']:.2f}x flat) goes:",
+             f"  DDP's own work (a hook that returns each bucket at once)  {own:9.1f} ms",
+             f"  + the exchange, as DDP with torch's all-reduce issues it   {torchs - own:9.1f} ms  "
+             f"(the same buckets outside DDP: fused {r.ms['fused']:.1f} ms)",
+             f"  + hpcdl over torch's all-reduce (its gradient timing)      {none_ms - torchs:9.1f} ms"]
+    if "Python hook" in r.ddp_parts:
+        python = r.ddp_parts["Python hook"].ms
+        lines.append(f"  hook none through hpcdl's Python hook (before issue 37; loop.timeline): {python:.1f} ms, "
+                     f"{python / none_ms:.2f}x")
+    return lines
 
 
 def format_report(report: SyncReport) -> str:

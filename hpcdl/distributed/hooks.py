@@ -1,6 +1,8 @@
 """DDP communication hooks, chosen by name in the config (``sync.hook``), on every backend.
 
-- ``none``: DDP's bucket all-reduce, averaged.
+- ``none``: DDP's bucket all-reduce, averaged. :func:`hpcdl.distributed.sync.data_parallel` registers no hook
+  for it (DDP's reducer divides as it fills the buckets); this one serves only ``loop.timeline``'s per-bucket
+  spans.
 - ``fp16`` / ``bf16``: each bucket is all-reduced in half precision (half the bytes) and written back
   in fp32, as torch's compression hooks do. bf16 keeps fp32's range, fp16 its precision.
 
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdl.distributed.env import RankEnv
+from hpcdl.distributed.threaded import unwrapped as _unwrapped
 from hpcdl.names import HOOKS, check
 
 __all__ = ["HOOKS", "ChunkSparse", "Hierarchy", "Plain", "make_hook", "node_groups", "sparse_allreduce"]
@@ -126,13 +129,6 @@ def node_groups(env: RankEnv, backend: str | None = None, new_group=None) -> Hie
     return Hierarchy(node_group=node_group, leader=members[env.node_rank][0], nodes=len(nodes),
                      leaders=leaders if env.rank in leader_ranks else None, world_size=env.world_size,
                      pool=concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcdl-hier"))
-
-
-def _unwrapped(future: torch.futures.Future) -> torch.Tensor:
-    """A future set from Python carries an error as a Python object that DDP's C++ reducer cannot read
-    ("Unable to cast ... to Tensor"); raising it in a ``then`` callback makes it the chained future's error,
-    which DDP raises from backward like a C++ collective's."""
-    return future.value()
 
 
 def _hierarchical(state: Hierarchy, bucket: dist.GradBucket) -> torch.futures.Future:

@@ -399,12 +399,14 @@ def fail_fast(ctx: DistContext, hook_failure: Callable[[], BaseException | None]
         raise RankLostError(message) from exc
 
 
-# gloo's own failures outside DDP's hooks (a barrier, a direct all-reduce) are plain RuntimeErrors: their text.
-_GLOO_MARKS = ("gloo/transport", "Timed out waiting")
+# Collective failures that reach Python as plain RuntimeErrors, by their text: gloo's own outside DDP's hooks (a
+# barrier, a direct all-reduce), and hpcdl's groups' through DDP's own reduction (hook none: the reducer keeps
+# the text of the Work's error, ThreadedProcessGroup.failed or the watchdog's).
+_COLLECTIVE_MARKS = ("gloo/transport", "Timed out waiting", "oneCCL allreduce of", "MPI allreduce of")
 
 
 def is_collective_error(exc: BaseException) -> bool:
-    return isinstance(exc, dist.DistError) or any(mark in str(exc) for mark in _GLOO_MARKS)
+    return isinstance(exc, dist.DistError) or any(mark in str(exc) for mark in _COLLECTIVE_MARKS)
 
 
 def explain_failure(ctx: DistContext, exc: BaseException, collective: bool = True) -> str | None:

@@ -29,17 +29,29 @@ class BucketCollectiveError(dist.DistError):
 
 
 class CommTimer:
-    """When the last gradient bucket of the current backward was handed to the communication hook."""
+    """When the last gradient of the current backward was handed over for its exchange: to the communication
+    hook, bucket by bucket; or, with no hook (``none``: DDP's own all-reduce), to its bucket, gradient by
+    gradient (:meth:`watch`), a bucket's all-reduce starting with its last gradient."""
 
     def __init__(self, hook_state, hook):
         self.hook_state, self.hook = hook_state, hook
         self.last_handover = 0.0
-        self.buckets = 0
-        self.on_done = None  # (bucket index, handed over at, done at) -> None: the timeline's comm spans
-        self.failure: BucketCollectiveError | None = None  # the first bucket collective that failed
+        self.buckets = 0  # hand-overs in this backward: buckets through a hook, gradients without one
+        self.on_done = None  # (bucket index, handed over at, done at) -> None: the timeline's comm spans (a hook only)
+        self.failure: BucketCollectiveError | None = None  # the first bucket collective that failed (a hook only)
 
     def reset(self) -> None:
         self.last_handover, self.buckets = 0.0, 0
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Note each parameter's gradient as it is accumulated (DDP's builtin reduction has no hook to time)."""
+        def handed(_):
+            self.last_handover = time.perf_counter()
+            self.buckets += 1
+
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(handed)
 
 
 def _timed(timer: CommTimer, bucket):
@@ -64,12 +76,16 @@ def _timed(timer: CommTimer, bucket):
 
 def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str = "none", backend: str | None = None,
                   bucket_cap_mb: float = 25.0, first_bucket_mb: float | None = None,
-                  gradient_as_bucket_view: bool = True, sparse=None,
-                  new_group=None) -> tuple[torch.nn.Module, CommTimer | None]:
+                  gradient_as_bucket_view: bool = True, sparse=None, new_group=None,
+                  bucket_spans: bool = False) -> tuple[torch.nn.Module, CommTimer | None]:
     """``model`` wrapped in DDP over ``group``, its buckets reduced by ``hook`` (:mod:`hpcdl.distributed.hooks`)
     and timed; on one rank, ``model`` itself.
 
-    ``first_bucket_mb`` caps the first bucket (the last layers' gradients, ready first) below
+    ``none`` registers no hook: DDP's own reduction divides each gradient by the size as it copies it into
+    its bucket and hands the bucket to the group's all-reduce from C++, where a Python hook costs a pass
+    over the gradients for the division and two threads' hand-offs per bucket (``hpcdl bench sync``;
+    docs/performance.md). ``bucket_spans`` (the timeline's per-bucket spans) keeps the timed Python hook for
+    ``none`` too. ``first_bucket_mb`` caps the first bucket (the last layers' gradients, ready first) below
     ``bucket_cap_mb`` so that communication starts sooner; ``None``: the same cap as the others.
     """
     if env.world_size == 1:
@@ -77,6 +93,10 @@ def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str
     with bucket_caps(bucket_cap_mb, first_bucket_mb) as caps:
         ddp = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=gradient_as_bucket_view,
                                       **caps)
+    if hook == "none" and not bucket_spans:
+        timer = CommTimer(None, None)
+        timer.watch(model)
+        return ddp, timer
     timer = CommTimer(*make_hook(hook, env, group, backend, sparse, new_group))
     ddp.register_comm_hook(timer, _timed)
     return ddp, timer

@@ -30,7 +30,8 @@ from torch.futures import Future
 from hpcdl.distributed.comm_thread import CommThread, Liveness, describe
 from hpcdl.errors import ConfigError
 
-__all__ = ["CommThread", "DoneWork", "Liveness", "ThreadedProcessGroup", "library_group"]  # CommThread, Liveness: for the libraries
+# CommThread, Liveness: for the libraries
+__all__ = ["CommThread", "DoneWork", "Liveness", "ThreadedProcessGroup", "library_group", "unwrapped"]
 
 _SUM, _AVG = dist.ReduceOp.RedOpType.SUM, dist.ReduceOp.RedOpType.AVG
 _PREMUL = dist.ReduceOp.RedOpType.PREMUL_SUM
@@ -48,10 +49,20 @@ class _Work(dist.Work):
         return True
 
     def get_future(self) -> Future:
-        return self._future
+        """The future a C++ caller reads (DDP's reducer, with no comm hook): chained, so that a failure is the
+        future's error rather than a result holding a Python exception, which the reducer cannot read ("Expected
+        TensorList but got PyObject") and would report instead of the collective's own message."""
+        return self._future.then(unwrapped)
 
     def is_completed(self) -> bool:
         return self._future.done()
+
+
+def unwrapped(future: Future):
+    """A future set from Python carries an error as a Python object that DDP's C++ reducer cannot read ("Unable to
+    cast ... to Tensor"); raising it in a ``then`` callback makes it the chained future's error, which DDP raises
+    from backward like a C++ collective's."""
+    return future.value()
 
 
 class DoneWork(dist.Work):
