@@ -76,3 +76,25 @@ def test_a_named_model_is_measured_at_its_own_size_with_its_counted_flops(tmp_pa
     counted = count("timm:vit_tiny_patch16_224")["train_flops"]  # per image, the planner's figure
     assert r["precision"]["flops_per_step"] == pytest.approx(2 * counted, rel=0.02)
     assert {"fp32", "bf16"} <= set(r["precision"]["cases"])
+
+
+@pytest.mark.slow
+def test_profile_splits_each_precision_s_step_into_classes_that_add_up(tmp_path):
+    """--profile: fp32 and bf16, each class's share of the profiled wall time, the matrix class's rate; the
+    table printed is the JSON's. A small model: where bf16 is emulated its one profiled step is slow, not wrong."""
+    from hpcdl.bench.reports import StepReport
+    from hpcdl.bench.step import format_report
+
+    report = tmp_path / "step.json"
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "bench", "step", "--profile", "--model", "tiny_cnn", "--batch", "8",
+                          "--crop", "32", "--steps", "2", "--json", str(report)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    read = StepReport.from_json(str(report))
+    assert [b.precision for b in read.profile] == ["fp32", "bf16"] and read.precision is None
+    for b in read.profile:
+        assert list(b.classes) == ["matrix", "casts", "normalization", "element-wise", "optimizer", "framework"]
+        assert sum(c.share for c in b.classes.values()) == pytest.approx(1.0, abs=0.02)
+        assert b.classes["matrix"].calls > 0 and b.classes["optimizer"].ms > 0 and b.matrix_gflops > 0
+    assert read.profile[1].classes["casts"].calls > read.profile[0].classes["casts"].calls  # autocast's
+    assert "where a step goes: tiny_cnn bf16" in run.stdout and format_report(read) in run.stdout

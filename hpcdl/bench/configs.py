@@ -182,6 +182,8 @@ class StepBench:
     curve_batches: tuple[int, ...] = ()
     # which comparisons: precision, overhead, tuning, curve (curve whenever curve_batches is given)
     only: tuple[str, ...] = ("precision", "overhead", "tuning")
+    # instead: where a step of --model goes, by class of work (torch's profiler), fp32 and bf16
+    profile: bool = False
 
     def __post_init__(self):
         self.only = tuple(self.only)

@@ -18,6 +18,9 @@ Three comparisons, each measured side by side in alternating rounds (the figure 
 
 With ``curve_batches``, also the tuned node's images/s at each of those per-rank batches: the
 throughput-vs-batch curve that ``hpcdl plan --step-json`` reads as the node's compute.
+
+With ``profile`` (``--profile``), instead: where a bare step of the model goes in fp32 and in bf16, class by
+class of work (:mod:`hpcdl.bench.breakdown`), against each precision's GEMM rate.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from dataclasses import replace
 
 import torch
 
+from hpcdl.bench.breakdown import breakdown, format_breakdown
 from hpcdl.bench.configs import StepBench as Config
 from hpcdl.bench.flops import gemm_gflops, training_flops
 from hpcdl.bench.rounds import alternate, medians, timed_ms
-from hpcdl.bench.reports import (Compiled, NodeRound, NotCompiled, PrecisionCase, RankSetup, StepCurve, StepOverhead,
-                                 StepPrecision, StepReport, StepTuning)
+from hpcdl.bench.reports import (Breakdown, Compiled, NodeRound, NotCompiled, PrecisionCase, RankSetup, StepCurve,
+                                 StepOverhead, StepPrecision, StepReport, StepTuning)
 from hpcdl.bench.runner import machine_line
 from hpcdl.distributed.affinity import allocator_env, allocator_in_use, plan_cpus
 from hpcdl.distributed.process_group import apply_cpu_plan
@@ -208,8 +212,23 @@ def curve(cfg: Config) -> StepCurve:
                      runs={str(b): tuple(v) for b, v in runs.items()})
 
 
+def profile(cfg: Config) -> tuple[Breakdown, ...]:
+    """The breakdown of a bare step of ``cfg.model`` in fp32 and bf16 (one profiled step where bf16 is emulated)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    emulated = not set(NATIVE_BF16) & cpu_flags()
+    model, _, criterion, x, y = synthetic_training(cfg.model, cfg.batch, cfg.crop)
+    flops = training_flops(model, x, y, criterion)
+    del model
+    return tuple(breakdown(cfg.model, p, cfg.batch, cfg.crop, 1 if emulated and p == "bf16" else cfg.steps,
+                           gemm_gflops(p), flops, lambda p=p: bare_loop(cfg.model, cfg.batch, cfg.crop, p))
+                 for p in ("fp32", "bf16"))
+
+
 def run(cfg: Config, job=None) -> StepReport:
     cfg = replace(cfg, crop=cfg.crop or model_info(cfg.model).crop)  # 0: a named model's stated size
+    if cfg.profile:
+        return StepReport(config=cfg, profile=profile(cfg))
     return StepReport(config=cfg, precision=precision(cfg) if "precision" in cfg.only else None,
                       overhead=overhead(cfg) if "overhead" in cfg.only else None,
                       tuning=tuning(cfg) if "tuning" in cfg.only else None,
@@ -219,6 +238,8 @@ def run(cfg: Config, job=None) -> StepReport:
 def format_report(r: StepReport) -> str:
     c = r.config
     lines = [machine_line(r)]
+    for b in r.profile:
+        lines += format_breakdown(b)
     if r.precision:
         lines += _precision_lines(r.precision, c)
     if r.overhead:

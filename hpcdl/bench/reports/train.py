@@ -8,7 +8,7 @@ import typing
 from hpcdl.bench.configs import LargeBatchBench, OptimBench, ScalingBench, StepBench
 from hpcdl.bench.reports.base import Provenance, Report
 
-__all__ = ["Compiled", "LargeBatchReport", "LargeBatchRow", "NodeRound", "NotCompiled", "OptimReport", "Phases",
+__all__ = ["Breakdown", "ClassTime", "TopOperator", "Compiled", "LargeBatchReport", "LargeBatchRow", "NodeRound", "NotCompiled", "OptimReport", "Phases",
            "PrecisionCase", "RankSetup", "ScalingMeta", "ScalingPoint", "ScalingReport", "StepCurve", "StepOverhead",
            "StepPrecision", "StepReport", "StepTimes", "StepTuning"]
 
@@ -126,6 +126,38 @@ class StepCurve:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ClassTime:
+    """One class of work in a step (hpcdl.bench.breakdown)."""
+
+    ms: float  # per step
+    share: float  # of the step's wall time
+    calls: float  # operators per step (0 for framework)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TopOperator:
+    name: str
+    kind: str  # its class
+    ms: float  # per step
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Breakdown:
+    """One model and precision: each class's time per step, and the matrix work's rate."""
+
+    model: str
+    precision: str
+    batch: int
+    ms_per_step: float  # profiled wall time per step
+    classes: dict[str, ClassTime]
+    flops_per_step: float
+    matrix_gflops: float  # counted FLOPs over the matrix class's time
+    gemm_gflops: float  # this precision's GEMM rate, same threads
+    step_of_gemm: float  # counted FLOPs over the whole step, as a fraction of the GEMM rate
+    top: tuple[TopOperator, ...]  # the largest five
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepReport(Report):
     benchmark: typing.ClassVar[str] = "step"
     config: StepBench
@@ -133,6 +165,7 @@ class StepReport(Report):
     overhead: StepOverhead | None = None
     tuning: StepTuning | None = None
     curve: StepCurve | None = None
+    profile: tuple[Breakdown, ...] = ()  # --profile: fp32, then bf16
     provenance: Provenance | None = None  # filled by the runner
 
 
