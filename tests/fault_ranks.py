@@ -9,8 +9,8 @@ takes. The sleep and the SIGKILL are real; the rest is the real trainer.
 PHASE: rendezvous (before the process group), checkpoint (resume: load and broadcast), ddp (DDP and the
 hook's groups), first_step, step3 (the first and third training steps); for kills also data (fetching
 the 5th batch), forward (step 5's loss, between forward and backward), allreduce (step 5's first gradient
-bucket handed to the hook; with hook none, half of step 5's gradients accumulated), save (half-way through writing the second checkpoint), eval (the first
-evaluation).
+bucket handed to the hook; with hook none, half of step 5's gradients accumulated), save (half-way through
+writing the second checkpoint), eval (the first evaluation).
 
 The save phase writes half of step 4's checkpoint (every_steps=2: step 2's is complete).
 """

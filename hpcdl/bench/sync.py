@@ -183,7 +183,7 @@ def hook_rows(cfg: Config, env, group=None) -> tuple[dict[str, SyncHook], dict[s
 
     # two warm-ups: the first builds DDP's buckets, the second the hooks' state for them (chunk_sparse's
     # residual buffers: a one-time allocation, 2x the step it falls in)
-    times = alternate({hook: _timed_ms(lambda net=net: sync(net), group, prepare=net.module.prepare)
+    times = alternate({hook: _timed_ms(lambda net=net: sync(net), group, prepare=getattr(net, "module", net).prepare)
                        for hook, net in {**nets, **parts}.items()}, cfg.rounds, warmup=2)
     rows = {}
     for hook in nets:

@@ -8,9 +8,9 @@ import typing
 from hpcdl.bench.configs import LargeBatchBench, OptimBench, ScalingBench, StepBench
 from hpcdl.bench.reports.base import Provenance, Report
 
-__all__ = ["Breakdown", "ClassTime", "TopOperator", "Compiled", "LargeBatchReport", "LargeBatchRow", "NodeRound", "NotCompiled", "OptimReport", "Phases",
-           "PrecisionCase", "RankSetup", "ScalingMeta", "ScalingPoint", "ScalingReport", "StepCurve", "StepOverhead",
-           "StepPrecision", "StepReport", "StepTimes", "StepTuning"]
+__all__ = ["Breakdown", "ClassTime", "Compiled", "LargeBatchReport", "LargeBatchRow", "NodeRound", "NotCompiled",
+           "OptimReport", "Phases", "PrecisionCase", "RankSetup", "ScalingMeta", "ScalingPoint", "ScalingReport",
+           "StepCurve", "StepOverhead", "StepPrecision", "StepReport", "StepTimes", "StepTuning", "TopOperator"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
