@@ -1,5 +1,6 @@
 import re
 import subprocess
+import time
 
 import pytest
 from conftest import HOSTILE, PYTHON, REPO, sbatch_wait
@@ -174,3 +175,44 @@ def test_stage_env_starts_the_ranks_from_a_node_local_copy(two_nodes, tmp_path):
     assert "packing" in first and "packing" not in second  # the archive is reused until the venv changes
     assert (tmp_path / "venv.hpcdl-env.tar").exists()
     assert not list(stage.iterdir()) if stage.exists() else True  # each node removed its copy
+
+
+def test_the_supervisors_probe_finds_a_node_without_slurmd_by_its_refused_connection(slurm, monkeypatch):
+    """The supervisor asks a suspect node's slurmd for a connection before it asks Slurm for a one-task step
+    (which, on a node whose slurmd is gone, srun retries for MessageTimeout): a refused connection is the answer,
+    and no srun is started for that node. The addresses are Slurm's own; n26 (partition wide, idle during this
+    tier) has its slurmd stopped, then started again."""
+    import socket
+
+    from hpcdl.launch import supervisor as module
+
+    addresses = module.slurmd_addresses(["n1", "n3", "n26", "nowhere"])
+    assert addresses["n1"] == ("127.0.0.1", 7001) and addresses["n3"] == ("10.77.0.3", 7003)  # slurm/local's
+    assert "nowhere" not in addresses
+    supervisor = module.Supervisor(rank_command=["x"], run_dir="/tmp", global_batch=8, nodes=["n25", "n26"],
+                                   tasks_per_node=1, spares=0)
+    started, popen = [], subprocess.Popen
+
+    def recorded(argv, *args, **kwargs):
+        started.append(argv)
+        return popen(argv, *args, **kwargs)
+
+    subprocess.run(["pkill", "-f", "slurmd -N n26$"], check=True)
+    try:
+        for _ in range(50):  # until its port is closed
+            try:
+                socket.create_connection(addresses["n26"], timeout=1).close()
+            except ConnectionRefusedError:
+                break
+            time.sleep(0.1)
+        monkeypatch.setattr(module.subprocess, "Popen", recorded)
+        assert supervisor._probe(["n26"]) == ["n26"]
+        assert not [argv for argv in started if "--nodelist=n26" in argv], started
+    finally:
+        monkeypatch.undo()
+        subprocess.run(["/usr/sbin/slurmd", "-N", "n26"], check=False)
+    deadline = time.monotonic() + 60
+    while "idle" not in subprocess.run(["sinfo", "-h", "-n", "n26", "-o", "%T"], capture_output=True,
+                                       text=True).stdout and time.monotonic() < deadline:
+        subprocess.run(["scontrol", "update", "nodename=n26", "state=resume"], capture_output=True)
+        time.sleep(1)
