@@ -45,12 +45,10 @@ def classify(name: str, ancestors: Iterable[str]) -> str:
         return "framework"  # autograd's engine, record_function scopes: their own time is bookkeeping
     if name in _CASTS or any(a in _CASTS for a in ancestors):
         return "casts"
-    lowered = name.lower()
-    if any(k in lowered for k in _NORMS) or any(any(k in a.lower() for k in _NORMS) for a in ancestors
-                                                 if a.startswith("aten::")):
+    operators = [name.lower(), *(a.lower() for a in ancestors if a.startswith("aten::"))]
+    if any(k in op for op in operators for k in _NORMS):
         return "normalization"
-    if any(k in lowered for k in _MATRIX) or any(any(k in a.lower() for k in _MATRIX) for a in ancestors
-                                                  if a.startswith("aten::")):
+    if any(k in op for op in operators for k in _MATRIX):
         return "matrix"
     return "element-wise"
 
