@@ -30,7 +30,7 @@ setup(
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "scikit-learn>=1.2", "pytorch-lightning>=2.6", "simplejpeg>=1.6"],
     },
     entry_points={
-        "console_scripts": ["hpcdl = hpcdl.cli:main"],
+        "console_scripts": ["hpcdl = hpcdl.cli:console"],
         # torch.distributed finds these by name: init_process_group("oneccl") with no import of hpcdl
         "torch.distributed.backends": ["oneccl = hpcdl.distributed.plugin:oneccl",
                                        "mpi4py = hpcdl.distributed.plugin:mpi4py"],

@@ -7,7 +7,7 @@ HPCDL_TEST_WATCH is written to stderr as ``opened: PATH``. For tests of what onl
 import os
 import sys
 
-from hpcdl.cli import main
+from hpcdl.cli import console
 
 watch = os.environ["HPCDL_TEST_WATCH"]
 
@@ -18,4 +18,4 @@ def hook(event, args):
 
 
 sys.addaudithook(hook)
-sys.exit(main(sys.argv[1:]))
+console(sys.argv[1:])

@@ -28,7 +28,7 @@ import hpcdl.train.build as build
 import hpcdl.train.step
 import hpcdl.train.trainer as trainer
 import hpcdl.train.wrap as wrap
-from hpcdl.cli import main
+from hpcdl.cli import console
 
 rank = int(os.environ.get("RANK", "0"))
 stall = os.environ.get("HPCDL_TEST_STALL")
@@ -100,4 +100,4 @@ hpcdl.distributed.sync.CommTimer.watch = watch_with_fault
 criterion = build.make_criterion
 build.make_criterion = lambda smoothing: fault("forward", on_call=5)(criterion(smoothing))
 checkpoint.torch.save = half_written_save(checkpoint.torch.save)
-sys.exit(main(sys.argv[1:]))
+console(sys.argv[1:])

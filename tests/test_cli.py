@@ -11,7 +11,7 @@ import shlex
 import subprocess
 
 import pytest
-from conftest import PYTHON, REPO
+from conftest import PYTHON, REPO, mpi_run
 
 from hpcdl.cli import build_parser
 from hpcdl.flags import add_flags, config_from_args, flag_defaults
@@ -186,3 +186,51 @@ def test_the_contributing_example_benchmark_is_one_module_and_one_row(tmp_path, 
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
     matmul = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices["matmul"]
     assert "square matrix sides to time (default: 256,512)" in " ".join(matmul.format_help().split())
+
+
+def test_a_finished_command_ends_without_the_teardown_but_after_the_exit_handlers(tmp_path):
+    """leave_done, as ``hpcdl`` ends a command that loaded torch: threads that are not daemons finish first (a
+    thread pool's worker too, which waits for threading's exit callback: joining it before that hung a rank),
+    the atexit callbacks run (the heartbeat's stop is among them in a rank), the streams are
+    flushed, the status is kept; the objects' teardown, which costs a torch process most of a second, does not
+    run."""
+    script = f"""
+import atexit, sys, threading, time
+import torch
+from hpcdl.utils import leave_done
+out = {str(tmp_path)!r}
+class Teardown:
+    def __del__(self, mark=open):  # open itself is gone from builtins by then
+        mark(out + "/teardown", "w").close()
+kept = Teardown()
+threading.Thread(target=lambda: (time.sleep(0.3), open(out + "/thread", "w").close())).start()
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(1)  # its worker is no daemon: joined only after threading's exit callbacks end it
+pool.submit(lambda: open(out + "/pool", "w").close())
+atexit.register(lambda: open(out + "/atexit", "w").close())
+print("printed", end="")
+sys.stdout.write(" unflushed")
+leave_done(3)
+"""
+    done = subprocess.run([PYTHON, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and done.stdout == "printed unflushed", done
+    assert (tmp_path / "thread").exists() and (tmp_path / "atexit").exists() and (tmp_path / "pool").exists()
+    assert not (tmp_path / "teardown").exists()  # a normal exit runs __del__ of module globals
+
+
+def test_a_finished_mpi_rank_finalizes_mpi_before_it_leaves(mpiexec, tmp_path):
+    """mpi4py finalizes MPI after the atexit callbacks, where os._exit never gets: Open MPI's mpirun fails a job
+    whose rank leaves without MPI_Finalize (seen on the lent Xeon), so leave_done calls it. MPI_Finalize deletes
+    MPI_COMM_SELF's attributes first: the delete callback marks that it ran."""
+    script = f"""
+import os
+from mpi4py import MPI
+from hpcdl.utils import leave_done
+mark = os.path.join({str(tmp_path)!r}, f"finalized{{MPI.COMM_WORLD.Get_rank()}}")
+key = MPI.Comm.Create_keyval(delete_fn=lambda comm, keyval, value: open(mark, "w").close())
+MPI.COMM_SELF.Set_attr(key, "finalize marks this")
+leave_done(0)
+"""
+    done = mpi_run(mpiexec, "-c", script, n=2, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "finalized0").exists() and (tmp_path / "finalized1").exists()

@@ -15,9 +15,9 @@ from hpcdl.cli.common import Exit, command, exit_code
 from hpcdl.distributed.env import LAUNCHERS
 from hpcdl.errors import HpcdlError, RankLostError
 from hpcdl.log import setup_logging
-from hpcdl.utils import leave_now
+from hpcdl.utils import leave_done, leave_now
 
-__all__ = ["Exit", "build_parser", "command", "exit_code", "main"]
+__all__ = ["Exit", "build_parser", "command", "console", "exit_code", "main"]
 
 log = logging.getLogger("hpcdl")
 
@@ -49,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         if _one_rank_of_many():  # the others notice its heartbeat stop; finalizing could wait on them
             leave_now(Exit.BAD_INPUT)
         return Exit.BAD_INPUT
+
+
+def console(argv: list[str] | None = None) -> None:
+    """The ``hpcdl`` command and ``python -m hpcdl``: :func:`main`, then the process ends; where the command
+    loaded torch, by :func:`hpcdl.utils.leave_done`, without the interpreter's teardown of torch's modules."""
+    status = main(argv)
+    if "torch" in sys.modules:
+        leave_done(status)
+    sys.exit(status)
 
 
 def _one_rank_of_many() -> bool:
