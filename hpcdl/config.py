@@ -77,7 +77,9 @@ class DataConfig:
 @dataclass(kw_only=True, slots=True)
 class LoopConfig:
     precision: str = "auto"  # auto | fp32 | bf16; auto: bf16 only with avx512_bf16 or amx_bf16
-    channels_last: bool = True
+    # auto | true | false; auto: channels_last for a model with convolutions past its stem (more than one Conv2d),
+    # contiguous for one whose only convolution embeds the patches (a ViT): docs/performance.md has the figures
+    channels_last: str | bool = "auto"
     compile: bool = False  # torch.compile the model
     ipex: str = "auto"  # auto: ipex.optimize when intel_extension_for_pytorch imports and matches torch; off
     accum_steps: int = 1  # micro-batches per optimizer step; each is per_rank_batch / accum_steps images
@@ -101,6 +103,8 @@ class LoopConfig:
 
     def __post_init__(self):
         check("loop.precision", self.precision, names.PRECISIONS)
+        self.channels_last = str(self.channels_last).lower()  # a YAML file may give a bool
+        check("loop.channels_last", self.channels_last, names.MEMORY_FORMATS)
         check("loop.ipex", self.ipex, names.IPEX)
         check("loop.backend", self.backend, ("auto", *names.BACKENDS))
         if not self.timeout_s > 0 or not self.startup_timeout_s > 0:

@@ -50,6 +50,7 @@ DECAYS = ("poly", "poly_caffe", "cosine", "multistep", "constant")
 BACKENDS = ("gloo", "mpi", "ccl")  # and "auto"
 HOOKS = ("none", "fp16", "bf16", "hierarchical", "chunk_sparse")
 PRECISIONS = ("auto", "fp32", "bf16")
+MEMORY_FORMATS = ("auto", "true", "false")  # loop.channels_last
 SAMPLERS = ("global", "shard")
 RESUME_RANKS = ("any", "same")  # checkpoint.resume_ranks
 VERIFY = ("none", "quick", "full")

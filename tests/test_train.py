@@ -393,7 +393,7 @@ def test_other_launchers_run_the_same_command(launcher, request, data, tmp_path)
     ("loop.accum_steps=2", "batch per rank 16 = 2 x 8"),
     ("loop.precision=bf16", "precision bf16 (requested"),
     ("loop.compile=true", "compile: torch.compile"),
-    ("loop.channels_last=false", "channels_last False"),
+    ("loop.channels_last=false", "contiguous memory (requested)"),
 ])
 def test_loop_options_train(option, line, data, tmp_path):
     run = tmp_path / "run"

@@ -83,7 +83,7 @@ def test_the_job_request_and_the_train_command_take_the_layout(tmp_path):
     assert resolve(argv[1], [a for a in argv[2:] if a != "--set"]).loop.precision == "fp32"  # the user's --set wins
     argv = train_overrides(["train", "demo_tiny_lars"], load_layout(req.layout))
     cfg = resolve(argv[1], [a for a in argv[2:] if a != "--set"])
-    assert cfg.loop.precision == "bf16" and cfg.loop.channels_last is False
+    assert cfg.loop.precision == "bf16" and cfg.loop.channels_last == "false"
     assert train_overrides(["bench", "allreduce"], load_layout(req.layout)) == ["bench", "allreduce"]
 
 

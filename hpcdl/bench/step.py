@@ -48,7 +48,7 @@ from hpcdl.distributed.process_group import apply_cpu_plan
 from hpcdl.models import build_model, model_info
 from hpcdl.optim.factory import OptimConfig, build_optimizer
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
-from hpcdl.train.precision import NATIVE_BF16, choose_precision
+from hpcdl.train.precision import NATIVE_BF16, choose_memory_format, choose_precision
 from hpcdl.train.step import Stepper
 from hpcdl.utils import cpu_flags
 
@@ -104,6 +104,7 @@ def precision(cfg: Config) -> StepPrecision:
     emulated = not set(NATIVE_BF16) & cpu_flags()
     model, _, criterion, x, y = synthetic_training(cfg.model, cfg.batch, cfg.crop)
     flops = training_flops(model, x, y, criterion)
+    picks, picks_why = choose_memory_format("auto", model)
     gemm = {p: gemm_gflops(p) for p in ("fp32", "bf16")}
     cases = {p: bare_loop(cfg.model, cfg.batch, cfg.crop, p) for p in ("fp32", "bf16")}
     cases[f"{auto} contiguous"] = bare_loop(cfg.model, cfg.batch, cfg.crop, auto, channels_last=False)
@@ -121,7 +122,8 @@ def precision(cfg: Config) -> StepPrecision:
                          cases=rows, bf16_emulated=emulated, rounds=rounds, steps=steps, auto=auto, auto_why=why,
                          fastest=fastest, auto_is_fastest=kind[fastest] == auto, compile=compiled,
                          bf16_over_fp32=times["fp32"] / times["bf16"],
-                         channels_last_over_contiguous=times[f"{auto} contiguous"] / times[auto])
+                         channels_last_over_contiguous=times[f"{auto} contiguous"] / times[auto],
+                         memory_auto=f"{'channels_last' if picks else 'contiguous'} ({picks_why})")
 
 
 def _compiled_case(cfg: Config, precision: str):
@@ -276,7 +278,7 @@ def _precision_lines(p: StepPrecision, c: Config) -> list[str]:
     lines.append(f"  bf16 / fp32: {p.bf16_over_fp32:.2f}x the speed")
     if p.channels_last_over_contiguous is not None:
         lines.append(f"  channels_last / contiguous ({p.auto}): {p.channels_last_over_contiguous:.2f}x the speed "
-                     "(loop.channels_last)")
+                     f"(loop.channels_last=auto takes {p.memory_auto or 'channels_last'} for this model)")
     comp = p.compile
     if isinstance(comp, NotCompiled):
         lines.append(f"  torch.compile did not run here: {comp.error}")

@@ -31,6 +31,7 @@ from hpcdl.optim.schedule import LRSchedule
 from hpcdl.train.accel import apply_ipex
 from hpcdl.train.checkpoint import rank_seed, seed_rng
 from hpcdl.train.loader import LoaderSizing, loader_cost, make_loader, size_loader, step_rate
+from hpcdl.train.precision import choose_memory_format
 from hpcdl.train.step import criterion as make_criterion
 
 __all__ = ["DataParts", "ModelParts", "build_data", "build_model_parts", "read_manifests", "size_loader_for"]
@@ -45,6 +46,8 @@ class ModelParts:
     schedule: LRSchedule
     criterion: torch.nn.Module
     ipex_note: str
+    channels_last: bool  # the model's memory format, and its batches' (loop.channels_last, auto resolved)
+    channels_last_why: str
 
 
 def build_model_parts(cfg: RunConfig, ctx: DistContext, precision: str, *, resuming: bool) -> ModelParts:
@@ -62,13 +65,14 @@ def build_model_parts(cfg: RunConfig, ctx: DistContext, precision: str, *, resum
                                  needed=tuned.body_lr_scale != 1.0 or tuned.layer_decay != 1.0
                                  or tuned.freeze_body_epochs > 0)
     seed_rng(rank_seed(cfg.loop.seed, ctx.rank))
-    if cfg.loop.channels_last:
+    channels_last, channels_last_why = choose_memory_format(cfg.loop.channels_last, model)
+    if channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, cfg.optimizer, scales, body)
     model, optimizer, note = apply_ipex(model, optimizer, precision=precision, mode=cfg.loop.ipex)
     freeze = round(tuned.freeze_body_epochs * cfg.schedule.steps_per_epoch)
     return ModelParts(model, optimizer, LRSchedule(optimizer, cfg.schedule, freeze_steps=freeze),
-                      make_criterion(cfg.label_smoothing), note)
+                      make_criterion(cfg.label_smoothing), note, channels_last, channels_last_why)
 
 
 def _start_weights(model: torch.nn.Module, cfg: RunConfig, ctx: DistContext) -> None:
@@ -111,7 +115,10 @@ class DataParts:
         return self.prepare(images), torch.zeros(cfg.micro_batch, dtype=torch.long)
 
 
-def build_data(cfg: RunConfig, ctx: DistContext, manifests: tuple[Manifest, Manifest | None]) -> DataParts:
+def build_data(cfg: RunConfig, ctx: DistContext, manifests: tuple[Manifest, Manifest | None],
+               channels_last: bool) -> DataParts:
+    """The loaders, the sampler and the batch mixing; batches normalized into ``channels_last`` memory or not
+    (the model's format, :class:`ModelParts`)."""
     steps = parse(cfg.data.augment)
     augment = Augment(steps, cfg.crop, decoder=cfg.data.decoder, channels=cfg.data.channels)
     train = _dataset(cfg, ctx, os.path.expandvars(cfg.data.train), manifests[0], augment, seed=cfg.data.seed)
@@ -133,7 +140,7 @@ def build_data(cfg: RunConfig, ctx: DistContext, manifests: tuple[Manifest, Mani
         val_sampler = DistributedShardSampler(val.shard_sizes, ctx.world_size, ctx.rank, "global", shuffle=False)
         val_loader = make_loader(val, val_sampler, cfg.micro_batch, cfg.data.workers)
     return DataParts(make_loader(train, sampler, cfg.micro_batch, cfg.data.workers), val_loader, sampler,
-                     BatchMix(steps, cfg.num_classes), mean, std, cfg.loop.channels_last,
+                     BatchMix(steps, cfg.num_classes), mean, std, channels_last,
                      names if len(names) == cfg.num_classes else [str(i) for i in range(cfg.num_classes)])
 
 

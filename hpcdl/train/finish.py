@@ -39,6 +39,8 @@ class Facts:
     loader: str
     ipex_note: str
     compile_note: str
+    channels_last: bool
+    channels_last_why: str
 
 
 def announce(cfg: RunConfig, ctx: DistContext, progress: Progress, facts: Facts) -> None:
@@ -61,7 +63,8 @@ def announce(cfg: RunConfig, ctx: DistContext, progress: Progress, facts: Facts)
         f"model {cfg.model.name} at crop {cfg.crop}" + (f" ({facts.model_defaults})" if facts.model_defaults else ""),
         f"backend {ctx.backend.name}; {ctx.cpu.threads} threads per rank; allocator {allocator_in_use()}",
         facts.loader, f"cpu plan: {ctx.cpu.describe()}",
-        f"precision {facts.precision} ({facts.precision_why}); channels_last {cfg.loop.channels_last}",
+        f"precision {facts.precision} ({facts.precision_why}); "
+        f"{'channels_last' if facts.channels_last else 'contiguous'} memory ({facts.channels_last_why})",
         facts.ipex_note, facts.compile_note,
         f"gradient sync: DDP, buckets of {sync.bucket_cap_mb:g} MB"
         + (f" (the first {sync.first_bucket_mb:g} MB)" if sync.first_bucket_mb else "")

@@ -94,7 +94,7 @@ class Trainer:
         self.progress = Progress()
         self.parts = build_model_parts(cfg, ctx, precision, resuming=restore is not None)
         self._mark("model")
-        self.data = build_data(cfg, ctx, manifests)
+        self.data = build_data(cfg, ctx, manifests, self.parts.channels_last)
         self._mark("data open")
         sizing = size_loader_for(cfg, ctx, self.data, self.parts, precision)
         self._mark("loader probe")
@@ -117,7 +117,8 @@ class Trainer:
             with rescue.lock:
                 rescue.take_boundary()
         self.facts = Facts(self.dir, self.plan.path if self.plan else None, self.last_step, model_defaults, precision,
-                           precision_why, sizing.describe(), self.parts.ipex_note, self.wrapped.compile_note)
+                           precision_why, sizing.describe(), self.parts.ipex_note, self.wrapped.compile_note,
+                           self.parts.channels_last, self.parts.channels_last_why)
 
     def _mark(self, phase: str) -> None:
         if self.record is not None:

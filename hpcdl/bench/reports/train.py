@@ -85,6 +85,7 @@ class StepPrecision:
     compile: Compiled | NotCompiled | None
     bf16_over_fp32: float
     channels_last_over_contiguous: float | None = None  # auto's pick: channels_last's speed over contiguous's
+    memory_auto: str = ""  # what loop.channels_last=auto picks for this model, and why
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
