@@ -131,7 +131,8 @@ _last_words: list = []
 
 
 def before_leaving(fn) -> None:
-    """Have :func:`leave_now` call ``fn()`` first (to release what the exit handlers would have released)."""
+    """Have :func:`leave_now` (and so :func:`leave_done`) call ``fn()`` first (to release what the exit handlers
+    would have released)."""
     _last_words.append(fn)
 
 
@@ -153,11 +154,11 @@ def leave_now(status: int) -> None:
 def leave_done(status: int) -> None:
     """End a process whose work is done as Python's own exit does, less its last part: the threads that are not
     daemons are joined, the ``atexit`` callbacks run (the heartbeat's stop, the loggers' flush, the data
-    workers' end), MPI is finalized where mpi4py started it, the standard streams are flushed, then
-    ``os._exit``. What is skipped is the teardown of every module and object: with torch and ``torch._dynamo``
-    loaded it costs each process 0.6-0.9 s of CPU (a two-rank ``hpcdl train`` on the 2-core EPYC: 8.2 s of CPU
-    to the end, 6.3 s with this), paid by every rank of every job, in turn where ranks share a node's cores.
-    Files the program left open are not flushed: the trainer closes its own before it returns."""
+    workers' end), MPI is finalized where mpi4py started it, then :func:`leave_now`. What is skipped is the
+    teardown of every module and object: with torch and ``torch._dynamo`` loaded it costs each process 0.6-0.9 s
+    of CPU (a two-rank ``hpcdl train`` on the 2-core EPYC: 8.2 s of CPU to the end, 6.3 s with this), paid by
+    every rank of every job, in turn where ranks share a node's cores. Files the program left open are not
+    flushed: the trainer closes its own before it returns."""
     # The interpreter's own exit path, in its order, through the names it uses (there are no public ones):
     # threading's exit callbacks (a thread pool's end) and the join of each thread that is not a daemon; then
     # the atexit callbacks; then mpi4py's MPI_Finalize, registered with Py_AtExit (Open MPI's mpirun fails a
@@ -167,11 +168,7 @@ def leave_done(status: int) -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()
-    for fn in _last_words:  # what the libraries' destructors would have released (before_leaving)
-        fn()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    leave_now(status)  # what the libraries' destructors would have released (before_leaving), the streams
 
 
 @contextlib.contextmanager
