@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import PYTHON, REPO, free_port, rank_env
 
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, LaunchError
 from hpcdl.train.preempt import StopSignal, requeue, requeue_target
 
 
@@ -45,6 +45,22 @@ def test_requeue_targets_and_bounds(monkeypatch):
     os.kill(os.getpid(), signal.SIGUSR1)
     assert stop.agreed()  # without a process group: this rank's own answer
     stop.close()
+
+
+def test_requeue_survives_the_sigterm_of_its_own_step(monkeypatch, tmp_path):
+    """The requeue ends the step that asks for it, and slurmd's SIGTERM can reach scontrol before slurmctld's
+    answer (CI, stop 41: requeued, yet scontrol died and rank 0 reported a failure). A fake scontrol on PATH
+    delivers that SIGTERM to itself first, then answers; a second one is killed outright."""
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\nkill -TERM $$\necho \"$@\" > {tmp_path}/asked\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    assert requeue(3, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"}) is True
+    assert (tmp_path / "asked").read_text() == "requeue 42\n"
+    fake.write_text("#!/bin/sh\nkill -KILL $$\n")
+    with pytest.raises(LaunchError, match=r"scontrol requeue 40_3 was killed by SIGKILL .*scontrol show job 40_3"):
+        requeue(3, {"SLURM_JOB_ID": "43", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3"})
 
 
 def test_scontrol_requeue_runs_the_job_again_until_the_bound(slurm, tmp_path):

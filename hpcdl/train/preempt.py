@@ -80,7 +80,16 @@ def requeue(max_requeues: int, environ: Mapping[str, str] = os.environ) -> bool:
         log.warning("requeue: job %s was requeued %d times already (max %d); stopping after the checkpoint",
                     target, done, max_requeues)
         return False
-    run = subprocess.run(["scontrol", "requeue", target], capture_output=True, text=True)
+    # The requeue ends this very step: slurmd's SIGTERM to the step's processes can reach scontrol before
+    # slurmctld's reply does (CI, 2026-11-26: the job was requeued, scontrol died without a word). scontrol
+    # runs with SIGTERM ignored, a disposition exec keeps, so its status says whether the requeue took;
+    # SIGKILL follows only after the partition's KillWait.
+    run = subprocess.run(["sh", "-c", 'trap "" TERM; exec scontrol requeue "$0"', target],
+                         capture_output=True, text=True)
+    if run.returncode < 0:
+        raise LaunchError(f"scontrol requeue {target} was killed by {signal.Signals(-run.returncode).name} "
+                          "before Slurm answered; whether the job was requeued is unknown: its Restarts= in "
+                          f"`scontrol show job {target}` says")
     if run.returncode != 0:
         raise LaunchError(f"scontrol requeue {target} failed: {run.stderr.strip() or run.stdout.strip()}; "
                           "the job needs --requeue (hpcdl's sbatch scripts set it) and a partition that allows it")
