@@ -8,6 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hpcdl", "hpcdl.*"]),
+    package_data={"hpcdl.distributed": ["fastcomm.c"]},  # built on first use (hpcdl.distributed.fastcomm)
     install_requires=[
         "torch>=2.4",
         "torchvision>=0.19",

@@ -87,6 +87,21 @@ for small in ("all_reduce", "broadcast", "barrier"):
     work.wait()
     mixed.append([big[0].item()] + ([t.item()] if small != "barrier" else []))
 found["mixed paths"] = mixed
+# Small and large all-reduces in flight at once: on oneCCL the small ones go to fastcomm's C thread while nothing
+# is queued on the Python thread, which lets them finish before it starts the large ones; one Work read as a future.
+pending = [torch.full((1 << 20,) if i % 3 == 1 else (3,), float(rank + i)) for i in range(6)]
+if rank == 1:
+    __import__("time").sleep(0.5)  # rank 0's first small one waits on its thread while rank 0 issues the rest
+works = [dist.all_reduce(t, async_op=True) for t in pending]
+future = works[0].get_future()
+for work in works:
+    work.wait()
+found["interleaved"] = [t[0].item() for t in pending]
+found["future"] = future.wait()[0].tolist()
+from hpcdl.distributed.threaded import library_group  # noqa: E402
+
+thread = getattr(library_group(), "thread", None)
+found["fastcomm calls"] = thread.fast_last + 1 if getattr(thread, "fast", None) is not None else None
 # DDP: 20 steps on different data per rank; the replicas must stay bitwise identical.
 torch.manual_seed(rank)  # different initial weights: DDP's broadcast must make them equal
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
@@ -102,7 +117,10 @@ found["weights sha256"] = digest
 found["env"] = {k: v for k, v in __import__("os").environ.items() if k.startswith(("CCL_", "FI_"))}
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(found, f)
-# DDP holds the group: free it while the interpreter is alive (a gloo group torn down by the interpreter's
-# finalization can end in 'terminate called without an active exception', seen once under load)
+# DDP holds the group: free it while the interpreter is alive. A DDP object sits in reference cycles, so only a
+# collection frees it; left to the finalizing interpreter's, the gloo group's run loop thread took the GIL
+# there and was ended by pthread_exit inside a noexcept frame: 'terminate called without an active exception'
+# (gdb, 2026-11-26: about 1 run in 5 of bucket_ranks.py on the 2-core EPYC).
 del ddp
+__import__("gc").collect()
 shutdown(ctx)

@@ -157,3 +157,24 @@ def test_install_assembles_a_runtime_that_loads_and_reuses_it(ccl, tmp_path):
     assert again.returncode == 0
     info = hpcdl("ccl", "info", env={"HPCDL_CCL_HOME": str(prefix)})
     assert info.returncode == 0 and f"oneCCL 2022.2.0 from {prefix}/lib/libccl.so.2" in info.stdout, info.stderr
+
+
+def test_an_abort_on_the_c_thread_fails_its_collective_not_the_process(ccl):
+    """The same for a small collective on fastcomm's C thread: os.abort's C function queued there stands in for
+    oneCCL's abort()."""
+    from conftest import free_port, rank_env
+
+    code = ("import ctypes, torch, torch.distributed as dist\n"
+            "from hpcdl.distributed.process_group import init_distributed\n"
+            "from hpcdl.distributed.threaded import library_group\nctx = init_distributed('ccl')\n"
+            "group = library_group()\nfast = group.thread.fast\nt = torch.ones(3)\ndist.all_reduce(t)\n"
+            "assert fast.done(group.thread.fast_last), 'the small all-reduce did not take the C thread'\n"
+            "abort = ctypes.cast(ctypes.CDLL(None).abort, ctypes.c_void_p).value\n"
+            "with group.thread.lock:\n    ticket = fast.submit(abort, 6, 0, 0, 0, 0, 0, 0, 0, 0)\n"
+            "    group.thread.fast_last = ticket\n"
+            "error = group._collect(ticket, 'stand-in call')\nprint('failed:', error, flush=True)\n"
+            "raise SystemExit(3)\n")
+    run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60)
+    assert "failed: rank 0: oneCCL stand-in call aborted inside oneCCL" in run.stdout, run.stdout + run.stderr[-2000:]
+    assert run.returncode == 1 and "a collective never completed" in run.stderr, run.stderr[-2000:]

@@ -33,14 +33,17 @@ import logging
 import os
 import signal
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.futures import Future
 
-from hpcdl.distributed import ccl_runtime
-from hpcdl.distributed.threaded import CommThread, Liveness, ThreadedProcessGroup
+from hpcdl.distributed import ccl_runtime, fastcomm
+from hpcdl.distributed.comm_thread import describe
+from hpcdl.distributed.threaded import CommThread, Liveness, ThreadedProcessGroup, unwrapped
 from hpcdl.utils import before_leaving
 
 __all__ = ["BACKEND_NAME", "CCLProcessGroup", "register"]
@@ -70,9 +73,12 @@ def comm_thread(liveness: Liveness | None = None) -> CommThread:
                          "any longer: %s", len(gone), ", ".join(gone))
             before_leaving(remove_shm_files)
             _thread = CommThread("hpcdl-oneccl", exit_if_stuck=True, liveness=liveness)
+            _thread.fast = fastcomm.load()
         return _thread
 
 
+_ABORTED = ("aborted inside oneCCL (a C++ exception through its C API: its transport failed, usually a peer "
+            "gone)")
 _ON_SIGNAL = ctypes.CFUNCTYPE(None, ctypes.c_int)
 _abort_guard = None  # the C handler, kept alive for the process
 
@@ -88,9 +94,10 @@ def guard_aborts() -> None:
 
     def on_abort(signum: int) -> None:
         thread = _thread
+        if thread is not None and thread.fast is not None and thread.fast.is_current():
+            thread.fast.park()  # its waiter reads ABORTED: see CCLProcessGroup._collect
         if thread is not None and thread.is_current():
-            thread.park("aborted inside oneCCL (a C++ exception through its C API: its transport failed, "
-                        "usually a peer gone)")
+            thread.park(_ABORTED)
 
     _abort_guard = _ON_SIGNAL(on_abort)
     libc = ctypes.CDLL(None)
@@ -126,13 +133,61 @@ def remove_shm_files(root: Path = SHM_DIR) -> list[str]:
     return gone
 
 
+_AVG = dist.ReduceOp.RedOpType.AVG
+
+
+class _FastWork(dist.Work):
+    """The Work of an all-reduce queued on the C thread (:mod:`hpcdl.distributed.fastcomm`)."""
+
+    def __init__(self, group: "CCLProcessGroup", ticket: int, tensors: list[torch.Tensor], average: bool):
+        super().__init__()
+        self.group, self.ticket, self.tensors, self.average = group, ticket, tensors, average
+        self._error: Exception | None = None
+        self._collected = False
+
+    def _collect(self) -> list[torch.Tensor]:
+        if not self._collected:
+            self._error = self.group._collect(self.ticket, ("allreduce", self.tensors))
+            self._collected = True
+            if self._error is None and self.average:
+                self.group._divide(self.tensors[0])
+        if self._error is not None:
+            raise self._error
+        return self.tensors
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self._collect()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._collected or self.group.thread.fast.done(self.ticket)
+
+    def get_future(self) -> Future:
+        """Completed by the Python thread, which runs an item only once the C thread's calls have finished."""
+        future: Future = Future()
+        if self._collected:
+            try:
+                future.set_result(self._collect())
+            except Exception as exc:
+                future.set_exception(exc)
+            return future
+        self.group.thread._enqueue(lambda inline: self._collect(), future, self.group, ("allreduce", self.tensors))
+        return future.then(unwrapped)
+
+
 class CCLProcessGroup(ThreadedProcessGroup):
-    """A torch process group over a oneCCL communicator of its ranks."""
+    """A torch process group over a oneCCL communicator of its ranks.
+
+    An all-reduce of one tensor of at most ``fast_bytes`` (a control flag, a metric, a loss) issued while the
+    Python thread has nothing queued goes to the C thread instead (:mod:`hpcdl.distributed.fastcomm`); its Work's
+    ``wait`` applies the group's timeout and asks the heartbeats about a long wait, as the watchdog does.
+    """
 
     BACKEND_NAME = BACKEND_NAME
     LIBRARY = "oneCCL"
     NATIVE = frozenset(_TYPES)
     inline_bytes = 0  # one thread calls oneCCL
+    fast_bytes = 64 * 1024
 
     def __init__(self, rank: int, world_size: int, timeout: timedelta, store: dist.Store,
                  liveness: Liveness | None = None):
@@ -148,6 +203,51 @@ class CCLProcessGroup(ThreadedProcessGroup):
         self.thread.closers[id(self)] = self._destroy  # at exit, if nobody destroyed the group before
         guard_aborts()
         self._one = torch.zeros(1)
+        self._fast_allreduce = ctypes.cast(self.ccl.lib.onecclAllReduce, ctypes.c_void_p).value
+        self._fast_ops = {getattr(dist.ReduceOp.RedOpType, name): op for name, op in self._ops.items()}
+        self._fast_ops[_AVG] = self._ops["SUM"]
+
+    def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        fast, thread = self.thread.fast, self.thread
+        if fast is not None and len(tensors) == 1:
+            t, kind = tensors[0], opts.reduceOp.op
+            op, dtype = self._fast_ops.get(kind), self._types.get(t.dtype)
+            if op is not None and dtype is not None and t.nbytes <= self.fast_bytes and t.is_contiguous():
+                with thread.lock:
+                    if not thread.queued:  # else behind the Python thread's queue, in issue order
+                        ptr = t.data_ptr()
+                        ticket = fast.submit(self._fast_allreduce, 7, ptr, ptr, t.numel(), dtype, op, self.comm.value,
+                                             0, 0)  # onecclAllReduce(send, recv, count, dtype, op, comm, stream)
+                        if ticket >= 0:
+                            thread.fast_last = ticket
+                            return _FastWork(self, ticket, tensors, kind == _AVG)
+        return super().allreduce(tensors, opts)
+
+    def _collect(self, ticket: int, what) -> Exception | None:
+        """Wait for the C thread's ``ticket``: None when it succeeded, else the error its Work carries (the
+        group's timeout, a lost peer named by the heartbeats, oneCCL's own error, an abort inside oneCCL)."""
+        fast, liveness, start = self.thread.fast, self.thread.liveness, time.monotonic()
+        probed = start
+        while (rc := fast.wait(ticket, 200)) is None:
+            now, why = time.monotonic(), None
+            limit = self.timeout.total_seconds()
+            if limit and now - start > limit:
+                why = self.timed_out()
+            elif liveness and now - start > liveness.after_s and now - probed > liveness.after_s:
+                probed = now
+                lost = liveness.probe()
+                why = f"cannot complete: {lost}" if lost else None
+            if why:
+                fast.given_up = ticket  # at exit, the process leaves without finalizing oneCCL
+                return dist.DistBackendError(f"rank {self.rank()}: {self.LIBRARY} {describe(what)} {why}")
+        if rc == fastcomm.ABORTED:
+            return dist.DistBackendError(f"rank {self.rank()}: {self.LIBRARY} {describe(what)} {_ABORTED}")
+        if rc:
+            try:
+                self.ccl._check(rc, self.comm, "AllReduce")
+            except ccl_runtime.OneCCLError as exc:
+                return self.failed(what, exc)
+        return None
 
     def library_op(self, name: str):
         return self._ops.get(name)

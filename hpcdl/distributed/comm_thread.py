@@ -61,6 +61,10 @@ class CommThread:
     def __init__(self, name: str, *, exit_if_stuck: bool = False, liveness: Liveness | None = None):
         self.name, self.exit_if_stuck, self.liveness = name, exit_if_stuck, liveness
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C-implemented: the cheapest hand-off
+        # A thread in C beside this one (hpcdl.distributed.fastcomm) for a library's small calls, queued there
+        # only while nothing is queued here; this thread lets those finish before it runs its next item.
+        self.fast = None
+        self.fast_last = -1  # the last ticket handed to it
         # While collectives are queued only the thread calls the library; a caller runs one inline only when
         # none is, and holds the lock meanwhile so that nothing is queued (and started) under it.
         self.lock = threading.Lock()
@@ -99,6 +103,8 @@ class CommThread:
             fn, future, group, what = item
             self._started = (time.monotonic(), group, what, future)
             try:
+                while self.fast is not None and self.fast.pending() and not self._closed.is_set():
+                    self.fast.wait(self.fast_last, 200)  # the watchdog times this item out if a call never returns
                 result = fn(False)
             except Exception as exc:  # the library's error goes to whoever waits on the Work
                 result = exc if group is None else group.failed(what, exc)
@@ -173,8 +179,10 @@ class CommThread:
         threading.Event().wait()
 
     def stuck(self) -> bool:
-        """Whether the thread is inside a library call that the watchdog has already given up on."""
+        """Whether the thread, or the C thread beside it, is inside a library call that was given up on."""
         started = self._started
+        if self.fast is not None and self.fast.stuck():
+            return True
         return bool(started and started[3].done() and self._thread.is_alive())
 
     def shutdown(self) -> None:
@@ -185,11 +193,13 @@ class CommThread:
         if self.closers and not self.stuck():
             self._close_all(timeout_s=30.0)
         self._closed.set()
+        if self.fast is not None:
+            self.fast.stop()
         self._queue.put(None)
         if self._thread is not threading.current_thread():  # bounded: a thread stuck in a call stays behind
             self._thread.join(timeout=0.5 if self.stuck() else 5.0)
         self._watchdog.join(timeout=1.0)
-        if self.exit_if_stuck and self._thread.is_alive():
+        if self.exit_if_stuck and (self._thread.is_alive() or (self.fast is not None and self.fast.stuck())):
             logging.getLogger(__name__).error("%s: a collective never completed; leaving without finalizing the "
                                               "library (it cannot abort the call)", self.name)
             leave_now(1)
