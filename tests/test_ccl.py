@@ -178,3 +178,16 @@ def test_an_abort_on_the_c_thread_fails_its_collective_not_the_process(ccl):
                          capture_output=True, text=True, timeout=60)
     assert "failed: rank 0: oneCCL stand-in call aborted inside oneCCL" in run.stdout, run.stdout + run.stderr[-2000:]
     assert run.returncode == 1 and "a collective never completed" in run.stderr, run.stderr[-2000:]
+
+
+def test_fastcomm_is_built_once_per_source_and_a_failing_compiler_is_named(tmp_path):
+    from hpcdl.distributed import fastcomm
+
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    path = fastcomm.build(env)
+    assert path.parent == tmp_path / "hpcdl" / "fastcomm" and path.name.startswith("fastcomm-")
+    built = path.stat().st_mtime_ns
+    assert fastcomm.build(env) == path and path.stat().st_mtime_ns == built  # named by the source: not built again
+    with pytest.raises(OSError, match=r"false could not build .*fastcomm\.c"):
+        fastcomm.build({"XDG_CACHE_HOME": str(tmp_path / "other"), "CC": "false"})
+    assert not list((tmp_path / "other" / "hpcdl" / "fastcomm").iterdir())  # no half-written file left
