@@ -199,7 +199,8 @@ class CommThread:
         if self._thread is not threading.current_thread():  # bounded: a thread stuck in a call stays behind
             self._thread.join(timeout=0.5 if self.stuck() else 5.0)
         self._watchdog.join(timeout=1.0)
-        if self.exit_if_stuck and (self._thread.is_alive() or (self.fast is not None and self.fast.stuck())):
+        fast_stuck = self.fast is not None and self.fast.stuck()
+        if self.exit_if_stuck and (self._thread.is_alive() or fast_stuck):
             logging.getLogger(__name__).error("%s: a collective never completed; leaving without finalizing the "
                                               "library (it cannot abort the call)", self.name)
             leave_now(1)

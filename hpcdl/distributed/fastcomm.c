@@ -9,10 +9,9 @@
  * microseconds costs no wake-up on a core that has time to spare.
  *
  * Nothing here knows a library: the caller gives the function and up to eight integer or pointer arguments,
- * and says how many the function takes (fc_call_t).
+ * and says how many the function takes (6 to 8).
  */
 #define _GNU_SOURCE
-#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
@@ -21,14 +20,14 @@
 #include <unistd.h>
 
 #define FC_ABORTED (-((intptr_t)1 << 62)) /* fastcomm.py: ABORTED */
-#define SLOTS 256 /* calls queued and not yet collected; a caller waits for a free slot past that */
+#define SLOTS 256 /* calls queued at most; past that fc_submit refuses and the caller takes another path */
 
 typedef intptr_t (*fn6_t)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t);
 typedef intptr_t (*fn7_t)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t);
 typedef intptr_t (*fn8_t)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t);
 
 typedef struct {
-    uint64_t ticket; /* the call this slot holds: queued when the thread has not passed it (``started``) */
+    uint64_t ticket; /* the call this slot holds (queued while ``finished`` has not passed it) */
     int nargs;
     void *fn;
     intptr_t args[8];
@@ -42,14 +41,12 @@ typedef struct {
     pthread_cond_t done; /* waiters sleep on it */
     slot_t slots[SLOTS];
     uint64_t issued;    /* tickets handed out, atomic (callers hold the Python group's lock) */
-    uint64_t started;   /* the ticket the thread runs or waits for: atomic */
-    uint64_t finished;  /* tickets run to the end: atomic */
+    uint64_t finished;  /* tickets run to the end, so the next one the thread runs: atomic */
     intptr_t first_error; /* the first nonzero return code, for a caller whose slot was reused since */
     int thread_sleeps;  /* under lock */
     int waiters_sleep;  /* under lock */
     int stop; /* atomic */
     long spin_ns;
-    long running_since; /* monotonic ns when the call in progress began, 0 when none: atomic */
 } fc_t;
 
 static long now_ns(void) {
@@ -73,7 +70,7 @@ static intptr_t run(slot_t *s) {
 static void *serve(void *unused) {
     (void)unused;
     for (;;) {
-        uint64_t t = __atomic_load_n(&fc.started, __ATOMIC_RELAXED);
+        uint64_t t = __atomic_load_n(&fc.finished, __ATOMIC_RELAXED);
         slot_t *s = &fc.slots[t % SLOTS];
         long until = now_ns() + fc.spin_ns;
         while (__atomic_load_n(&fc.issued, __ATOMIC_ACQUIRE) == t) {
@@ -90,12 +87,9 @@ static void *serve(void *unused) {
             fc.thread_sleeps = 0;
             pthread_mutex_unlock(&fc.lock);
         }
-        __atomic_store_n(&fc.running_since, now_ns(), __ATOMIC_RELAXED);
         s->rc = run(s);
         if (s->rc && !fc.first_error)
             fc.first_error = s->rc;
-        __atomic_store_n(&fc.running_since, 0L, __ATOMIC_RELAXED);
-        __atomic_store_n(&fc.started, t + 1, __ATOMIC_RELAXED);
         __atomic_store_n(&fc.finished, t + 1, __ATOMIC_RELEASE);
         pthread_mutex_lock(&fc.lock);
         if (fc.waiters_sleep)
@@ -183,12 +177,6 @@ void fc_stop(void) {
     pthread_mutex_unlock(&fc.lock);
 }
 
-/* Seconds the call in progress has run, 0 when none. */
-double fc_running_s(void) {
-    long since = __atomic_load_n(&fc.running_since, __ATOMIC_RELAXED);
-    return since ? (now_ns() - since) * 1e-9 : 0.0;
-}
-
 /* Whether the calling thread is the communication thread (a SIGABRT handler asks). */
 int fc_is_current(void) {
     return fc_up && pthread_equal(pthread_self(), fc.thread);
@@ -197,7 +185,7 @@ int fc_is_current(void) {
 /* On the communication thread, in place of a library call that cannot return (a SIGABRT inside it): finish the
  * call in progress with FC_ABORTED and block for good, as a call that never returns would. */
 void fc_park(void) {
-    uint64_t t = __atomic_load_n(&fc.started, __ATOMIC_RELAXED);
+    uint64_t t = __atomic_load_n(&fc.finished, __ATOMIC_RELAXED);
     slot_t *s = &fc.slots[t % SLOTS];
     s->rc = FC_ABORTED;
     if (!fc.first_error)

@@ -73,7 +73,6 @@ class FastComm:
         lib.fc_submit.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_ssize_t] * 8
         lib.fc_wait.argtypes = [ctypes.c_int64, ctypes.c_long, ctypes.POINTER(ctypes.c_ssize_t)]
         lib.fc_pending.restype = ctypes.c_int64
-        lib.fc_running_s.restype = ctypes.c_double
         lib.fc_start.argtypes = [ctypes.c_long]
         lib.fc_done.argtypes = [ctypes.c_int64]
         rc = lib.fc_start(spin_us)
@@ -98,10 +97,6 @@ class FastComm:
     def pending(self) -> int:
         """Calls queued or running."""
         return self.lib.fc_pending()
-
-    def running_s(self) -> float:
-        """How long the call in progress has run (0 when none)."""
-        return self.lib.fc_running_s()
 
     def is_current(self) -> bool:
         return bool(self.lib.fc_is_current())
