@@ -101,7 +101,8 @@ found["future"] = future.wait()[0].tolist()
 from hpcdl.distributed.threaded import library_group  # noqa: E402
 
 thread = getattr(library_group(), "thread", None)
-found["fastcomm calls"] = thread.fast_last + 1 if getattr(thread, "fast", None) is not None else None
+found["fastcomm calls"] = thread.fast.issued() if getattr(thread, "fast", None) is not None else None
+found["group class"] = [c.__name__ for c in type(library_group()).__mro__]
 # DDP: 20 steps on different data per rank; the replicas must stay bitwise identical.
 torch.manual_seed(rank)  # different initial weights: DDP's broadcast must make them equal
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))

@@ -155,6 +155,9 @@ def ccl_install(cmd: CclInstall) -> int:
         print(f"fastcomm (small collectives' C thread) built: {fastcomm.build()}")
     except OSError as exc:
         print(f"fastcomm not built ({exc}): small oneCCL collectives will use the Python thread")
+    fastccl = deferred("hpcdl.distributed.fastccl")  # torch's cpp_extension builds it
+    if fastccl.load() is not None:  # says why not in the log where it cannot be built
+        print(f"fastccl (the oneCCL group's C++ all-reduce) built in {fastccl.build_folder()}")
     if cmd.prefix and Path(cmd.prefix) != ccl_runtime.home():
         print(f"use it with: export HPCDL_CCL_HOME={root}")
     return 0

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from hpcdl.distributed import ccl_runtime, fastcomm
+from hpcdl.distributed import ccl_runtime, fastccl, fastcomm
 from hpcdl.distributed.comm_thread import describe
 from hpcdl.distributed.threaded import CommThread, Liveness, ThreadedProcessGroup, unwrapped
 from hpcdl.utils import before_leaving
@@ -171,8 +171,13 @@ class _FastWork(dist.Work):
             except Exception as exc:
                 future.set_exception(exc)
             return future
-        self.group.thread._enqueue(lambda inline: self._collect(), future, self.group, ("allreduce", self.tensors))
-        return future.then(unwrapped)
+        return self.group._fast_future(self.ticket, self.tensors).then(self._after)
+
+    def _after(self, future: Future) -> list[torch.Tensor]:
+        self._collected, tensors = True, future.value()  # raises the collective's error
+        if self.average:
+            self.group._divide(tensors[0])
+        return tensors
 
 
 class CCLProcessGroup(ThreadedProcessGroup):
@@ -206,48 +211,75 @@ class CCLProcessGroup(ThreadedProcessGroup):
         self._fast_allreduce = ctypes.cast(self.ccl.lib.onecclAllReduce, ctypes.c_void_p).value
         self._fast_ops = {getattr(dist.ReduceOp.RedOpType, name): op for name, op in self._ops.items()}
         self._fast_ops[_AVG] = self._ops["SUM"]
+        self._probed: dict[int, float] = {}  # the wait last asked about the heartbeats: {ticket: waited seconds}
+        if hasattr(self, "_configure_fast") and self.thread.fast is not None:  # fastccl's C++ all-reduce
+            self._configure_fast(self._fast_allreduce, self.comm.value, list(self._types.items()),
+                                 {int(k): v for k, v in self._fast_ops.items() if k != _AVG}, self.fast_bytes)
 
     def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
-        fast, thread = self.thread.fast, self.thread
+        fast = self.thread.fast
         if fast is not None and len(tensors) == 1:
             t, kind = tensors[0], opts.reduceOp.op
             op, dtype = self._fast_ops.get(kind), self._types.get(t.dtype)
             if op is not None and dtype is not None and t.nbytes <= self.fast_bytes and t.is_contiguous():
-                with thread.lock:
-                    if not thread.queued:  # else behind the Python thread's queue, in issue order
-                        ptr = t.data_ptr()
-                        ticket = fast.submit(self._fast_allreduce, 7, ptr, ptr, t.numel(), dtype, op, self.comm.value,
-                                             0, 0)  # onecclAllReduce(send, recv, count, dtype, op, comm, stream)
-                        if ticket >= 0:
-                            thread.fast_last = ticket
-                            return _FastWork(self, ticket, tensors, kind == _AVG)
+                ptr = t.data_ptr()  # onecclAllReduce(send, recv, count, dtype, op, comm, stream), unless the Python
+                ticket = fast.submit_if_idle(self._fast_allreduce, 7, ptr, ptr, t.numel(), dtype, op,  # thread has
+                                             self.comm.value, 0, 0)  # calls queued: then behind them, in issue order
+                if ticket >= 0:
+                    return _FastWork(self, ticket, tensors, kind == _AVG)
         return super().allreduce(tensors, opts)
 
     def _collect(self, ticket: int, what) -> Exception | None:
         """Wait for the C thread's ``ticket``: None when it succeeded, else the error its Work carries (the
         group's timeout, a lost peer named by the heartbeats, oneCCL's own error, an abort inside oneCCL)."""
-        fast, liveness, start = self.thread.fast, self.thread.liveness, time.monotonic()
-        probed = start
+        fast, start = self.thread.fast, time.monotonic()
         while (rc := fast.wait(ticket, 200)) is None:
-            now, why = time.monotonic(), None
-            limit = self.timeout.total_seconds()
-            if limit and now - start > limit:
-                why = self.timed_out()
-            elif liveness and now - start > liveness.after_s and now - probed > liveness.after_s:
-                probed = now
+            why = self._overdue(ticket, time.monotonic() - start, what)
+            if why:
+                return dist.DistBackendError(why)
+        return dist.DistBackendError(self._fast_error(ticket, rc, what)) if rc else None
+
+    # -- asked by the wait of a C thread's call, here and from fastccl.cpp (off the fast path only) -----------
+    def _overdue(self, ticket: int, waited_s: float, what) -> str | None:
+        """The error of a wait for ``ticket`` that has run ``waited_s``: past the group's timeout, or a peer whose
+        heartbeat stopped (asked every ``after_s``, as the watchdog does); None to go on waiting."""
+        why, liveness, limit = None, self.thread.liveness, self.timeout.total_seconds()
+        if limit and waited_s > limit:
+            why = self.timed_out()
+        elif liveness and waited_s > liveness.after_s:
+            probed = self._probed.get(ticket, 0.0)
+            if waited_s - probed > liveness.after_s:
+                self._probed = {ticket: waited_s}
                 lost = liveness.probe()
                 why = f"cannot complete: {lost}" if lost else None
-            if why:
-                fast.given_up = ticket  # at exit, the process leaves without finalizing oneCCL
-                return dist.DistBackendError(f"rank {self.rank()}: {self.LIBRARY} {describe(what)} {why}")
-        if rc == fastcomm.ABORTED:
-            return dist.DistBackendError(f"rank {self.rank()}: {self.LIBRARY} {describe(what)} {_ABORTED}")
-        if rc:
-            try:
-                self.ccl._check(rc, self.comm, "AllReduce")
-            except ccl_runtime.OneCCLError as exc:
-                return self.failed(what, exc)
-        return None
+        if not why:
+            return None
+        self.thread.fast.given_up = ticket  # at exit, the process leaves without finalizing oneCCL
+        return f"rank {self.rank()}: {self.LIBRARY} {describe(_what(what))} {why}"
+
+    def _fast_error(self, ticket: int, rc, what) -> str:
+        """The error of a C thread's call that returned ``rc``: oneCCL's own words, or the abort inside it."""
+        if int(rc) == fastcomm.ABORTED:
+            return f"rank {self.rank()}: {self.LIBRARY} {describe(_what(what))} {_ABORTED}"
+        try:
+            self.ccl._check(int(rc), self.comm, "AllReduce")
+        except ccl_runtime.OneCCLError as exc:
+            return str(self.failed(_what(what), exc))
+        return f"rank {self.rank()}: {self.LIBRARY} {describe(_what(what))} failed: return code {int(rc)}"
+
+    def _fast_future(self, ticket: int, tensors: list[torch.Tensor]) -> Future:
+        """A future of the C thread's all-reduce ``ticket``, completed by the Python thread (which runs an item
+        only once the C thread's calls have finished)."""
+        future: Future = Future()
+
+        def collect(inline):
+            error = self._collect(ticket, ("allreduce", tensors))
+            if error is not None:
+                raise error
+            return tensors
+
+        self.thread._enqueue(collect, future, self, ("allreduce", tensors))
+        return future.then(unwrapped)
 
     def library_op(self, name: str):
         return self._ops.get(name)
@@ -286,9 +318,28 @@ class CCLProcessGroup(ThreadedProcessGroup):
             self.thread.run_here(self._destroy)
 
 
+def _what(what):
+    """A C++ caller's ``what`` is the tensors alone."""
+    return what if isinstance(what, (str, tuple)) else ("allreduce", what)
+
+
+@functools.cache
+def group_class() -> type:
+    """:class:`CCLProcessGroup`, on fastccl's C++ backend where it builds (its small all-reduce without Python)."""
+    ext = fastccl.load()
+    if ext is None:
+        return CCLProcessGroup
+    try:
+        return type("CCLProcessGroup", (CCLProcessGroup, ext.FastBackend), {"__module__": __name__,
+                                                                             "__doc__": CCLProcessGroup.__doc__})
+    except TypeError as exc:  # a torch whose Python backends are not Backends (torch 2.8's ProcessGroup)
+        log.warning("fastccl: its backend cannot be a base of the oneCCL group here (%s)", exc)
+        return CCLProcessGroup
+
+
 def create(opts, pg_options=None, *, liveness: Liveness | None = None) -> CCLProcessGroup:
     """torch's factory for ``oneccl`` groups (``extended_api``): the group's store carries the unique id."""
-    return CCLProcessGroup(opts.group_rank, opts.group_size, opts.timeout, opts.store, liveness=liveness)
+    return group_class()(opts.group_rank, opts.group_size, opts.timeout, opts.store, liveness=liveness)
 
 
 def register(liveness: Liveness | None = None) -> None:

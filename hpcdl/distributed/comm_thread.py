@@ -62,9 +62,9 @@ class CommThread:
         self.name, self.exit_if_stuck, self.liveness = name, exit_if_stuck, liveness
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C-implemented: the cheapest hand-off
         # A thread in C beside this one (hpcdl.distributed.fastcomm) for a library's small calls, queued there
-        # only while nothing is queued here; this thread lets those finish before it runs its next item.
+        # only while nothing is queued here (it counts this queue too: count()); this thread lets those finish
+        # before it runs its next item.
         self.fast = None
-        self.fast_last = -1  # the last ticket handed to it
         # While collectives are queued only the thread calls the library; a caller runs one inline only when
         # none is, and holds the lock meanwhile so that nothing is queued (and started) under it.
         self.lock = threading.Lock()
@@ -77,6 +77,12 @@ class CommThread:
         self._thread.start()
         self._watchdog.start()
         atexit.register(self.shutdown)
+
+    def count(self, delta: int) -> None:
+        """Count a collective queued here (+1) or finished (-1); the caller holds ``lock``."""
+        self.queued += delta
+        if self.fast is not None:
+            self.fast.elsewhere(delta)
 
     def put(self, fn, future: Future, group: Group, what) -> None:
         """Queue ``fn(False)``; the caller holds ``lock`` and has counted it in ``queued``."""
@@ -92,7 +98,7 @@ class CommThread:
     def _enqueue(self, fn, future: Future, group, what) -> None:
         """Count and queue ``fn`` (for callers that do not hold ``lock``)."""
         with self.lock:
-            self.queued += 1
+            self.count(1)
         self._queue.put((fn, future, group, what))
 
     def _serve(self) -> None:
@@ -103,13 +109,13 @@ class CommThread:
             fn, future, group, what = item
             self._started = (time.monotonic(), group, what, future)
             try:
-                while self.fast is not None and self.fast.pending() and not self._closed.is_set():
-                    self.fast.wait(self.fast_last, 200)  # the watchdog times this item out if a call never returns
+                while self.fast is not None and not self.fast.drain(200) and not self._closed.is_set():
+                    pass  # the watchdog times this item out if a call there never returns
                 result = fn(False)
             except Exception as exc:  # the library's error goes to whoever waits on the Work
                 result = exc if group is None else group.failed(what, exc)
             with self.lock:
-                self.queued -= 1
+                self.count(-1)
             self._started = None
             if future.done():  # the watchdog failed it already
                 continue

@@ -40,9 +40,10 @@ typedef struct {
     pthread_cond_t work; /* the thread sleeps on it */
     pthread_cond_t done; /* waiters sleep on it */
     slot_t slots[SLOTS];
-    uint64_t issued;    /* tickets handed out, atomic (callers hold the Python group's lock) */
+    uint64_t issued;    /* tickets handed out: written under lock, read atomically */
     uint64_t finished;  /* tickets run to the end, so the next one the thread runs: atomic */
     intptr_t first_error; /* the first nonzero return code, for a caller whose slot was reused since */
+    int64_t elsewhere;  /* calls queued on the Python thread and not yet finished there: under lock */
     int thread_sleeps;  /* under lock */
     int waiters_sleep;  /* under lock */
     int stop; /* atomic */
@@ -113,9 +114,8 @@ int fc_start(long spin_us) {
     return rc;
 }
 
-/* Queue fn(args[0..nargs-1]); the ticket to wait for, or -1 when SLOTS calls are queued already. */
-int64_t fc_submit(void *fn, int nargs, intptr_t a0, intptr_t a1, intptr_t a2, intptr_t a3, intptr_t a4,
-                  intptr_t a5, intptr_t a6, intptr_t a7) {
+/* Queue the call; the caller holds fc.lock. The ticket, or -1 when SLOTS calls are queued already. */
+static int64_t enqueue(void *fn, int nargs, const intptr_t *a) {
     uint64_t t = __atomic_load_n(&fc.issued, __ATOMIC_RELAXED);
     if (t - __atomic_load_n(&fc.finished, __ATOMIC_ACQUIRE) >= SLOTS)
         return -1;
@@ -123,14 +123,21 @@ int64_t fc_submit(void *fn, int nargs, intptr_t a0, intptr_t a1, intptr_t a2, in
     s->ticket = t;
     s->fn = fn;
     s->nargs = nargs;
-    intptr_t a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
-    memcpy(s->args, a, sizeof a);
+    memcpy(s->args, a, sizeof s->args);
     __atomic_store_n(&fc.issued, t + 1, __ATOMIC_RELEASE);
-    pthread_mutex_lock(&fc.lock);
     if (fc.thread_sleeps)
         pthread_cond_signal(&fc.work);
-    pthread_mutex_unlock(&fc.lock);
     return (int64_t)t;
+}
+
+/* Queue fn(args[0..nargs-1]); the ticket to wait for, or -1 when SLOTS calls are queued already. */
+int64_t fc_submit(void *fn, int nargs, intptr_t a0, intptr_t a1, intptr_t a2, intptr_t a3, intptr_t a4,
+                  intptr_t a5, intptr_t a6, intptr_t a7) {
+    intptr_t a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    pthread_mutex_lock(&fc.lock);
+    int64_t t = enqueue(fn, nargs, a);
+    pthread_mutex_unlock(&fc.lock);
+    return t;
 }
 
 /* Wait at most timeout_ms for ticket t: 1 done (its return code in *rc), 0 not yet. */
@@ -201,4 +208,35 @@ void fc_park(void) {
 /* Whether ticket t has finished. */
 int fc_done(int64_t t) {
     return __atomic_load_n(&fc.finished, __ATOMIC_ACQUIRE) > (uint64_t)t;
+}
+
+/* The Python thread's queue, counted here so that a caller in C++ and one in Python agree on it: +1 when a call
+ * is queued there, -1 when it has finished. */
+void fc_elsewhere(int delta) {
+    pthread_mutex_lock(&fc.lock);
+    fc.elsewhere += delta;
+    pthread_mutex_unlock(&fc.lock);
+}
+
+/* fc_submit, but only while nothing is queued on the Python thread (else -1: the caller queues it there, behind
+ * the others, so that collectives reach the library in issue order). */
+int64_t fc_submit_if_idle(void *fn, int nargs, intptr_t a0, intptr_t a1, intptr_t a2, intptr_t a3, intptr_t a4,
+                          intptr_t a5, intptr_t a6, intptr_t a7) {
+    intptr_t a[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    pthread_mutex_lock(&fc.lock);
+    int64_t t = fc.elsewhere == 0 ? enqueue(fn, nargs, a) : -1;
+    pthread_mutex_unlock(&fc.lock);
+    return t;
+}
+
+/* Wait at most timeout_ms for every call issued so far: 1 when none is left. */
+int fc_drain(long timeout_ms) {
+    uint64_t last = __atomic_load_n(&fc.issued, __ATOMIC_ACQUIRE);
+    intptr_t rc;
+    return last == 0 || fc_wait((int64_t)last - 1, timeout_ms, &rc);
+}
+
+/* Tickets issued so far. */
+int64_t fc_issued(void) {
+    return (int64_t)__atomic_load_n(&fc.issued, __ATOMIC_ACQUIRE);
 }

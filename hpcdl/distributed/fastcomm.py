@@ -71,6 +71,11 @@ class FastComm:
         lib = ctypes.CDLL(str(path))
         lib.fc_submit.restype = ctypes.c_int64
         lib.fc_submit.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_ssize_t] * 8
+        lib.fc_submit_if_idle.restype = ctypes.c_int64
+        lib.fc_submit_if_idle.argtypes = lib.fc_submit.argtypes
+        lib.fc_issued.restype = ctypes.c_int64
+        lib.fc_drain.argtypes = [ctypes.c_long]
+        lib.fc_elsewhere.argtypes = [ctypes.c_int]
         lib.fc_wait.argtypes = [ctypes.c_int64, ctypes.c_long, ctypes.POINTER(ctypes.c_ssize_t)]
         lib.fc_pending.restype = ctypes.c_int64
         lib.fc_start.argtypes = [ctypes.c_long]
@@ -80,6 +85,10 @@ class FastComm:
             raise OSError(rc, f"fastcomm: the communication thread did not start: {os.strerror(rc)}")
         self.lib, self.path = lib, path
         self.submit = lib.fc_submit  # (function address, its argument count, 8 integers): a ticket, -1 when full
+        # the same, -1 also while the Python thread has calls queued (counted by ``elsewhere``)
+        self.submit_if_idle = lib.fc_submit_if_idle
+        self.elsewhere = lib.fc_elsewhere  # +1 when a call is queued on the Python thread, -1 when it finished
+        self.issued = lib.fc_issued  # tickets handed out so far
         self.given_up: int | None = None  # the last ticket whose waiter gave up on it (a timeout, a lost peer)
         self.parked = False
         self._rc = ctypes.c_ssize_t()
@@ -93,6 +102,10 @@ class FastComm:
 
     def done(self, ticket: int) -> bool:
         return bool(self.lib.fc_done(ticket))
+
+    def drain(self, timeout_ms: int) -> bool:
+        """Wait at most ``timeout_ms`` for every call issued so far; whether none is left."""
+        return bool(self.lib.fc_drain(timeout_ms))
 
     def pending(self) -> int:
         """Calls queued or running."""

@@ -181,7 +181,7 @@ class ThreadedProcessGroup(_python_backend_base()):
                                                                + self.timed_out()) if isinstance(exc, TimeoutError)
                                          else self.failed(what, exc))
                     return _Work(failed)
-            thread.queued += 1
+            thread.count(1)
         future: Future = Future()
         thread.put(fn, future, self, what)
         return _Work(future)
