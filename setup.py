@@ -8,6 +8,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hpcdl", "hpcdl.*"]),
+    # built on first use (hpcdl.distributed.fastcomm, hpcdl.distributed.fastccl) or by hpcdl ccl install
+    package_data={"hpcdl.distributed": ["fastcomm.c", "fastccl.cpp"]},
     install_requires=[
         "torch>=2.4",
         "torchvision>=0.19",

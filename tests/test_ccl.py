@@ -94,16 +94,23 @@ def test_an_abort_on_the_oneccl_thread_fails_the_collective_not_the_process(ccl)
     """oneCCL throws a C++ exception through its C API when its transport fails (a peer gone mid-message), and
     that ends in abort() on its thread. os.abort() on that thread stands in for it here: the real one needs a
     rank killed at the wrong moment, which test_allreduce's lost-rank tests meet only now and then."""
+    _abort_stands_in("try:\n    group.thread.run_here(os.abort, group, 'stand-in call')\n"
+                     "except dist.DistBackendError as exc:\n    print('failed:', exc, flush=True)\n")
+
+
+def _abort_stands_in(code: str) -> None:
+    """Run ``code`` in a one-rank oneCCL process (``group``: its group); it aborts a stand-in call on a thread
+    that calls oneCCL and prints the Work's error. That error names the abort, and the process then leaves at
+    once: the parked thread is a call that never returned, so oneCCL is not finalized."""
     from conftest import free_port, rank_env
 
-    code = ("import os, torch.distributed as dist\nfrom hpcdl.distributed.process_group import init_distributed\n"
+    code = ("import ctypes, os, torch, torch.distributed as dist\n"
+            "from hpcdl.distributed.process_group import init_distributed\n"
             "from hpcdl.distributed.threaded import library_group\nctx = init_distributed('ccl')\n"
-            "group = library_group()\ntry:\n    group.thread.run_here(os.abort, group, 'stand-in call')\n"
-            "except dist.DistBackendError as exc:\n    print('failed:', exc, flush=True)\nraise SystemExit(3)\n")
+            f"group = library_group()\n{code}raise SystemExit(3)\n")
     run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=60)
     assert "failed: rank 0: oneCCL stand-in call aborted inside oneCCL" in run.stdout, run.stdout + run.stderr[-2000:]
-    # the parked thread is a call that never returned: the process leaves without finalizing oneCCL
     assert run.returncode == 1 and "a collective never completed" in run.stderr, run.stderr[-2000:]
 
 
@@ -157,3 +164,26 @@ def test_install_assembles_a_runtime_that_loads_and_reuses_it(ccl, tmp_path):
     assert again.returncode == 0
     info = hpcdl("ccl", "info", env={"HPCDL_CCL_HOME": str(prefix)})
     assert info.returncode == 0 and f"oneCCL 2022.2.0 from {prefix}/lib/libccl.so.2" in info.stdout, info.stderr
+
+
+def test_an_abort_on_the_c_thread_fails_its_collective_not_the_process(ccl):
+    """The same for a small collective on fastcomm's C thread: os.abort's C function queued there stands in for
+    oneCCL's abort()."""
+    _abort_stands_in("fast = group.thread.fast\nt = torch.ones(3)\ndist.all_reduce(t)\n"
+                     "assert fast.issued() > 0 and fast.done(fast.issued() - 1), 'it did not take the C thread'\n"
+                     "abort = ctypes.cast(ctypes.CDLL(None).abort, ctypes.c_void_p).value\n"
+                     "ticket = fast.submit(abort, 6, 0, 0, 0, 0, 0, 0, 0, 0)\n"
+                     "print('failed:', group._collect(ticket, 'stand-in call'), flush=True)\n")
+
+
+def test_fastcomm_is_built_once_per_source_and_a_failing_compiler_is_named(tmp_path):
+    from hpcdl.distributed import fastcomm
+
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    path = fastcomm.build(env)
+    assert path.parent == tmp_path / "hpcdl" / "fastcomm" and path.name.startswith("fastcomm-")
+    built = path.stat().st_mtime_ns
+    assert fastcomm.build(env) == path and path.stat().st_mtime_ns == built  # named by the source: not built again
+    with pytest.raises(OSError, match=r"false could not build .*fastcomm\.c"):
+        fastcomm.build({"XDG_CACHE_HOME": str(tmp_path / "other"), "CC": "false"})
+    assert not list((tmp_path / "other" / "hpcdl" / "fastcomm").iterdir())  # no half-written file left

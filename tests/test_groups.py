@@ -21,6 +21,7 @@ EXPECTED = {
     **{f"broadcast torch.{d}": [2, 2, 2] for d in ("bfloat16", "float16", "int64", "float32")},
     "allgather": [[0, 0], [1, 1]], "allgather single fp16": [0.5, 0.5, 1.5, 1.5], "objects": [{"rank": 0}, {"rank": 1}],
     "subgroup all": 1.0, "mixed paths": [[2.0, 3.0], [2.0, 1.0], [2.0]],  # all-reduce, broadcast from 0, barrier
+    "interleaved": [1.0, 3.0, 5.0, 7.0, 9.0, 11.0], "future": [1.0, 1.0, 1.0],
 }
 TORCH_NAME = {"mpi": "mpi4py", "ccl": "oneccl", "store": "hpcdl-store"}
 
@@ -102,6 +103,8 @@ def test_ccl_group_as_plain_processes(ccl, tmp_path):
     ranks, outs = plain_ranks(tmp_path, "ccl")
     assert f"oneCCL 2022.2.0 from {ccl.library}" in outs[0]
     assert ranks[0]["env"]["FI_PROVIDER"] == "shm" and ranks[0]["env"]["CCL_WORKER_OFFLOAD"] == "0"
+    assert all(r["fastcomm calls"] > 20 for r in ranks), [r["fastcomm calls"] for r in ranks]  # the small ones
+    assert "FastBackend" in ranks[0]["group class"], ranks[0]["group class"]  # issued from C++ (fastccl.cpp)
 
 
 @pytest.mark.parametrize("shape, provider", [(("--nodes=1", "--ntasks=2"), "shm"),

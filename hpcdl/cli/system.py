@@ -16,7 +16,7 @@ import hpcdl
 from hpcdl.bench.configs import TuneConfig
 from hpcdl.cli.common import command
 from hpcdl.deferred import deferred
-from hpcdl.distributed import ccl_runtime
+from hpcdl.distributed import ccl_runtime, fastcomm
 from hpcdl.distributed.affinity import allocator_exports, allocator_in_use, plan_cpus
 from hpcdl.distributed.env import discover
 from hpcdl.distributed.mpi_runtime import mpi_environment
@@ -151,6 +151,13 @@ def ccl_install(cmd: CclInstall) -> int:
     root = ccl_runtime.install(Path(cmd.prefix) if cmd.prefix else None,
                                wheels=Path(cmd.wheels) if cmd.wheels else None, force=cmd.force)
     print(f"oneCCL {ccl_runtime.VERSION} runtime in {root} (every file matches its pinned sha256)")
+    try:  # for compute nodes without a compiler: the cache is in the home folder they share
+        print(f"fastcomm (small collectives' C thread) built: {fastcomm.build()}")
+    except OSError as exc:
+        print(f"fastcomm not built ({exc}): small oneCCL collectives will use the Python thread")
+    fastccl = deferred("hpcdl.distributed.fastccl")  # torch's cpp_extension builds it
+    if fastccl.load() is not None:  # says why not in the log where it cannot be built
+        print(f"fastccl (the oneCCL group's C++ all-reduce) built in {fastccl.build_folder()}")
     if cmd.prefix and Path(cmd.prefix) != ccl_runtime.home():
         print(f"use it with: export HPCDL_CCL_HOME={root}")
     return 0

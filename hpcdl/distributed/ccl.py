@@ -33,14 +33,17 @@ import logging
 import os
 import signal
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.futures import Future
 
-from hpcdl.distributed import ccl_runtime
-from hpcdl.distributed.threaded import CommThread, Liveness, ThreadedProcessGroup
+from hpcdl.distributed import ccl_runtime, fastccl, fastcomm
+from hpcdl.distributed.comm_thread import describe
+from hpcdl.distributed.threaded import CommThread, Liveness, ThreadedProcessGroup, unwrapped
 from hpcdl.utils import before_leaving
 
 __all__ = ["BACKEND_NAME", "CCLProcessGroup", "register"]
@@ -70,9 +73,12 @@ def comm_thread(liveness: Liveness | None = None) -> CommThread:
                          "any longer: %s", len(gone), ", ".join(gone))
             before_leaving(remove_shm_files)
             _thread = CommThread("hpcdl-oneccl", exit_if_stuck=True, liveness=liveness)
+            _thread.fast = fastcomm.load()
         return _thread
 
 
+_ABORTED = ("aborted inside oneCCL (a C++ exception through its C API: its transport failed, usually a peer "
+            "gone)")
 _ON_SIGNAL = ctypes.CFUNCTYPE(None, ctypes.c_int)
 _abort_guard = None  # the C handler, kept alive for the process
 
@@ -88,9 +94,10 @@ def guard_aborts() -> None:
 
     def on_abort(signum: int) -> None:
         thread = _thread
+        if thread is not None and thread.fast is not None and thread.fast.is_current():
+            thread.fast.park()  # its waiter reads ABORTED: see CCLProcessGroup._collect
         if thread is not None and thread.is_current():
-            thread.park("aborted inside oneCCL (a C++ exception through its C API: its transport failed, "
-                        "usually a peer gone)")
+            thread.park(_ABORTED)
 
     _abort_guard = _ON_SIGNAL(on_abort)
     libc = ctypes.CDLL(None)
@@ -126,13 +133,66 @@ def remove_shm_files(root: Path = SHM_DIR) -> list[str]:
     return gone
 
 
+_AVG = dist.ReduceOp.RedOpType.AVG
+
+
+class _FastWork(dist.Work):
+    """The Work of an all-reduce queued on the C thread (:mod:`hpcdl.distributed.fastcomm`)."""
+
+    def __init__(self, group: "CCLProcessGroup", ticket: int, tensors: list[torch.Tensor], average: bool):
+        super().__init__()
+        self.group, self.ticket, self.tensors, self.average = group, ticket, tensors, average
+        self._error: Exception | None = None
+        self._collected = False
+
+    def _collect(self) -> list[torch.Tensor]:
+        if not self._collected:
+            self._error = self.group._collect(self.ticket, ("allreduce", self.tensors))
+            self._collected = True
+            if self._error is None and self.average:
+                self.group._divide(self.tensors[0])
+        if self._error is not None:
+            raise self._error
+        return self.tensors
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self._collect()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._collected or self.group.thread.fast.done(self.ticket)
+
+    def get_future(self) -> Future:
+        """Completed by the Python thread, which runs an item only once the C thread's calls have finished."""
+        future: Future = Future()
+        if self._collected:
+            try:
+                future.set_result(self._collect())
+            except Exception as exc:
+                future.set_exception(exc)
+            return future
+        return self.group._fast_future(self.ticket, self.tensors).then(self._after)
+
+    def _after(self, future: Future) -> list[torch.Tensor]:
+        self._collected, tensors = True, future.value()  # raises the collective's error
+        if self.average:
+            self.group._divide(tensors[0])
+        return tensors
+
+
 class CCLProcessGroup(ThreadedProcessGroup):
-    """A torch process group over a oneCCL communicator of its ranks."""
+    """A torch process group over a oneCCL communicator of its ranks.
+
+    An all-reduce of one tensor of at most ``fast_bytes`` (a control flag, a metric, a loss) issued while the
+    Python thread has nothing queued goes to the C thread instead (:mod:`hpcdl.distributed.fastcomm`); its Work's
+    ``wait`` applies the group's timeout and asks the heartbeats about a long wait, as the watchdog does.
+    """
 
     BACKEND_NAME = BACKEND_NAME
     LIBRARY = "oneCCL"
     NATIVE = frozenset(_TYPES)
     inline_bytes = 0  # one thread calls oneCCL
+    fast_bytes = 64 * 1024
 
     def __init__(self, rank: int, world_size: int, timeout: timedelta, store: dist.Store,
                  liveness: Liveness | None = None):
@@ -148,6 +208,78 @@ class CCLProcessGroup(ThreadedProcessGroup):
         self.thread.closers[id(self)] = self._destroy  # at exit, if nobody destroyed the group before
         guard_aborts()
         self._one = torch.zeros(1)
+        self._fast_allreduce = ctypes.cast(self.ccl.lib.onecclAllReduce, ctypes.c_void_p).value
+        self._fast_ops = {getattr(dist.ReduceOp.RedOpType, name): op for name, op in self._ops.items()}
+        self._fast_ops[_AVG] = self._ops["SUM"]
+        self._probed: dict[int, float] = {}  # the wait last asked about the heartbeats: {ticket: waited seconds}
+        if hasattr(self, "_configure_fast") and self.thread.fast is not None:  # fastccl's C++ all-reduce
+            self._configure_fast(self._fast_allreduce, self.comm.value, list(self._types.items()),
+                                 {int(k): v for k, v in self._fast_ops.items() if k != _AVG}, self.fast_bytes)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts) -> dist.Work:
+        fast = self.thread.fast
+        if fast is not None and len(tensors) == 1:
+            t, kind = tensors[0], opts.reduceOp.op
+            op, dtype = self._fast_ops.get(kind), self._types.get(t.dtype)
+            if op is not None and dtype is not None and t.nbytes <= self.fast_bytes and t.is_contiguous():
+                ptr = t.data_ptr()  # onecclAllReduce(send, recv, count, dtype, op, comm, stream), unless the Python
+                ticket = fast.submit_if_idle(self._fast_allreduce, 7, ptr, ptr, t.numel(), dtype, op,  # thread has
+                                             self.comm.value, 0, 0)  # calls queued: then behind them, in issue order
+                if ticket >= 0:
+                    return _FastWork(self, ticket, tensors, kind == _AVG)
+        return super().allreduce(tensors, opts)
+
+    def _collect(self, ticket: int, what) -> Exception | None:
+        """Wait for the C thread's ``ticket``: None when it succeeded, else the error its Work carries (the
+        group's timeout, a lost peer named by the heartbeats, oneCCL's own error, an abort inside oneCCL)."""
+        fast, start = self.thread.fast, time.monotonic()
+        while (rc := fast.wait(ticket, 200)) is None:
+            why = self._overdue(ticket, time.monotonic() - start, what)
+            if why:
+                return dist.DistBackendError(why)
+        return dist.DistBackendError(self._fast_error(ticket, rc, what)) if rc else None
+
+    # -- asked by the wait of a C thread's call, here and from fastccl.cpp (off the fast path only) -----------
+    def _overdue(self, ticket: int, waited_s: float, what) -> str | None:
+        """The error of a wait for ``ticket`` that has run ``waited_s``: past the group's timeout, or a peer whose
+        heartbeat stopped (asked every ``after_s``, as the watchdog does); None to go on waiting."""
+        why, liveness, limit = None, self.thread.liveness, self.timeout.total_seconds()
+        if limit and waited_s > limit:
+            why = self.timed_out()
+        elif liveness and waited_s > liveness.after_s:
+            probed = self._probed.get(ticket, 0.0)
+            if waited_s - probed > liveness.after_s:
+                self._probed = {ticket: waited_s}
+                lost = liveness.probe()
+                why = f"cannot complete: {lost}" if lost else None
+        if not why:
+            return None
+        self.thread.fast.given_up = ticket  # at exit, the process leaves without finalizing oneCCL
+        return f"rank {self.rank()}: {self.LIBRARY} {describe(_what(what))} {why}"
+
+    def _fast_error(self, ticket: int, rc, what) -> str:
+        """The error of a C thread's call that returned ``rc``: oneCCL's own words, or the abort inside it."""
+        if int(rc) == fastcomm.ABORTED:
+            return f"rank {self.rank()}: {self.LIBRARY} {describe(_what(what))} {_ABORTED}"
+        try:
+            self.ccl._check(int(rc), self.comm, "AllReduce")
+        except ccl_runtime.OneCCLError as exc:
+            return str(self.failed(_what(what), exc))
+        return f"rank {self.rank()}: {self.LIBRARY} {describe(_what(what))} failed: return code {int(rc)}"
+
+    def _fast_future(self, ticket: int, tensors: list[torch.Tensor]) -> Future:
+        """A future of the C thread's all-reduce ``ticket``, completed by the Python thread (which runs an item
+        only once the C thread's calls have finished)."""
+        future: Future = Future()
+
+        def collect(inline):
+            error = self._collect(ticket, ("allreduce", tensors))
+            if error is not None:
+                raise error
+            return tensors
+
+        self.thread._enqueue(collect, future, self, ("allreduce", tensors))
+        return future.then(unwrapped)
 
     def library_op(self, name: str):
         return self._ops.get(name)
@@ -186,9 +318,28 @@ class CCLProcessGroup(ThreadedProcessGroup):
             self.thread.run_here(self._destroy)
 
 
+def _what(what):
+    """A C++ caller's ``what`` is the tensors alone."""
+    return what if isinstance(what, (str, tuple)) else ("allreduce", what)
+
+
+@functools.cache
+def group_class() -> type:
+    """:class:`CCLProcessGroup`, on fastccl's C++ backend where it builds (its small all-reduce without Python)."""
+    ext = fastccl.load()
+    if ext is None:
+        return CCLProcessGroup
+    try:
+        return type("CCLProcessGroup", (CCLProcessGroup, ext.FastBackend), {"__module__": __name__,
+                                                                             "__doc__": CCLProcessGroup.__doc__})
+    except TypeError as exc:  # a torch whose Python backends are not Backends (torch 2.8's ProcessGroup)
+        log.warning("fastccl: its backend cannot be a base of the oneCCL group here (%s)", exc)
+        return CCLProcessGroup
+
+
 def create(opts, pg_options=None, *, liveness: Liveness | None = None) -> CCLProcessGroup:
     """torch's factory for ``oneccl`` groups (``extended_api``): the group's store carries the unique id."""
-    return CCLProcessGroup(opts.group_rank, opts.group_size, opts.timeout, opts.store, liveness=liveness)
+    return group_class()(opts.group_rank, opts.group_size, opts.timeout, opts.store, liveness=liveness)
 
 
 def register(liveness: Liveness | None = None) -> None:

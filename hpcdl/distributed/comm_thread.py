@@ -61,6 +61,10 @@ class CommThread:
     def __init__(self, name: str, *, exit_if_stuck: bool = False, liveness: Liveness | None = None):
         self.name, self.exit_if_stuck, self.liveness = name, exit_if_stuck, liveness
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C-implemented: the cheapest hand-off
+        # A thread in C beside this one (hpcdl.distributed.fastcomm) for a library's small calls, queued there
+        # only while nothing is queued here (it counts this queue too: count()); this thread lets those finish
+        # before it runs its next item.
+        self.fast = None
         # While collectives are queued only the thread calls the library; a caller runs one inline only when
         # none is, and holds the lock meanwhile so that nothing is queued (and started) under it.
         self.lock = threading.Lock()
@@ -73,6 +77,12 @@ class CommThread:
         self._thread.start()
         self._watchdog.start()
         atexit.register(self.shutdown)
+
+    def count(self, delta: int) -> None:
+        """Count a collective queued here (+1) or finished (-1); the caller holds ``lock``."""
+        self.queued += delta
+        if self.fast is not None:
+            self.fast.elsewhere(delta)
 
     def put(self, fn, future: Future, group: Group, what) -> None:
         """Queue ``fn(False)``; the caller holds ``lock`` and has counted it in ``queued``."""
@@ -88,7 +98,7 @@ class CommThread:
     def _enqueue(self, fn, future: Future, group, what) -> None:
         """Count and queue ``fn`` (for callers that do not hold ``lock``)."""
         with self.lock:
-            self.queued += 1
+            self.count(1)
         self._queue.put((fn, future, group, what))
 
     def _serve(self) -> None:
@@ -99,11 +109,13 @@ class CommThread:
             fn, future, group, what = item
             self._started = (time.monotonic(), group, what, future)
             try:
+                while self.fast is not None and not self.fast.drain(200) and not self._closed.is_set():
+                    pass  # the watchdog times this item out if a call there never returns
                 result = fn(False)
             except Exception as exc:  # the library's error goes to whoever waits on the Work
                 result = exc if group is None else group.failed(what, exc)
             with self.lock:
-                self.queued -= 1
+                self.count(-1)
             self._started = None
             if future.done():  # the watchdog failed it already
                 continue
@@ -173,8 +185,10 @@ class CommThread:
         threading.Event().wait()
 
     def stuck(self) -> bool:
-        """Whether the thread is inside a library call that the watchdog has already given up on."""
+        """Whether the thread, or the C thread beside it, is inside a library call that was given up on."""
         started = self._started
+        if self.fast is not None and self.fast.stuck():
+            return True
         return bool(started and started[3].done() and self._thread.is_alive())
 
     def shutdown(self) -> None:
@@ -185,11 +199,14 @@ class CommThread:
         if self.closers and not self.stuck():
             self._close_all(timeout_s=30.0)
         self._closed.set()
+        if self.fast is not None:
+            self.fast.stop()
         self._queue.put(None)
         if self._thread is not threading.current_thread():  # bounded: a thread stuck in a call stays behind
             self._thread.join(timeout=0.5 if self.stuck() else 5.0)
         self._watchdog.join(timeout=1.0)
-        if self.exit_if_stuck and self._thread.is_alive():
+        fast_stuck = self.fast is not None and self.fast.stuck()
+        if self.exit_if_stuck and (self._thread.is_alive() or fast_stuck):
             logging.getLogger(__name__).error("%s: a collective never completed; leaving without finalizing the "
                                               "library (it cannot abort the call)", self.name)
             leave_now(1)

@@ -153,7 +153,10 @@ class ThreadedProcessGroup(_python_backend_base()):
         raise NotImplementedError
 
     def failed(self, what, exc: Exception) -> Exception:
-        """The error a Work carries when the library call for ``what`` raised ``exc``."""
+        """The error a Work carries when the library call for ``what`` raised ``exc`` (one that names this rank
+        and the collective already, as it is)."""
+        if isinstance(exc, dist.DistBackendError):
+            return exc
         return dist.DistBackendError(f"rank {self.rank()}: {self.LIBRARY} {describe(what)} failed: {exc}")
 
     def timed_out(self) -> str:
@@ -178,7 +181,7 @@ class ThreadedProcessGroup(_python_backend_base()):
                                                                + self.timed_out()) if isinstance(exc, TimeoutError)
                                          else self.failed(what, exc))
                     return _Work(failed)
-            thread.queued += 1
+            thread.count(1)
         future: Future = Future()
         thread.put(fn, future, self, what)
         return _Work(future)
