@@ -102,6 +102,9 @@ from hpcdl.distributed.threaded import library_group  # noqa: E402
 
 thread = getattr(library_group(), "thread", None)
 found["fastcomm calls"] = thread.fast.issued() if getattr(thread, "fast", None) is not None else None
+if found["fastcomm calls"] is not None:  # a large all-reduce too is made on the C thread: oneCCL sees one thread
+    dist.all_reduce(torch.ones(1 << 20))
+    found["large ones there"] = thread.fast.issued() - found["fastcomm calls"]
 found["group class"] = [c.__name__ for c in type(library_group()).__mro__]
 # DDP: 20 steps on different data per rank; the replicas must stay bitwise identical.
 torch.manual_seed(rank)  # different initial weights: DDP's broadcast must make them equal

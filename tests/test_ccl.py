@@ -1,10 +1,12 @@
 """Backend ccl's runtime and exit: the pinned runtime as installed, each way a runtime can be wrong, and a process
 that leaves with its groups alive. A rank lost in a oneCCL all-reduce: test_allreduce."""
 
+import ctypes
 import os
 import re
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
@@ -174,6 +176,27 @@ def test_an_abort_on_the_c_thread_fails_its_collective_not_the_process(ccl):
                      "abort = ctypes.cast(ctypes.CDLL(None).abort, ctypes.c_void_p).value\n"
                      "ticket = fast.submit(abort, 6, 0, 0, 0, 0, 0, 0, 0, 0)\n"
                      "print('failed:', group._collect(ticket, 'stand-in call'), flush=True)\n")
+
+
+def test_an_abort_on_the_c_thread_of_the_python_threads_call_fails_its_collective(ccl):
+    """A call the Python comm thread hands to the C thread (a large collective, a communicator's creation or
+    destruction: every oneCCL call is made there) aborts there: its item fails as if it had aborted on it."""
+    _abort_stands_in("abort = ctypes.cast(ctypes.CDLL(None).abort, ctypes.c_void_p).value\n"
+                     "assert group.ccl.runner is not None, 'no C thread'\n"
+                     "try:\n    group.thread.run_here(lambda: group.ccl.runner.call(abort), group, 'stand-in call')\n"
+                     "except dist.DistBackendError as exc:\n    print('failed:', exc, flush=True)\n")
+
+
+def test_fastcomm_makes_library_calls_and_runs_python_on_its_one_thread(tmp_path):
+    from hpcdl.distributed import fastcomm
+    fast = fastcomm.FastComm(fastcomm.build({"XDG_CACHE_HOME": str(tmp_path)}))
+    libc = ctypes.CDLL(None)
+    there = fast.call(ctypes.cast(libc.gettid, ctypes.c_void_p).value)
+    assert there != threading.get_native_id()
+    assert fast.run(threading.get_native_id) == there  # a ctypes callback: oneCCL's creation and destruction
+    assert fast.call(ctypes.cast(libc.labs, ctypes.c_void_p).value, -7) == 7
+    with pytest.raises(KeyError, match="raised there"):
+        fast.run(lambda: {}["raised there"])
 
 
 def test_fastcomm_is_built_once_per_source_and_a_failing_compiler_is_named(tmp_path):

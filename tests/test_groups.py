@@ -104,6 +104,7 @@ def test_ccl_group_as_plain_processes(ccl, tmp_path):
     assert f"oneCCL 2022.2.0 from {ccl.library}" in outs[0]
     assert ranks[0]["env"]["FI_PROVIDER"] == "shm" and ranks[0]["env"]["CCL_WORKER_OFFLOAD"] == "0"
     assert all(r["fastcomm calls"] > 20 for r in ranks), [r["fastcomm calls"] for r in ranks]  # the small ones
+    assert [r["large ones there"] for r in ranks] == [1, 1]  # the 4 MB one through the Python thread too
     assert "FastBackend" in ranks[0]["group class"], ranks[0]["group class"]  # issued from C++ (fastccl.cpp)
 
 

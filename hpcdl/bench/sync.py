@@ -343,9 +343,9 @@ def _latency(iters: int, group, mpi) -> dict:
 
 
 def _raw_oneccl(group, x):
-    """For a oneccl group: ``loop(n)`` makes n one-float onecclAllReduce calls in a row on the group's
-    communication thread (oneCCL must be called from that one), so no hand-off is timed: oneCCL's own latency
-    through ctypes. None for other backends."""
+    """For a oneccl group: ``loop(n)`` makes n one-float onecclAllReduce calls in a row on the thread that
+    makes the group's oneCCL calls (the C thread, or the Python one without it), so no hand-off is timed:
+    oneCCL's own latency through ctypes. None for other backends."""
     pg = library_group(group)
     if not isinstance(pg, CCLProcessGroup):
         return None
@@ -354,9 +354,9 @@ def _raw_oneccl(group, x):
     def loop(n: int) -> None:
         def calls():
             for _ in range(n):
-                pg.ccl.call("AllReduce", *args)
+                pg.ccl.call_here("AllReduce", *args)
 
-        pg.thread.run_here(calls)
+        pg.thread.run_here(lambda: pg.ccl.run(calls))
 
     return loop
 

@@ -133,6 +133,33 @@ def remove_shm_files(root: Path = SHM_DIR) -> list[str]:
     return gone
 
 
+class _OnCThread:
+    """``OneCCL.runner`` where fastcomm's C thread runs: the Python comm thread hands it every oneCCL call (a
+    communicator's creation and destruction too), so that oneCCL sees one thread, the one that makes the small
+    all-reduces, as it saw one before that thread existed. A call that aborted there parks the Python comm thread
+    as an abort on it would (:meth:`CommThread.park`: its item fails with the abort's words, it blocks for good)."""
+
+    def __init__(self, thread: CommThread):
+        self.thread, self.fast = thread, thread.fast
+
+    def call(self, fn: int, *args: int) -> int:
+        rc = self.fast.call(fn, *args)
+        if rc == fastcomm.ABORTED:
+            self._aborted()
+        return rc
+
+    def run(self, fn):
+        try:
+            return self.fast.run(fn)
+        except fastcomm.Aborted:
+            self._aborted()
+
+    def _aborted(self):
+        if self.thread.is_current():
+            self.thread.park(_ABORTED)
+        raise ccl_runtime.OneCCLError(_ABORTED)
+
+
 _AVG = dist.ReduceOp.RedOpType.AVG
 
 
@@ -198,6 +225,8 @@ class CCLProcessGroup(ThreadedProcessGroup):
                  liveness: Liveness | None = None):
         super().__init__(rank, world_size, timeout, comm_thread(liveness))
         self.ccl = ccl = ccl_runtime.load()
+        if self.thread.fast is not None and ccl.runner is None:
+            ccl.runner = _OnCThread(self.thread)  # from here on every oneCCL call of the process is made there
         self._types = {dtype: ccl.enums[name] for dtype, name in _TYPES.items()}
         self._ops = {op: ccl.enums[name] for op, name in _OPS.items()}
         if rank == 0:

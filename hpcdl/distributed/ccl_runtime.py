@@ -212,7 +212,14 @@ _COLLECTIVES = {  # name: argument types after (send, recv, count, dtype)
 
 
 class OneCCL:
-    """libccl's C API through ctypes (which releases the GIL during each call)."""
+    """libccl's C API through ctypes (which releases the GIL during each call).
+
+    ``runner``, when set (by :mod:`hpcdl.distributed.ccl`: fastcomm's C thread), makes every call below on its
+    thread: ``runner.call(address, *integers)`` a collective's, ``runner.run(fn)`` the rare ones made through
+    ctypes. oneCCL then sees one thread make a communicator's calls, from its creation to its destruction.
+    """
+
+    runner = None
 
     def __init__(self, runtime: Runtime, libfabric: str | None = None):
         self.runtime = runtime
@@ -226,10 +233,11 @@ class OneCCL:
             raise ConfigError(f"oneCCL: {runtime.library} ({runtime.source}) has no {', '.join(missing)}: a oneCCL "
                               f"without the C API (libccl.so.1, or a release before 2021.17). To fix: {FIX}")
         self.lib = lib
-        self._fns = {}
+        self._fns, self._addresses = {}, {}
         for name, tail in _COLLECTIVES.items():
             getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, *tail]
             self._fns[name.removeprefix("oneccl")] = getattr(lib, name)
+            self._addresses[name.removeprefix("oneccl")] = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
         lib.onecclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, _UniqueId, ctypes.c_int]
         lib.onecclGetErrorString.restype = ctypes.c_char_p
         lib.onecclGetLastError.restype = ctypes.c_char_p
@@ -246,22 +254,36 @@ class OneCCL:
             raise OneCCLError(f"onecclResult {rc} ({self.lib.onecclGetErrorString(rc).decode(errors='replace')})"
                               + (f": {last}" if last else "") + f" in oneccl{what}")
 
+    def run(self, fn):
+        """``fn()`` on the thread that makes oneCCL's calls (the runner's, else this one)."""
+        return fn() if self.runner is None else self.runner.run(fn)
+
     def unique_id(self) -> bytes:
         uid = _UniqueId()
-        self._check(self.lib.onecclGetUniqueId(ctypes.byref(uid)), None, "GetUniqueId")
+        self._check(self.run(lambda: self.lib.onecclGetUniqueId(ctypes.byref(uid))), None, "GetUniqueId")
         return bytes(uid.data)
 
     def init_rank(self, nranks: int, uid: bytes, rank: int) -> ctypes.c_void_p:
         comm, key = ctypes.c_void_p(), _UniqueId()
         ctypes.memmove(ctypes.byref(key), uid, UNIQUE_ID_BYTES)
-        self._check(self.lib.onecclCommInitRank(ctypes.byref(comm), nranks, key, rank), None, "CommInitRank")
+        self._check(self.run(lambda: self.lib.onecclCommInitRank(ctypes.byref(comm), nranks, key, rank)), None,
+                    "CommInitRank")
         return comm
 
     def destroy(self, comm) -> None:
-        self._check(self.lib.onecclCommDestroy(comm), None, "CommDestroy")
+        self._check(self.run(lambda: self.lib.onecclCommDestroy(comm)), None, "CommDestroy")
 
-    def call(self, name: str, comm, *args) -> None:
+    def call(self, name: str, comm, *args: int) -> None:
         """``oneccl<name>(*args, comm, NULL)``: blocking on host buffers; raises :class:`OneCCLError`."""
+        if self.runner is None:
+            rc = self._fns[name](*args, comm, None)
+        else:
+            rc = self.runner.call(self._addresses[name], *args, comm.value, 0)
+        if rc:
+            self._check(rc, comm, name)
+
+    def call_here(self, name: str, comm, *args: int) -> None:
+        """:meth:`call` on this thread, whatever the runner: for a caller already on the runner's thread."""
         rc = self._fns[name](*args, comm, None)
         if rc:
             self._check(rc, comm, name)

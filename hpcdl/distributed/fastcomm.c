@@ -9,7 +9,9 @@
  * microseconds costs no wake-up on a core that has time to spare.
  *
  * Nothing here knows a library: the caller gives the function and up to eight integer or pointer arguments,
- * and says how many the function takes (6 to 8).
+ * and says how many the function takes (0 to 8). A function of none may be a ctypes callback: the group's
+ * rare calls (a communicator's creation and destruction) run Python here, so that one thread makes every call
+ * of the library, as it did before this file existed.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -22,9 +24,17 @@
 #define FC_ABORTED (-((intptr_t)1 << 62)) /* fastcomm.py: ABORTED */
 #define SLOTS 256 /* calls queued at most; past that fc_submit refuses and the caller takes another path */
 
-typedef intptr_t (*fn6_t)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t);
-typedef intptr_t (*fn7_t)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t);
-typedef intptr_t (*fn8_t)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t);
+#define I intptr_t
+typedef I (*fn0_t)(void);
+typedef I (*fn1_t)(I);
+typedef I (*fn2_t)(I, I);
+typedef I (*fn3_t)(I, I, I);
+typedef I (*fn4_t)(I, I, I, I);
+typedef I (*fn5_t)(I, I, I, I, I);
+typedef I (*fn6_t)(I, I, I, I, I, I);
+typedef I (*fn7_t)(I, I, I, I, I, I, I);
+typedef I (*fn8_t)(I, I, I, I, I, I, I, I);
+#undef I
 
 typedef struct {
     uint64_t ticket; /* the call this slot holds (queued while ``finished`` has not passed it) */
@@ -62,6 +72,12 @@ static int fc_up;
 static intptr_t run(slot_t *s) {
     intptr_t *a = s->args;
     switch (s->nargs) {
+    case 0: return ((fn0_t)s->fn)();
+    case 1: return ((fn1_t)s->fn)(a[0]);
+    case 2: return ((fn2_t)s->fn)(a[0], a[1]);
+    case 3: return ((fn3_t)s->fn)(a[0], a[1], a[2]);
+    case 4: return ((fn4_t)s->fn)(a[0], a[1], a[2], a[3]);
+    case 5: return ((fn5_t)s->fn)(a[0], a[1], a[2], a[3], a[4]);
     case 6: return ((fn6_t)s->fn)(a[0], a[1], a[2], a[3], a[4], a[5]);
     case 7: return ((fn7_t)s->fn)(a[0], a[1], a[2], a[3], a[4], a[5], a[6]);
     default: return ((fn8_t)s->fn)(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);

@@ -5,7 +5,8 @@ caller queues it for the one thread that may call oneCCL, and that thread wakes,
 calls, completes a future and wakes the caller, which takes the lock again. On the 2-core EPYC that hand-off
 cost 30 of a one-float all-reduce's 40 us (oneCCL itself: 7.5). Here the caller queues the library's function
 and its arguments for a thread in C, which spins a while before it sleeps, and waits for it in C with the
-interpreter lock released; neither side runs Python between the two.
+interpreter lock released; neither side runs Python between the two. The Python comm thread hands it the
+library's other calls too (:meth:`FastComm.call`, :meth:`FastComm.run`), so that one thread makes them all.
 
 The C file is built with the C compiler on first use (``cc``, or ``$CC``; a fraction of a second) into the
 user's cache, named by its content, written under a temporary name and renamed; ``hpcdl ccl install`` builds
@@ -26,12 +27,17 @@ from pathlib import Path
 
 from hpcdl.utils import cache_dir
 
-__all__ = ["FastComm", "build", "load"]
+__all__ = ["Aborted", "FastComm", "build", "load"]
 
 SOURCE = Path(__file__).with_name("fastcomm.c")
 SPIN_US = 50  # each side polls this long before it sleeps: a one-float oneCCL all-reduce takes 7-9 us
 ABORTED = -(2**62)  # the return code of a call that aborted inside the library (fc_park)
 log = logging.getLogger(__name__)
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_ssize_t)
+
+
+class Aborted(RuntimeError):
+    """A library call that :meth:`FastComm.run` made on the C thread aborted there (the thread is parked)."""
 
 
 def library_path(environ=os.environ) -> Path:
@@ -91,14 +97,43 @@ class FastComm:
         self.issued = lib.fc_issued  # tickets handed out so far
         self.given_up: int | None = None  # the last ticket whose waiter gave up on it (a timeout, a lost peer)
         self.parked = False
-        self._rc = ctypes.c_ssize_t()
-        self._rc_ref = ctypes.byref(self._rc)
 
     def wait(self, ticket: int, timeout_ms: int) -> int | None:
         """The call's return code, or None if it has not finished within ``timeout_ms``."""
-        if self.lib.fc_wait(ticket, timeout_ms, self._rc_ref):
-            return self._rc.value
+        rc = ctypes.c_ssize_t()  # its own: a caller's thread and the Python comm thread may wait at once
+        if self.lib.fc_wait(ticket, timeout_ms, ctypes.byref(rc)):
+            return rc.value
         return None
+
+    def call(self, fn: int, *args: int) -> int:
+        """Run the function at address ``fn`` on ``args`` (integers or pointers, at most 8) on the C thread and
+        wait for it as long as it takes (the comm thread's watchdog times a collective): its return code, or
+        :data:`ABORTED` when it aborted there."""
+        padded = (*args, *(0,) * (8 - len(args)))
+        while (ticket := self.submit(fn, len(args), *padded)) < 0:
+            self.drain(200)  # the queue is full: let it run
+        while (rc := self.wait(ticket, 1000)) is None:
+            pass
+        return rc
+
+    def run(self, fn):
+        """``fn()`` run on the C thread (a ctypes callback, which takes the interpreter lock there): its result,
+        or its exception raised here; :class:`Aborted` when a library call in it aborted."""
+        out: dict = {}
+
+        def body() -> int:
+            try:
+                out["value"] = fn()
+            except BaseException as exc:  # raised to the caller below, on its own thread
+                out["error"] = exc
+            return 0
+
+        callback = _CALLBACK(body)  # alive until the call has finished: this frame waits for it
+        if self.call(ctypes.cast(callback, ctypes.c_void_p).value) == ABORTED:
+            raise Aborted("a library call on the communication thread aborted")
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
 
     def done(self, ticket: int) -> bool:
         return bool(self.lib.fc_done(ticket))
