@@ -213,24 +213,43 @@ def processes_of(job: str, node: str, step_only: bool = True) -> list[int]:
     return found
 
 
+# The states of a job that has ended (Slurm's IS_JOB_FINISHED); a requeued one shows REQUEUED, then PENDING.
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+          "DEADLINE"}
+
+
 def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int = 240, args: tuple = ()) -> str:
     """Submit with sbatch options ``extra`` and script arguments ``args``, wait for the end, return the job
     id; raise with the output on failure. A job still queued or running when the wait ends (this timeout, or
-    pytest's) is cancelled: a hung job would otherwise hold the nodes every later test waits for."""
+    pytest's) is cancelled: a hung job would otherwise hold the nodes every later test waits for.
+
+    The job is looked at every 0.5 s with scontrol, as ``sbatch --wait`` would without its back-off: it sleeps
+    2, 8, then 32 s between looks (src/sbatch/sbatch.c, _job_wait; MinJobAge 600), so a job of 12 s came back
+    after 42 and one of 45 s after 74, time a serial tier of many jobs waited for nothing."""
     tag = f"pytest-{os.getpid()}-{time.monotonic_ns()}"
-    sbatch = subprocess.Popen(["sbatch", "--parsable", "--wait", f"--comment={tag}", *extra, str(script), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    sub = subprocess.run(["sbatch", "--parsable", f"--comment={tag}", *extra, str(script), *args],
+                         capture_output=True, text=True, env=env, timeout=60)
+    if sub.returncode != 0:
+        raise AssertionError(f"sbatch failed ({sub.returncode}): {sub.stdout}\n{sub.stderr}")
+    job, tasks, ended = sub.stdout.strip().split(";")[0], [], False
+    deadline = time.monotonic() + timeout
     try:
-        out, err = sbatch.communicate(timeout=timeout)
+        while not ended:
+            time.sleep(0.5)
+            shown = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=30)
+            tasks = [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in shown.stdout.splitlines()]
+            ended = bool(tasks) and all(t.get("JobState") in _ENDED for t in tasks)  # an array: each task's line
+            if not ended and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"sbatch job {job} ({script})", timeout)
     finally:
-        if sbatch.poll() is None:
-            sbatch.kill()
-            sbatch.wait()
+        if not ended:
             _cancel_tagged(tag)
-    if sbatch.returncode != 0:
-        _cancel_tagged(tag)
-        raise AssertionError(f"sbatch failed ({sbatch.returncode}): {out}\n{err}{_job_output(extra)}")
-    return out.strip().split(";")[0]
+    failed = [t for t in tasks if t.get("JobState") != "COMPLETED"]
+    if failed:
+        raise AssertionError("; ".join(f"job {t.get('JobId')} ended {t.get('JobState')} (exit code "
+                                       f"{t.get('ExitCode')}, reason {t.get('Reason')})" for t in failed)
+                             + _job_output(extra))
+    return job
 
 
 def same_states(a, b) -> list[str]:
