@@ -248,7 +248,7 @@ def sbatch_wait(script: Path, *extra: str, env: dict | None = None, timeout: int
     if failed:
         raise AssertionError("; ".join(f"job {t.get('JobId')} ended {t.get('JobState')} (exit code "
                                        f"{t.get('ExitCode')}, reason {t.get('Reason')})" for t in failed)
-                             + _job_output(extra))
+                             + "".join(_job_output(t) for t in failed))
     return job
 
 
@@ -272,14 +272,12 @@ def _flatten_tensors(tree, prefix="") -> dict:
     return {prefix: tree}
 
 
-def _job_output(extra: tuple[str, ...], lines: int = 60) -> str:
-    """The last lines of the job's --output file, for the failure's message: a job that failed says why there."""
-    for arg in extra:
-        if arg.startswith("--output="):
-            path = Path(arg.split("=", 1)[1])
-            text = path.read_text(errors="replace") if path.is_file() else "(not written)"
-            return f"\n--- the job's output, {path}:\n" + "\n".join(text.splitlines()[-lines:])
-    return ""
+def _job_output(task: dict, lines: int = 60) -> str:
+    """The last lines of a job's output file (scontrol's StdOut: the --output of the command line or of the
+    script's #SBATCH lines, %j filled in), for the failure's message: a job that failed says why there."""
+    path = Path(task.get("StdOut", "") or "/nonexistent")
+    text = path.read_text(errors="replace") if path.is_file() else "(not written)"
+    return f"\n--- job {task.get('JobId')}'s output, {path}:\n" + "\n".join(text.splitlines()[-lines:])
 
 
 def _cancel_tagged(tag: str) -> None:
