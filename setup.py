@@ -20,6 +20,7 @@ setup(
         "pyyaml>=6.0",  # config files
         "tqdm>=4.60",  # the progress bar
         "tensorboard>=2.10",  # torch.utils.tensorboard writes the scalars
+        "schedulefree>=1.4",  # optimizer.name=schedulefree, schedulefree_sgd (pure Python, Meta's package)
     ],
     extras_require={
         "mpi": ["mpi4py>=3.1"],

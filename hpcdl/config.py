@@ -224,6 +224,10 @@ class RunConfig:
                               f"loop.accum_steps={self.loop.accum_steps} micro-batches; choose a divisor of it")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"{self.name}: label_smoothing {self.label_smoothing} must lie in [0, 1)")
+        if self.optimizer.name in names.SCHEDULE_FREE and self.schedule.decay != "constant":
+            raise ConfigError(f"{self.name}: optimizer {self.optimizer.name} needs no decay (its average of the weights "
+                              f"replaces it): set schedule.decay=constant, not {self.schedule.decay!r}; a warmup "
+                              "(schedule.warmup_epochs) is kept")
 
     @property
     def per_rank_batch(self) -> int:
@@ -262,7 +266,8 @@ def describe(cfg: RunConfig) -> str:
         f"  steps per epoch {d['steps_per_epoch']} ({cfg.train_images:,} / {cfg.global_batch:,} = "
         f"{d['exact_steps_per_epoch']}, rounded up: the last batch of an epoch is partial)",
         f"  optimizer {o.name} ({o.semantics} semantics): momentum {o.momentum:g}, weight decay {o.weight_decay:g}"
-        + (f", eta {o.eta:g}" if o.name in ("lars", "larc") else ""),
+        + (f", eta {o.eta:g}" if o.name in ("lars", "larc") else "")
+        + (f", betas {o.betas[0]:g}/{o.betas[1]:g}" if o.name in ("lamb", "adamw", "schedulefree", "muon") else ""),
         f"  peak lr {d['peak_lr']:.6g}" + (f" (= {s.base_lr:g} x {s.global_batch} / {s.base_batch})" if s.base_batch else ""),
         f"  warmup {s.warmup_epochs:g} epochs = {d['warmup_steps']} steps, from lr {s.warmup_start_lr:g}",
         f"  decay {s.decay}" + (f" power {s.power:g} to {s.end_lr:g}" if s.decay.startswith("poly") else "")

@@ -43,8 +43,15 @@ MODEL_TABLE = {
 }
 MODELS = tuple(MODEL_TABLE)
 MODEL_SOURCES = ("torchvision", "timm")  # model="torchvision:NAME", "timm:NAME"; "package.module:callable" too
-OPTIMIZERS = ("sgd", "lars", "larc", "lamb", "adamw")
-ADAPTIVE_OPTIMIZERS = ("lars", "larc", "lamb")  # a per-tensor trust ratio
+OPTIMIZERS = ("sgd", "nesterov", "lars", "larc", "lamb", "adamw", "schedulefree", "schedulefree_sgd", "muon")
+ADAPTIVE_OPTIMIZERS = ("lars", "larc", "lamb", "muon")  # a per-tensor rule that groups switch with 'adapt'
+TRUST_OPTIMIZERS = ("lars", "larc", "lamb")  # of those, a trust ratio (trust_clip)
+SCHEDULE_FREE = ("schedulefree", "schedulefree_sgd")  # no decay of the lr; evaluation and checkpoints in eval mode
+# Tensors of optimizer state per parameter tensor (momentum, Adam's two moments, Schedule-Free's z): the
+# checkpoint holds the weights and these; a rank's memory adds the gradients. Muon: 1 for the matrices it
+# orthogonalizes, AdamW's 2 for the rest (biases, norms, the input and output layers).
+OPTIMIZER_STATE_COPIES = {"sgd": 1, "nesterov": 1, "lars": 1, "larc": 1, "lamb": 2, "adamw": 2, "schedulefree": 2,
+                          "schedulefree_sgd": 1, "muon": 1}
 SEMANTICS = ("mlperf", "caffe")
 DECAYS = ("poly", "poly_caffe", "cosine", "multistep", "constant")
 BACKENDS = ("gloo", "mpi", "ccl")  # and "auto"

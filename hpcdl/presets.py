@@ -53,7 +53,7 @@ def alexnet_bn_b32k() -> RunConfig:
     """
     return RunConfig(
         name="alexnet_bn_b32k", model="alexnet_bn", global_batch=32768, epochs=100, crop=227, data=imagenet_data(),
-        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.001, eps=0.0,
+        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.001,
                               semantics="caffe"),
         schedule=imagenet_schedule(32768, 100, base_lr=33.0, warmup_epochs=10, warmup_start_lr=1.0,
                                    decay="poly_caffe", power=2.0, end_lr=0.0))
@@ -81,7 +81,7 @@ def resnet50_b32k_lars() -> RunConfig:
     return RunConfig(
         name="resnet50_b32k_lars", model="resnet50", global_batch=32768, epochs=90, label_smoothing=0.1,
         data=imagenet_data(),
-        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=1e-4, eta=0.001, eps=0.0,
+        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=1e-4, eta=0.001,
                               semantics="mlperf"),
         schedule=imagenet_schedule(32768, 90, base_lr=lr, warmup_epochs=warmup, decay="poly", power=2.0, end_lr=1e-4))
 
@@ -113,7 +113,7 @@ def resnet50_mlperf_cpu() -> RunConfig:
     return RunConfig(
         name="resnet50_mlperf_cpu", model="resnet50", global_batch=3264, epochs=37, label_smoothing=0.1,
         data=imagenet_data(),
-        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-5, eta=0.001, eps=0.0,
+        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-5, eta=0.001,
                               semantics="mlperf"),
         schedule=imagenet_schedule(3264, 37, base_lr=10.5, warmup_epochs=2, decay="poly", power=2.0, end_lr=1e-4))
 
@@ -164,7 +164,7 @@ def demo_tiny_lars() -> RunConfig:
     return RunConfig(
         name="demo_tiny_lars", model="tiny_cnn", global_batch=128, epochs=8, crop=64, num_classes=10, ranks=2,
         train_images=1500, label_smoothing=0.1,
-        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.001, eps=0.0, semantics="mlperf"),
+        optimizer=OptimConfig(name="lars", momentum=0.9, weight_decay=5e-4, eta=0.001, semantics="mlperf"),
         schedule=ScheduleConfig(base_lr=8.0, warmup_epochs=1, decay="poly", power=2.0, end_lr=0.0),
         data=DataConfig(workers=1, eval_resize=72, augment=("resized_crop(min_scale=0.25)", "hflip"),
                         normalize="imagenet", decoder="pillow"),

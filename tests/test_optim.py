@@ -1,4 +1,5 @@
-"""LARS and LAMB against per-parameter references written from the formulas; the registry; schedules."""
+"""LARS and LAMB against per-parameter references written from the formulas, Muon against torch.optim.Muon,
+Schedule-Free's two sets of weights; the registry; schedules."""
 
 import math
 
@@ -135,8 +136,9 @@ def test_an_excluded_tensor_takes_plain_momentum_sgd():
 
 
 # Settings that learn the batch below in 40 steps; a new registry entry without one fails here.
-LEARNS = {"sgd": dict(lr=0.5), "lars": dict(lr=20.0), "larc": dict(lr=1.0, eta=0.1), "lamb": dict(lr=0.05),
-          "adamw": dict(lr=0.05)}
+LEARNS = {"sgd": dict(lr=0.5), "nesterov": dict(lr=0.5), "lars": dict(lr=20.0), "larc": dict(lr=1.0, eta=0.1),
+          "lamb": dict(lr=0.05), "adamw": dict(lr=0.05), "schedulefree": dict(lr=0.05),
+          "schedulefree_sgd": dict(lr=0.5), "muon": dict(lr=0.05)}
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -212,3 +214,87 @@ def test_schedule_state_round_trip_continues_identically():
     other = LRSchedule(opt, ScheduleConfig(base_lr=3.0, steps_per_epoch=10, epochs=10))
     with pytest.raises(ConfigError, match="base_lr"):
         other.load_state_dict(a.state_dict())
+
+
+def test_muon_is_torchs_muon_bit_for_bit_on_matrices():
+    """hpcdl's Muon on 2-D weights against torch.optim.Muon with the lr adjustment hpcdl uses (match_rms_adamw),
+    nesterov and decoupled weight decay, over a few steps of changing gradients: the same tensors, bit for bit."""
+    from hpcdl.optim.muon import Muon
+
+    torch.manual_seed(0)
+    ours = [torch.randn(12, 7), torch.randn(5, 20)]
+    theirs, start = [w.clone() for w in ours], [w.clone() for w in ours]
+    a = Muon([{"params": ours, "adapt": True}], lr=0.02, momentum=0.95, weight_decay=0.1)
+    b = torch.optim.Muon(theirs, lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
+                         adjust_lr_fn="match_rms_adamw")
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        for x, y in zip(ours, theirs):
+            x.grad = torch.randn(x.shape, generator=g)
+            y.grad = x.grad.clone()
+        a.step()
+        b.step()
+    assert all(torch.equal(x, y) for x, y in zip(ours, theirs))
+    assert not any(torch.equal(x, w) for x, w in zip(ours, start))  # they moved
+
+
+def test_muon_orthogonalizes_hidden_convolutions_and_gives_the_rest_to_adamw():
+    model = small_model()
+    groups = param_groups(model, OptimConfig(name="muon"))
+    adapted = {id(p) for g in groups if g["adapt"] for p in g["params"]}
+    assert adapted == {id(model[4].weight)}  # conv 0 is the input layer, linear 9 the classifier; 1-D: AdamW
+    rule = OptimConfig(name="muon", groups=(GroupRule(r"^9\.weight", adapt=True),))
+    assert id(model[9].weight) in {id(p) for g in param_groups(model, rule) if g["adapt"] for p in g["params"]}
+    with pytest.raises(ConfigError, match="fewer than 2"):
+        build_optimizer(model, OptimConfig(name="muon", groups=(GroupRule(r"^2\.", adapt=True),)))
+    with pytest.raises(ConfigError, match="no trust ratio"):
+        OptimConfig(name="muon", trust_clip=True)
+    with pytest.raises(ConfigError, match="optimizer.eps=null"):  # a LARS preset's eps=0 under an Adam step
+        OptimConfig(name="muon", eps=0.0)
+
+
+def test_schedule_free_evaluates_at_x_trains_on_at_the_same_y_and_resumes_bit_for_bit():
+    """Six steps straight, against three, an evaluation, a state-dict round trip into a new model and optimizer,
+    three more: the same weights and state bit for bit. Evaluation sees x (not y), and gives y back exactly."""
+    from hpcdl.optim.modes import eval_state, evaluation_weights, has_modes
+
+    def run(model, opt, data):
+        for x, y in data:
+            grads_of(model, x, y)
+            opt.step()
+
+    data = batches(6)
+    for name in ("schedulefree", "schedulefree_sgd"):
+        cfg = OptimConfig(name=name, lr=0.05)
+        ref = small_model()
+        ref_opt = build_optimizer(ref, cfg)
+        assert has_modes(ref_opt)
+        run(ref, ref_opt, data)
+        cut = small_model()
+        cut_opt = build_optimizer(cut, cfg)
+        run(cut, cut_opt, data[:3])
+        y = [p.detach().clone() for p in cut.parameters()]
+        with evaluation_weights(cut_opt):
+            x = [p.detach().clone() for p in cut.parameters()]
+            with evaluation_weights(cut_opt):  # nested: nothing changes
+                assert all(torch.equal(a, b) for a, b in zip(x, cut.parameters()))
+        assert any(not torch.equal(a, b) for a, b in zip(x, y))
+        assert all(torch.equal(a, b) for a, b in zip(y, cut.parameters()))
+        averaged = eval_state(cut, cut_opt)
+        assert all(torch.equal(averaged[k], v) for k, v in zip(dict(cut.named_parameters()), x))
+        again = small_model()
+        again.load_state_dict(cut.state_dict())
+        again_opt = build_optimizer(again, cfg)
+        again_opt.load_state_dict(cut_opt.state_dict())
+        run(again, again_opt, data[3:])
+        assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), again.parameters())), name
+        assert eval_state(small_model(), build_optimizer(small_model(), OptimConfig(name="sgd"))) is None
+
+
+def test_schedule_free_refuses_a_decaying_schedule():
+    from hpcdl.presets import resolve
+
+    with pytest.raises(ConfigError, match="schedule.decay=constant"):
+        resolve("demo_tiny_lars", ["optimizer.name=schedulefree"])
+    cfg = resolve("demo_tiny_lars", ["optimizer.name=schedulefree", "schedule.decay=constant"])
+    assert cfg.optimizer.name == "schedulefree"

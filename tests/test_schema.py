@@ -22,7 +22,7 @@ def test_overrides_apply_with_types_and_derived_values_follow():
     ("global_batch=big", "global_batch: 'big' is not an int; write a whole number such as 8"),
     ("epochs=nan", "epochs: 'nan' is not a float; write a number such as 0.1"),
     ("ranks=3", "does not split over ranks=3"),
-    ("optimizer.name=adam", "choose one of sgd, lars, larc, lamb, adamw"),
+    ("optimizer.name=adam", "choose one of sgd, nesterov, lars, larc, lamb, adamw, schedulefree"),
     ("schedule.steps_per_epoch=10", "follows train_images / global_batch"),
     ("optimizer.lr=25", "set schedule.base_lr"),
     ("lr", "write key=value"),

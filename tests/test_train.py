@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -151,6 +152,44 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one_with_every_hook(data, tm
             assert x["step"] == y["step"] == 12 and x["residuals"].keys() == y["residuals"].keys()
             assert all(torch.equal(x["residuals"][k], y["residuals"][k]) for k in x["residuals"])
             assert any(r.abs().sum() > 0 for r in x["residuals"].values())
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("optimizer, lr, hook", [("nesterov", 0.05, "fp16"), ("schedulefree", 0.005, "chunk_sparse"),
+                                                 ("schedulefree_sgd", 0.1, "hierarchical"), ("muon", 0.01, "bf16")])
+def test_each_new_optimizer_resumes_bitwise_on_its_ranks_and_goes_on_on_another_count(data, tmp_path, optimizer, lr,
+                                                                                       hook):
+    """20 steps straight on 2 ranks against 10, then a resume to 20, with the loader's default read-ahead and an
+    evaluation at the epoch's end (step 15) in both: the same weights and optimizer state bit for bit (and
+    Schedule-Free's averaged weights). The checkpoint at 10 also goes on on 1 rank, to 20. Each optimizer runs
+    under another comm hook (the hook acts on the gradients before the optimizer; the hook test above runs
+    LARS under each)."""
+    extra = ["--set", f"optimizer.name={optimizer}", "--set", f"schedule.base_lr={lr}",
+             "--set", f"sync.hook={hook}",
+             "--set", "sync.dense_warmup_epochs=0.1", "--set", "sync.chunk=256", "--set", "checkpoint.every_minutes=0"]
+    if optimizer.startswith("schedulefree"):
+        extra += ["--set", "schedule.decay=constant"]
+    for d in "rcao":
+        (tmp_path / d).mkdir()
+    ref = start_ranks(2, args_for(data, tmp_path / "ref", *extra, "--set", "loop.max_steps=20"), tmp_path / "r")
+    cut = start_ranks(2, args_for(data, tmp_path / "cut", *extra, "--set", "loop.max_steps=10"), tmp_path / "c")
+    assert wait_all(cut) == [0, 0], (tmp_path / "c" / "rank0.log").read_text()[-3000:]
+    shutil.copytree(tmp_path / "cut", tmp_path / "other")
+    again = start_ranks(2, args_for(data, tmp_path / "cut", *extra, "--set", "loop.max_steps=20"), tmp_path / "a")
+    other = start_ranks(1, args_for(data, tmp_path / "other", *extra, "--set", "loop.max_steps=20"), tmp_path / "o")
+    assert wait_all(ref + again + other) == [0, 0, 0, 0, 0], \
+        "".join((tmp_path / d / "rank0.log").read_text()[-2000:] for d in "rao")
+    assert "resuming from" in (tmp_path / "a" / "rank0.log").read_text()
+    a, b = (torch.load(tmp_path / run / "checkpoints" / "ckpt-000000020.pt", weights_only=True) for run in ("ref", "cut"))
+    parts = ("model", "optimizer", "eval_model") if optimizer.startswith("schedulefree") else ("model", "optimizer")
+    assert set(parts) <= a.keys() and ("eval_model" in a) == optimizer.startswith("schedulefree")
+    for key in parts:
+        assert same_states(a[key], b[key]) == [], key
+    evals = [json.loads(line) for line in (tmp_path / "ref" / "train.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert [e["step"] for e in evals] == [15, 20]
+    summary = json.loads((tmp_path / "other" / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["steps"] == 20, summary
+    assert "resuming from" in (tmp_path / "o" / "rank0.log").read_text()
 
 
 @pytest.mark.ranks

@@ -27,7 +27,8 @@ from hpcdl.errors import ConfigError
 __all__ = ["fetch_hint", "head_names", "load_weights", "lr_scales", "read_weights"]
 
 _PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's wrappers, in files saved from them
-_NESTED = ("model", "state_dict", "model_state_dict", "module")  # where trainers keep the model's part
+# where trainers keep the model's part; eval_model first: a Schedule-Free run's averaged weights (hpcdl.optim.modes)
+_NESTED = ("eval_model", "model", "state_dict", "model_state_dict", "module")
 _CHECKPOINT = re.compile(r"ckpt-\d+\.pt")  # hpcdl's checkpoints; ckpt-N.rankRRRRR.pt are per-rank parts
 
 

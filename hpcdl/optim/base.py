@@ -9,7 +9,7 @@ from torch.optim import Optimizer
 class MultiTensorOptimizer(Optimizer):
     """Each step: per group, the tensors that have a gradient, their state, and one multi-tensor update.
 
-    Subclasses give ``_state(p)`` (creating it on first use) and ``_update(group, params, grads, states)``.
+    Subclasses give ``_state(p, group)`` (creating it on first use) and ``_update(group, params, grads, states)``.
     """
 
     @torch.no_grad()
@@ -21,10 +21,10 @@ class MultiTensorOptimizer(Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
-                self._update(group, params, [p.grad for p in params], [self._state(p) for p in params])
+                self._update(group, params, [p.grad for p in params], [self._state(p, group) for p in params])
         return loss
 
-    def _state(self, p: torch.Tensor):
+    def _state(self, p: torch.Tensor, group: dict):
         raise NotImplementedError
 
     def _update(self, group: dict, params: list, grads: list, states: list) -> None:

@@ -33,27 +33,12 @@ class LAMB(MultiTensorOptimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       trust_clip=trust_clip, adapt=adapt, step=0))
 
-    def _state(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # the two moments
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state["exp_avg"], state["exp_avg_sq"]
+    def _state(self, p: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:  # the two moments
+        return adam_moments(self.state[p], p)
 
     def _update(self, group: dict, params: list, grads: list, moments: list) -> None:
         group["step"] += 1
-        (b1, b2), t, wd = group["betas"], group["step"], group["weight_decay"]
-        m, v = [a for a, _ in moments], [b for _, b in moments]
-        torch._foreach_lerp_(m, grads, 1 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, math.sqrt(1 - b2 ** t))
-        torch._foreach_add_(denom, group["eps"])
-        r = torch._foreach_div(m, denom)
-        torch._foreach_div_(r, 1 - b1 ** t)
-        if wd:
-            torch._foreach_add_(r, params, alpha=wd)
+        r = adam_direction(group, params, grads, moments)
         if group["adapt"]:
             w_norm = torch.stack(torch._foreach_norm(params)).double()
             trust = trust_ratio(w_norm, torch.stack(torch._foreach_norm(r)).double(), w_norm)
@@ -62,3 +47,29 @@ class LAMB(MultiTensorOptimizer):
             torch._foreach_addcmul_(params, r, (trust * -group["lr"]).unbind())
         else:
             torch._foreach_add_(params, r, alpha=-group["lr"])
+
+
+def adam_moments(state: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two moments of ``p`` in its optimizer ``state``, made zero on first use."""
+    if "exp_avg" not in state:
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state["exp_avg"], state["exp_avg_sq"]
+
+
+def adam_direction(group: dict, params: list, grads: list, moments: list) -> list:
+    """Adam's bias-corrected direction at the group's ``step`` (already counted), plus ``wd * w``: ``r`` above.
+    ``w - lr * r`` is AdamW's update (decoupled weight decay, as torch.optim.AdamW: ``w (1 - lr wd)``)."""
+    (b1, b2), t, wd = group["betas"], group["step"], group["weight_decay"]
+    m, v = [a for a, _ in moments], [b for _, b in moments]
+    torch._foreach_lerp_(m, grads, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, math.sqrt(1 - b2 ** t))
+    torch._foreach_add_(denom, group["eps"])
+    r = torch._foreach_div(m, denom)
+    torch._foreach_div_(r, 1 - b1 ** t)
+    if wd:
+        torch._foreach_add_(r, params, alpha=wd)
+    return r

@@ -33,7 +33,7 @@ class LARS(MultiTensorOptimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta, eps=eps,
                                       trust_clip=trust_clip, adapt=adapt))
 
-    def _state(self, p: torch.Tensor) -> torch.Tensor:  # the momentum buffer
+    def _state(self, p: torch.Tensor, group: dict) -> torch.Tensor:  # the momentum buffer
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -24,6 +24,7 @@ from hpcdl.config import RunConfig, dump_yaml
 from hpcdl.distributed.process_group import DistContext, fail_fast, init_distributed, set_timeout, shutdown
 from hpcdl.errors import TrainingDiverged
 from hpcdl.models import with_model_defaults
+from hpcdl.optim.modes import eval_state, evaluation_weights, training_weights
 from hpcdl.schema import to_dict
 from hpcdl.train.build import build_data, build_model_parts, read_manifests, size_loader_for
 from hpcdl.train.checkpoint import CheckpointManager, load_latest_shared, save_rank_state
@@ -100,6 +101,7 @@ class Trainer:
         self._mark("loader probe")
         hook_state = self._resume(restore)
         del restore  # the state's memory goes back
+        training_weights(self.parts.optimizer)  # Schedule-Free: train mode before the first step
         self._mark("checkpoint restore")
         self.wrapped = wrap(cfg, ctx, self.parts, self.data, precision=precision, step=self.progress.step,
                             hook_state=hook_state, run_dir=self.dir)
@@ -168,6 +170,9 @@ class Trainer:
             save_rank_state(os.path.join(self.dir, "checkpoints"), self.progress.step, self.ctx.rank, hook)
         state = {**self.checkpoint_header(), "rank_states": sparse is not None,
                  **{name: part.state_dict() for name, part in self.parts_of_state().items()}}
+        averaged = eval_state(self.parts.model, self.parts.optimizer)  # Schedule-Free's x, beside the training state
+        if averaged is not None:
+            state["eval_model"] = averaged
         if sparse is not None:
             state["hook"] = {k: v for k, v in hook.items() if k != "residuals"}
         if self.ckpt is not None:
@@ -287,8 +292,9 @@ class Trainer:
         if self.data.val_loader is None:
             return
         p = self.progress
-        metrics = evaluate(self.wrapped.net, self.data.val_loader, self._prepare, group=self.ctx.group,
-                           num_classes=self.cfg.num_classes)
+        with evaluation_weights(self.parts.optimizer):
+            metrics = evaluate(self.wrapped.net, self.data.val_loader, self._prepare, group=self.ctx.group,
+                               num_classes=self.cfg.num_classes)
         runlog.evaluation(p.step, self._epochs(), metrics, self.data.classes)
         metrics.pop("confusion", None)
         if p.best is None or metrics["top1"] > p.best["top1"]:
