@@ -86,6 +86,37 @@ def resnet50_b32k_lars() -> RunConfig:
         schedule=imagenet_schedule(32768, 90, base_lr=lr, warmup_epochs=warmup, decay="poly", power=2.0, end_lr=1e-4))
 
 
+NADO_STEPS = 2512  # Nado et al.'s step budget at batch 32,768: the MLPerf v0.7 LARS submission's, to 75.9% top-1
+
+
+@preset
+def resnet50_b32k_nesterov() -> RunConfig:
+    """ResNet-50 with Nesterov momentum at batch 32K: Nado, Gilmer, Shallue, Anil, Dahl, "A Large Batch
+    Optimizer Reality Check: Traditional, Generic Optimizers Suffice Across Batch Sizes" (arXiv:2102.06356,
+    2021), the ResNet-50/ImageNet row at batch 32,768: Nesterov momentum reaches MLPerf's 75.9% top-1 target in
+    the 2,512 steps of the best LARS submission (median over seeds), as the paper's comparison and
+    google-research's Distributed Shampoo README (which takes the same budget from it) state.
+
+    - global batch 32,768 for 2,512 steps: 62.8 epochs as hpcdl counts them (40 steps of 32,768 per epoch);
+    - Nesterov momentum 0.9; linear warmup, then polynomial decay power 2 to 0 after it (the MLPerf LARS
+      reference's schedule family, which the paper tunes for both optimizers);
+    - ``mlperf`` semantics (BN and bias tensors without weight decay), label smoothing 0.1 (MLPerf's);
+    - the peak lr, warmup length and weight decay are hpcdl's starting values, not the paper's tuned ones:
+      Goyal et al.'s linear rule (0.1 x batch / 256 = 12.8) over 5 warmup epochs, weight decay 1e-4. The
+      paper's table of tuned values was not readable where this preset was written (see its note).
+    """
+    epochs = NADO_STEPS / steps_per_epoch(IMAGENET_TRAIN, 32768)
+    return RunConfig(
+        name="resnet50_b32k_nesterov", model="resnet50", global_batch=32768, epochs=epochs, label_smoothing=0.1,
+        data=imagenet_data(),
+        optimizer=OptimConfig(name="nesterov", momentum=0.9, weight_decay=1e-4, semantics="mlperf"),
+        schedule=imagenet_schedule(32768, epochs, base_lr=0.1, base_batch=256, warmup_epochs=5, decay="poly",
+                                   power=2.0, end_lr=0.0),
+        notes=("Nado et al. tuned the lr, warmup, decay, weight decay and label smoothing per optimizer (their "
+               "tuning protocol, with many trials); the values here are starting points: set the paper's table "
+               "values with --set, or sweep them at your batch with hpcdl bench large-batch",))
+
+
 @preset
 def resnet50_b8k_goyal() -> RunConfig:
     """ResNet-50 with SGD at batch 8K: Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in

@@ -131,3 +131,17 @@ def test_the_imagenet22k_preset_shows_its_citations_and_plans_with_its_classes(t
     assert f"model resnet101 with 21,841 classes: {grads / 1e6:.1f} MB of gradients" in plan.stdout
     assert "global batch 8192, 67 epochs of 7,500,000 images" in plan.stdout
     assert [line.split()[0] for line in plan.stdout.splitlines() if line.split()[:1] in (["64"], ["256"])][:2] == ["64", "256"]
+
+
+def test_the_nesterov_preset_cites_nado_et_al_and_the_plan_counts_each_optimizers_state():
+    show = subprocess.run([sys.executable, "-m", "hpcdl", "presets", "show", "resnet50_b32k_nesterov"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "arXiv:2102.06356" in show and "total 2,512 steps" in show and "optimizer nesterov (mlperf" in show
+    weights = 4 * sum(p.numel() for p in build_model("resnet50").parameters())
+    for how, optimizer, copies in ((["--preset", "resnet50_b32k_nesterov"], "nesterov", 1),
+                                   (["--batch", "32768", "--optimizer", "schedulefree"], "schedulefree", 2)):
+        plan = subprocess.run([sys.executable, "-m", "hpcdl", "plan", *how, "--nodes", "64", "--profile",
+                               "stampede3-spr"], capture_output=True, text=True)
+        assert plan.returncode == 0, plan.stderr
+        assert f"optimizer {optimizer}'s state {copies * weights / 1e6:.0f} MB ({copies} tensor per weight)" in plan.stdout
+        assert f"checkpoint {(1 + copies) * weights / 1e6:.0f} MB" in plan.stdout

@@ -39,7 +39,7 @@ def plan(cmd: PlanCommand, question, inputs: PlanInputs, failures: FailureModel,
     question = question()  # built here: --validate needs no --nodes or --batch
     if question.preset:
         cfg = get_preset(question.preset)
-        inputs = dataclasses.replace(inputs, model=cfg.model.name, classes=cfg.num_classes)
+        inputs = dataclasses.replace(inputs, model=cfg.model.name, classes=cfg.num_classes, optimizer=cfg.optimizer.name)
     model, notes = inputs.build()
     startup, startup_notes = inputs.startup(model)
     notes += startup_notes

@@ -48,6 +48,24 @@ from hpcdl.plot import counts_axis, pyplot, save_png
 __all__ = ["Calibration", "PlanInputs", "PlanQuestion", "calibrate", "curve_from_step", "figure", "format_plan", "link_from_allreduce",
            "plan", "plot"]
 
+def state_bytes(optimizer: str, weight_bytes: float) -> float:
+    """The optimizer's state for ``weight_bytes`` of fp32 weights: :data:`hpcdl.names.OPTIMIZER_STATE_COPIES`
+    tensors per weight (momentum: 1; Adam's moments: 2; Schedule-Free AdamW: z and one moment; Muon: its momentum,
+    a lower bound where AdamW's tensors keep 2)."""
+    return names.OPTIMIZER_STATE_COPIES[optimizer] * weight_bytes
+
+
+def memory_note(optimizer: str, weight_bytes: float) -> str:
+    """A rank's memory for the model's training state: weights, gradients and the optimizer's state."""
+    state = state_bytes(optimizer, weight_bytes)
+    bound = " at least (its AdamW tensors keep 2)" if optimizer == "muon" else ""
+    return (f"memory per rank for the training state: weights {weight_bytes / 1e6:.0f} MB + gradients "
+            f"{weight_bytes / 1e6:.0f} MB + optimizer {optimizer}'s state {state / 1e6:.0f} MB "
+            f"({names.OPTIMIZER_STATE_COPIES[optimizer]} tensor per weight{bound}) = "
+            f"{(2 * weight_bytes + state) / 1e6:.0f} MB, activations not counted; the checkpoint holds the weights "
+            f"and the state: {(weight_bytes + state) / 1e6:.0f} MB")
+
+
 def link_from_allreduce(report: AllreduceReport, backend: str | None = None, source: str = "the report") -> Link:
     """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times (``backend``'s rows of a
     ``--backends`` report, default the first backend's), each a ring of its ``world_size`` ranks
@@ -283,6 +301,8 @@ class PlanInputs:
     hook: str = dataclasses.field(default="none", metadata=meta(choices=names.HOOKS))
     # the hook's own work per step, from hpcdl bench sync --hooks none,HOOK --json (default: none counted)
     sync_json: str | None = None
+    # the optimizer (optimizer.name; --preset: the preset's): its state per weight enters the checkpoint and memory
+    optimizer: str = dataclasses.field(default="lars", metadata=meta(choices=names.OPTIMIZERS))
     # the training precision: bf16 carries the compute by the profile's measured bf16 step speed-up
     precision: str = dataclasses.field(default="fp32", metadata=meta(choices=("fp32", "bf16")))
     # start-up's counts (files per rank, store requests, the store's rate) from hpcdl bench startup --json
@@ -327,7 +347,7 @@ class PlanInputs:
 
     def startup(self, model: StepModel) -> tuple[StartupModel, list[str]]:
         """The start-up model for ``model``'s job, and one line per input saying where it came from. The
-        checkpoint is the weights and one momentum buffer (SGD, LARS; LAMB's two moments add one more)."""
+        checkpoint is the weights and the optimizer's state (:func:`state_bytes`)."""
         measured = {**STARTUP_MEASURED, "rendezvous": RENDEZVOUS_MEASURED[self.backend]}
         source = f"the counts measured on the 2-core EPYC, backend {self.backend} (docs/scaling.md)"
         if self.startup_json:
@@ -343,7 +363,7 @@ class PlanInputs:
                         "store_requests_per_s": report.store.requests_per_s if report.store else
                         STARTUP_MEASURED["store_requests_per_s"]}
             source = self.startup_json
-        checkpoint = 2 * model.gradient_bytes
+        checkpoint = model.gradient_bytes + state_bytes(self.optimizer, model.gradient_bytes)
         startup = StartupModel(
             ranks_per_node=model.ranks_per_node, python_files=measured["python_files"],
             local_import_s=measured["local_import_s"], rendezvous_requests=measured["rendezvous"],
@@ -357,6 +377,7 @@ class PlanInputs:
                  f"{self.fs_read_gb_s:g} GB/s one reader, {self.fs_gb_s:g} GB/s in all; checkpoint "
                  f"{checkpoint / 1e6:.0f} MB; environment {self.env_gb:g} GB"
                  + (" staged (--stage-env)" if self.stage_env else " on the shared filesystem")]
+        notes.append(memory_note(self.optimizer, model.gradient_bytes))
         return startup, notes
 
     def _hook(self, facts: ModelFacts) -> tuple[float, float, str]:
