@@ -22,6 +22,8 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[dev,mpi,plot,timm]' mpich
+	# Animal-MNIST's images (datasets/animal_mnist): its loader needs TensorFlow, which nothing here imports
+	$(PY) -m pip install -q --no-deps animal-mnist==0.4
 	touch $@
 
 # backend ccl: hpcdl's pinned oneCCL runtime (three wheels from PyPI, sha256-checked) in ~/.cache/hpcdl, and

@@ -92,16 +92,50 @@ def test_bench_optim_times_each_optimizer_on_the_same_model():
     assert "vs sgd" in format_report(report)
 
 
-@pytest.mark.slow
-def test_bench_large_batch_trains_the_three_recipes():
-    from hpcdl.bench import run
+def test_bench_large_batch_runs_as_one_slurm_job_on_two_ranks_with_its_budget_table_and_plot(slurm, tmp_path):
+    """The harness's small form: every optimizer at two batches (16, and 256: 18% of the digits), two lrs, one
+    seed, 2 epochs, dealt over the 2 ranks of one job; the budget is printed before the table."""
+    from conftest import PYTHON, load_json, sbatch_wait
 
-    report = run("large-batch", epochs=3, seeds=1)
-    rows = {r.recipe: r for r in report.rows}
-    assert report.train_images == 1437 and report.val_images == 360
-    assert rows["large-batch SGD (linear scaling)"].batch == 1437 // 8
-    assert rows["large-batch SGD (linear scaling)"].peak_lr == pytest.approx(0.02 * 179 / 4)
-    assert rows["small-batch SGD"].mean > 80  # it learns: the digits are real and separable
+    from hpcdl.bench.largebatch import reference_lr
+    from hpcdl.launch import job_request
+    from hpcdl.launch.sbatch import render_sbatch
+
+    optimizers = ("sgd", "nesterov", "lars", "lamb", "adamw", "schedulefree", "muon")
+    script = tmp_path / "lb.sbatch"
+    script.write_text(render_sbatch(
+        job_request(profile="local", nodes=1, tasks_per_node=2, time="10", python=PYTHON, output=f"{tmp_path}/%j.out"),
+        ["bench", "large-batch", "--optimizers", ",".join(optimizers), "--batches", "16,256", "--epochs", "2",
+         "--seeds", "1", "--lr-factors", "0.5,2", "--json", f"{tmp_path}/lb.json", "--plot", f"{tmp_path}/lb.png"]))
+    job = sbatch_wait(script, timeout=400)
+    out = (tmp_path / f"{job}.out").read_text()
+    report = load_json(tmp_path / "lb.json")
+    assert report["ranks"] == 2 and report["runs"] == 7 * 2 * 2 and report["classes"] == 10
+    assert out.index("budget: 7 optimizers x 2 batches x 2 lrs x 1 seeds = 28 runs") < out.index("best validation")
+    cells = {(c["optimizer"], c["batch"]): c for c in report["cells"]}
+    assert set(cells) == {(o, b) for o in optimizers for b in (16, 256)}
+    for (o, b), c in cells.items():
+        assert c["lrs"] == pytest.approx([reference_lr(o, b) * f for f in (0.5, 2)]) and c["best_lr"] in c["lrs"]
+        assert c["mean"] == max(c["means"]) and len(c["accuracy"]) == 1
+    assert cells["sgd", 16]["mean"] > 50 and cells["lars", 16]["mean"] > 50  # they learn: the digits are real
+    assert (tmp_path / "lb.png").stat().st_size > 10_000
+    assert "muon" in out and "batch 256: best" in out
+
+
+def test_large_batch_cells_pick_the_best_lr_by_its_mean_and_count_a_diverged_run_as_zero():
+    import math
+
+    from hpcdl.bench.configs import LargeBatchBench
+    from hpcdl.bench.largebatch import Run, _cells, runs_of
+
+    runs = runs_of(LargeBatchBench(optimizers="adamw", batches="32", lr_factors="1,4", seeds=2))
+    assert [(r.lr / runs[0].lr, r.seed) for r in runs] == [(1, 0), (1, 1), (4, 0), (4, 1)]
+    cell, = _cells(runs, {0: 80.0, 1: 90.0, 2: 99.0, 3: math.nan}, 1000)
+    assert cell.best_lr == runs[0].lr and cell.mean == 85.0 and cell.means == (85.0, 49.5) and cell.diverged == 1
+    assert cell.steps_per_epoch == 32 and cell.accuracy == (80.0, 90.0)
+    with pytest.raises(ConfigError, match="--optimizers"):
+        runs_of(LargeBatchBench(optimizers="adam"))
+    assert isinstance(runs[0], Run)
 
 
 def test_criterion_smooths_labels_and_ignores_evaluation_padding():
@@ -145,3 +179,27 @@ def test_the_nesterov_preset_cites_nado_et_al_and_the_plan_counts_each_optimizer
         assert plan.returncode == 0, plan.stderr
         assert f"optimizer {optimizer}'s state {copies * weights / 1e6:.0f} MB ({copies} tensor per weight)" in plan.stdout
         assert f"checkpoint {(1 + copies) * weights / 1e6:.0f} MB" in plan.stdout
+
+
+def test_animal_mnist_is_written_from_its_package_packed_and_the_harness_trains_on_the_packed_dataset(tmp_path):
+    """datasets/animal_mnist's recipe (20 images a class), hpcdl pack, then bench large-batch on the packed
+    folder: the images decoded at --crop, every class present, Schedule-Free's BN statistics taken at x."""
+    from conftest import PYTHON, REPO, hpcdl, load_json
+
+    wrote = subprocess.run([PYTHON, str(REPO / "datasets" / "animal_mnist" / "write.py"), str(tmp_path / "src"),
+                            "--per-class", "20"], capture_output=True, text=True)
+    assert wrote.returncode == 0, wrote.stderr
+    assert "wrote 160 train and 40 val images of 10 animals" in wrote.stdout
+    for split in ("train", "val"):
+        packed = hpcdl("pack", tmp_path / "src" / split, tmp_path / "packed" / split, "--tree", "folder")
+        assert packed.returncode == 0, packed.stderr
+    bench = hpcdl("bench", "large-batch", "--data", tmp_path / "packed", "--crop", "28", "--optimizers",
+                  "sgd,schedulefree", "--batches", "16,64", "--epochs", "2", "--seeds", "1", "--lr-factors", "1",
+                  "--json", tmp_path / "lb.json")
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    report = load_json(tmp_path / "lb.json")
+    assert (report["train_images"], report["val_images"], report["classes"]) == (160, 40, 10)
+    assert report["data"].endswith("(28x28)") and len(report["cells"]) == 4
+    assert all(0 <= c["mean"] <= 100 for c in report["cells"])
+    missing = hpcdl("bench", "large-batch", "--data", tmp_path / "packed" / "train")
+    assert missing.returncode != 0 and "no train/ in it" in missing.stderr

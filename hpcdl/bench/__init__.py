@@ -72,8 +72,8 @@ BENCHMARKS = {b.name: b for b in (
               "training throughput at 1, 2, 4 ... N ranks, weak and strong: table, JSON, PNG "
               "(run on a job's ranks)", on_ranks=True, plots=True),
     Benchmark("large-batch", configs.LargeBatchBench, "hpcdl.bench.largebatch",
-              "LARS + warmup at batch N/8 vs small-batch SGD vs linear-scaled SGD, on "
-              "scikit-learn's digits"),
+              "each optimizer at several global batches, same epochs, an lr sweep and seeds per cell, on digits or "
+              "a packed dataset: table, JSON, PNG (runs are dealt over a job's ranks)", on_ranks=True, plots=True),
 )}
 
 

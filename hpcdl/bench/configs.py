@@ -295,15 +295,19 @@ class ScalingBench:
 # hpcdl bench largebatch
 @dataclass(kw_only=True, slots=True)
 class LargeBatchBench:
-    epochs: int = 15  # epochs every recipe trains
-    seeds: int = 5  # seeds per recipe: the report gives the mean and its spread
-    small_batch: int = 4  # the baseline's batch
-    small_lr: float = 0.02  # the baseline's lr (the linear-scaled SGD's base)
-    lars_lr: float = 1.0  # the global lr at the large batch: BN and bias tensors take it as it is (mlperf)
-    lars_eta: float = 0.03  # the weights' local lr is lr * eta * ||w|| / ||g||
-    lars_warmup_epochs: float = 2.0  # LARS's linear warmup
-    weight_decay: float = 5e-4  # every recipe's
-    threads: int = 1  # torch threads
+    # scikit-learn's digits (1,797 8x8 scans), or a packed dataset: a folder with train/ and val/ (hpcdl pack's)
+    data: str = "digits"
+    model: str = "tiny_cnn"  # any model= name (hpcdl models lists them)
+    crop: int = 32  # a packed dataset's images, resized to crop x crop (the digits stay 8x8)
+    optimizers: str = "sgd,nesterov,lars,lamb,adamw,schedulefree,muon"  # comma-separated (optimizer.name's)
+    batches: str = "8,32,128,512"  # global batches, comma-separated; every cell trains the same epochs
+    epochs: float = 15.0  # the epoch budget of every cell
+    lr_factors: str = "0.25,1,4"  # the sweep: each optimizer's reference lr at the cell's batch times these
+    seeds: int = 3  # seeds per lr: a cell reports its best lr's mean and spread over them
+    warmup_epochs: float = 2.0  # every optimizer's linear warmup (at most a quarter of the epochs)
+    weight_decay: float = 5e-4  # every optimizer's (mlperf semantics: not on BN and bias tensors)
+    lars_eta: float = 0.03  # LARS's trust coefficient
+    threads: int = 1  # torch threads per rank
 
 
 # hpcdl tune

@@ -16,13 +16,13 @@ from hpcdl.bench.reports.comm import (AllreduceMeta, AllreduceReport, AllreduceR
                                       SyncFigures, SyncHook, SyncReport, WeakScaling)
 from hpcdl.bench.reports.data import DataReport, FeedReport, FeedRow, FeedRun, ReaderRow, RecipeRates
 from hpcdl.bench.reports.startup import CountFit, StartupReport, StartupRow, StoreCapacity
-from hpcdl.bench.reports.train import (Breakdown, ClassTime, Compiled, LargeBatchReport, LargeBatchRow, NodeRound,
+from hpcdl.bench.reports.train import (Breakdown, ClassTime, Compiled, LargeBatchCell, LargeBatchReport, NodeRound,
                                        NotCompiled, OptimReport, Phases, PrecisionCase, RankSetup, ScalingMeta,
                                        ScalingPoint, ScalingReport, StepCurve, StepOverhead, StepPrecision, StepReport,
                                        StepTimes, StepTuning, TopOperator)
 
 __all__ = ["AllreduceMeta", "AllreduceReport", "AllreduceRow", "Breakdown", "ClassTime", "Compiled", "CountFit",
-           "DDPPart", "DataReport", "FeedReport", "FeedRow", "FeedRun", "LargeBatchReport", "LargeBatchRow", "Machine",
+           "DDPPart", "DataReport", "FeedReport", "FeedRow", "FeedRun", "LargeBatchCell", "LargeBatchReport", "Machine",
            "NoFit", "NodeRound", "NotCompiled", "OptimReport", "Phases", "Placement", "PluginImports", "PluginMeta",
            "PluginReport", "PluginRow", "PluginWorkerReport", "PrecisionCase", "Provenance", "RankSetup", "ReaderRow",
            "RecipeRates", "Report", "RingFit", "ScalingMeta", "ScalingPoint", "ScalingReport", "StartupReport",

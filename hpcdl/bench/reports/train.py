@@ -8,7 +8,7 @@ import typing
 from hpcdl.bench.configs import LargeBatchBench, OptimBench, ScalingBench, StepBench
 from hpcdl.bench.reports.base import Provenance, Report
 
-__all__ = ["Breakdown", "ClassTime", "Compiled", "LargeBatchReport", "LargeBatchRow", "NodeRound", "NotCompiled",
+__all__ = ["Breakdown", "ClassTime", "Compiled", "LargeBatchCell", "LargeBatchReport", "NodeRound", "NotCompiled",
            "OptimReport", "Phases", "PrecisionCase", "RankSetup", "ScalingMeta", "ScalingPoint", "ScalingReport",
            "StepCurve", "StepOverhead", "StepPrecision", "StepReport", "StepTimes", "StepTuning", "TopOperator"]
 
@@ -26,24 +26,32 @@ class OptimReport(Report):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LargeBatchRow:
-    recipe: str
+class LargeBatchCell:
+    optimizer: str
     batch: int
     steps_per_epoch: int
-    peak_lr: float
-    warmup_epochs: float
-    accuracy: tuple[float, ...]  # validation %, one per seed
+    lrs: tuple[float, ...]  # the sweep
+    means: tuple[float, ...]  # validation top-1 %, mean over the seeds, per lr (a diverged run counts 0)
+    best_lr: float
+    accuracy: tuple[float, ...]  # per seed, at the best lr
     mean: float
     stdev: float
+    diverged: int = 0  # runs of the cell (all lrs) whose loss stopped being finite
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LargeBatchReport(Report):
     benchmark: typing.ClassVar[str] = "large-batch"
+    data: str
+    model: str
     train_images: int
     val_images: int
-    rows: tuple[LargeBatchRow, ...]  # the small-batch baseline first
-    gap_to_small_batch: dict[str, float]  # points of mean accuracy, per large-batch recipe
+    classes: int
+    ranks: int
+    runs: int  # trainings: optimizers x batches x lrs x seeds
+    estimated_s: float  # the budget stated before the start
+    seconds: float  # the wall time the runs took
+    cells: tuple[LargeBatchCell, ...]
     config: LargeBatchBench | None = None  # filled by the runner
     provenance: Provenance | None = None  # filled by the runner
 
