@@ -298,3 +298,26 @@ def test_schedule_free_refuses_a_decaying_schedule():
         resolve("demo_tiny_lars", ["optimizer.name=schedulefree"])
     cfg = resolve("demo_tiny_lars", ["optimizer.name=schedulefree", "schedule.decay=constant"])
     assert cfg.optimizer.name == "schedulefree"
+
+
+@pytest.mark.parametrize("name", ["nesterov", "schedulefree", "schedulefree_sgd", "muon"])
+def test_the_new_optimizers_take_fine_tunings_lr_scales_and_frozen_body(name):
+    """Fine-tuning's groups (a body lr scale, the body frozen for the first steps) through each new optimizer:
+    the frozen body does not move (Schedule-Free's averaging included), then moves at its scaled lr."""
+    model = small_model()
+    body = {n for n, _ in model.named_parameters() if not n.startswith("9.")}
+    opt = build_optimizer(model, OptimConfig(name=name, lr=0.05, weight_decay=1e-4), {n: 0.1 for n in body}, body)
+    sched = LRSchedule(opt, ScheduleConfig(base_lr=0.05, steps_per_epoch=10, epochs=1, decay="constant"),
+                       freeze_steps=2)
+    named = dict(model.named_parameters())
+    start = {n: p.detach().clone() for n, p in named.items()}
+    for step, (x, y) in enumerate(batches(4)):
+        lrs = [g["lr"] for g in opt.param_groups if g["body"]]
+        assert lrs and lrs == pytest.approx([0.0 if step < 2 else 0.005] * len(lrs))
+        grads_of(model, x, y)
+        opt.step()
+        sched.step()
+        if step == 1:
+            assert all(torch.equal(named[n], start[n]) for n in body), name
+            assert not torch.equal(named["9.weight"], start["9.weight"])
+    assert not any(torch.equal(named[n], start[n]) for n in body if named[n].ndim > 1)
