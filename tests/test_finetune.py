@@ -66,6 +66,11 @@ def test_each_file_kind_is_read(tmp_path):
     for path in ("w.safetensors", "run", "run/checkpoints/ckpt-000000007.pt", "lightning.ckpt"):
         read = read_weights(str(tmp_path / path))
         assert read.keys() == state.keys() and all(torch.equal(read[k], state[k]) for k in state), path
+    # a Schedule-Free run's checkpoint: its averaged weights (eval_model), not the ones it trains at (model)
+    averaged = {k: v + 1 if v.is_floating_point() else v for k, v in state.items()}
+    torch.save({"format": 2, "model": state, "eval_model": averaged}, tmp_path / "sf.pt")
+    read = read_weights(str(tmp_path / "sf.pt"))
+    assert all(torch.equal(read[k], averaged[k]) for k in state)
 
 
 def test_a_missing_or_unreadable_file_says_what_to_do(tmp_path):
