@@ -62,7 +62,7 @@ BENCHMARKS = {b.name: b for b in (
     Benchmark("data", configs.DataBench, "hpcdl.bench.data",
               "shard reader vs ImageFolder vs a bare decode loop; decoders and recipes per core"),
     Benchmark("optim", configs.OptimBench, "hpcdl.bench.optim",
-              "one optimizer step: LARS and LAMB against torch SGD(foreach)"),
+              "one optimizer step: each of hpcdl's optimizers against torch SGD(foreach)"),
     Benchmark("step", configs.StepBench, "hpcdl.bench.step",
               "a training step through hpcdl vs a bare loop; ResNet-50 tuned vs untuned"),
     Benchmark("sync", configs.SyncBench, "hpcdl.bench.sync",
