@@ -159,16 +159,19 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one_with_every_hook(data, tm
                                                  ("schedulefree_sgd", 0.1, "hierarchical"), ("muon", 0.01, "bf16")])
 def test_each_new_optimizer_resumes_bitwise_on_its_ranks_and_goes_on_on_another_count(data, tmp_path, optimizer, lr,
                                                                                        hook):
-    """20 steps straight on 2 ranks against 10, then a resume to 20, with the loader's default read-ahead and an
-    evaluation at the epoch's end (step 15) in both: the same weights and optimizer state bit for bit (and
-    Schedule-Free's averaged weights). The checkpoint at 10 also goes on on 1 rank, to 20. Each optimizer runs
-    under another comm hook (the hook acts on the gradients before the optimizer; the hook test above runs
-    LARS under each)."""
+    """20 steps straight on 2 ranks against 10, then a resume to 20, with an evaluation at the epoch's end (step
+    15) in both: the same weights and optimizer state bit for bit (and Schedule-Free's averaged weights). The
+    checkpoint at 10 also goes on on 1 rank, to 20. Each optimizer runs under another comm hook (the hook acts on
+    the gradients before the optimizer; the hook test above runs LARS under each); Schedule-Free, whose modes the
+    trainer switches, reads with the loader's default of 4 workers reading ahead (the demo preset's 1 for the
+    others)."""
     extra = ["--set", f"optimizer.name={optimizer}", "--set", f"schedule.base_lr={lr}",
              "--set", f"sync.hook={hook}",
              "--set", "sync.dense_warmup_epochs=0.1", "--set", "sync.chunk=256", "--set", "checkpoint.every_minutes=0"]
     if optimizer.startswith("schedulefree"):
         extra += ["--set", "schedule.decay=constant"]
+    if optimizer == "schedulefree":
+        extra += ["--set", "data.workers=4"]
     for d in "rcao":
         (tmp_path / d).mkdir()
     ref = start_ranks(2, args_for(data, tmp_path / "ref", *extra, "--set", "loop.max_steps=20"), tmp_path / "r")
