@@ -16,15 +16,17 @@ from conftest import REPO, missing
 IPEX_VENV = Path(os.environ.get("HPCDL_IPEX_VENV", Path.home() / ".cache" / "hpcdl" / "venv-ipex-2.8"))
 IPEX_PACKAGES = ["torch==2.8.0", "intel-extension-for-pytorch==2.8.0",
                  # hpcdl's other dependencies; torchvision is left out (hpcdl imports it only for ResNets)
-                 "h5py", "submitit", "numpy", "pillow", "pyyaml", "tqdm", "tensorboard"]
+                 "h5py", "submitit", "numpy", "pillow", "pyyaml", "tqdm", "tensorboard", "schedulefree"]
 
 
 @pytest.fixture(scope="session")
 def ipex_python() -> str:
     python, ready = IPEX_VENV / "bin" / "python", IPEX_VENV / ".hpcdl-ready"
-    if not ready.exists():
-        steps = [[sys.executable, "-m", "venv", "--clear", str(IPEX_VENV)],
-                 [str(python), "-m", "pip", "install", "-q", "--no-cache-dir", *IPEX_PACKAGES]]
+    # built once; a venv of an older package list (a dependency hpcdl gained since) gets the list installed
+    if not ready.exists() or ready.read_text().split() != IPEX_PACKAGES:
+        steps = [[str(python), "-m", "pip", "install", "-q", "--no-cache-dir", *IPEX_PACKAGES]]
+        if not python.exists():
+            steps.insert(0, [sys.executable, "-m", "venv", "--clear", str(IPEX_VENV)])
         for step in steps:
             run = subprocess.run(step, capture_output=True, text=True, timeout=1800)
             if run.returncode != 0:

@@ -86,9 +86,9 @@ def test_bench_optim_times_each_optimizer_on_the_same_model():
     from hpcdl.bench import run
     from hpcdl.bench.optim import CASES, format_report
 
-    report = run("optim", model="resnet18", steps=2, rounds=2)
+    report = run("optim", model="tiny_cnn", steps=2, rounds=2)
     assert set(report.ms_per_step) == set(CASES) and report.ratio_to_sgd["sgd"] == 1.0
-    assert report.parameters == sum(p.numel() for p in build_model("resnet18").parameters())
+    assert report.parameters == sum(p.numel() for p in build_model("tiny_cnn").parameters())
     assert "vs sgd" in format_report(report)
 
 
