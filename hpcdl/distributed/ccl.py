@@ -161,6 +161,7 @@ class _OnCThread:
 
 
 _AVG = dist.ReduceOp.RedOpType.AVG
+DESTROY_WAIT_S = 20  # rank 0 waits this long at shutdown for the other ranks to destroy their communicators
 
 
 class _FastWork(dist.Work):
@@ -229,6 +230,7 @@ class CCLProcessGroup(ThreadedProcessGroup):
             ccl.runner = _OnCThread(self.thread)  # from here on every oneCCL call of the process is made there
         self._types = {dtype: ccl.enums[name] for dtype, name in _TYPES.items()}
         self._ops = {op: ccl.enums[name] for op, name in _OPS.items()}
+        self.store = store
         if rank == 0:
             store.set("hpcdl/oneccl-id", self.thread.run_here(ccl.unique_id))
         uid = store.get("hpcdl/oneccl-id")  # waits for rank 0, within the store's timeout
@@ -342,8 +344,24 @@ class CCLProcessGroup(ThreadedProcessGroup):
 
     def shutdown(self) -> None:
         """Destroy the communicator on the thread (unless a call there never returned). A process that exits
-        with a live communicator hangs in oneCCL's destructors: the thread destroys what is left at exit."""
+        with a live communicator hangs in oneCCL's destructors: the thread destroys what is left at exit.
+
+        Rank 0 destroys last: the other ranks' destruction removes their keys from the key-value store that
+        oneCCL's id points at, which lives in rank 0's process, and a rank 0 gone first fails it ("kvs_remove_
+        name_key ... Broken pipe", then a C++ exception and exit code 1: seen in a fresh clone's 4-rank job).
+        The others say on the group's store that they are done; rank 0 waits for them, at most
+        :data:`DESTROY_WAIT_S`, then destroys its own."""
         if self.thread.closers.pop(id(self), None) and not self.thread.stuck() and not self.thread.closed():
+            if self.rank() != 0:
+                self.thread.run_here(self._destroy)
+                self.store.set(f"hpcdl/oneccl-destroyed/{self.rank()}", "1")
+                return
+            try:
+                self.store.wait([f"hpcdl/oneccl-destroyed/{r}" for r in range(1, self.size())],
+                                timedelta(seconds=DESTROY_WAIT_S))
+            except (RuntimeError, dist.DistError) as exc:  # a rank gone: destroy anyway
+                log.warning("oneccl group: not every rank destroyed its communicator within %d s (%s); rank 0 "
+                            "destroys its own", DESTROY_WAIT_S, str(exc).splitlines()[0] if str(exc) else "timeout")
             self.thread.run_here(self._destroy)
 
 
