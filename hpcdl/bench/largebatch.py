@@ -248,7 +248,7 @@ def run(cfg: Config, job) -> LargeBatchReport | None:
     if rank == 0:
         estimate = calibrate(cfg, data, all_runs) / world
         n = len(data.train[1])
-        images = sum(cfg.epochs * n for _ in all_runs)
+        images = len(all_runs) * cfg.epochs * n
         optimizers, batches, factors = grid(cfg)
         print(f"budget: {len(optimizers)} optimizers x {len(batches)} batches x {len(factors)} lrs x {cfg.seeds} "
               f"seeds = {len(all_runs)} runs of {cfg.epochs:g} epochs over {n:,} images ({images / 1e6:.2f}M images "
