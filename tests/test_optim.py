@@ -2,6 +2,7 @@
 Schedule-Free's two sets of weights; the registry; schedules."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -251,6 +252,93 @@ def test_muon_orthogonalizes_hidden_convolutions_and_gives_the_rest_to_adamw():
         OptimConfig(name="muon", trust_clip=True)
     with pytest.raises(ConfigError, match="optimizer.eps=null"):  # a LARS preset's eps=0 under an Adam step
         OptimConfig(name="muon", eps=0.0)
+
+
+def forward_ends(model: nn.Module, x: torch.Tensor) -> tuple[str, str]:
+    """The first and the last linear or convolution layer a forward calls (pre-hooks): the stem and the head."""
+    called = []
+    hooks = [m.register_forward_pre_hook(lambda *_, n=n: called.append(n)) for n, m in model.named_modules()
+             if isinstance(m, (nn.Linear, nn.Conv2d))]
+    with torch.no_grad():
+        model.eval()(x)
+    for h in hooks:
+        h.remove()
+    return called[0], called[-1]
+
+
+def test_muon_on_a_timm_vit_gives_the_patch_embedding_tokens_and_head_to_adamw():
+    """Each parameter of timm's ViT-Tiny with its update rule: Muon for the blocks' four matrices (qkv, proj, fc1,
+    fc2), AdamW for the rest: the patch embedding (the stem; a 4-D conv, after the 3-D cls_token and pos_embed in
+    parameter order), both tokens, the head, norms and biases. Under caffe semantics too (every tensor decayed)."""
+    import timm
+
+    from hpcdl.optim.factory import update_rules
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=5)
+    assert forward_ends(model, torch.randn(1, 3, 32, 32)) == ("patch_embed.proj", "head")
+    hidden = re.compile(r"^blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.weight$")
+    for semantics in ("mlperf", "caffe"):
+        cfg = OptimConfig(name="muon", weight_decay=0.05, semantics=semantics)
+        rules = update_rules(model, cfg)
+        print(semantics, "\n".join(f"  {n}: {r}" for n, r in rules.items()))  # the table, under pytest -s
+        assert rules == {n: "muon" if hidden.match(n) else "adamw" for n, _ in model.named_parameters()}, semantics
+        assert sum(r == "muon" for r in rules.values()) == 48
+        for name in ("patch_embed.proj.weight", "cls_token", "pos_embed", "head.weight"):
+            assert rules[name] == "adamw", (semantics, name)
+        owner = {id(p): g for g in param_groups(model, cfg) for p in g["params"]}
+        decay = owner[id(dict(model.named_parameters())["pos_embed"])]["weight_decay"]
+        assert decay == (0.0 if semantics == "mlperf" else 0.05)  # caffe: decayed, yet not orthogonalized
+
+
+@pytest.mark.parametrize("family", ["torchvision_resnet", "torchvision_vit", "timm_convnext", "timm_swin"])
+def test_muon_finds_the_stem_and_head_by_structure_and_never_takes_tokens_or_embeddings(family):
+    """The stem and the head Muon leaves out are the first and last layers a forward calls; position embeddings,
+    class tokens, relative position bias tables, layer scales and depthwise convolutions take AdamW;
+    torchvision's attention (nn.MultiheadAttention's in_proj_weight) takes Muon."""
+    import timm
+    import torchvision
+
+    from hpcdl.optim.factory import muon_matrices, update_rules
+
+    torch.manual_seed(0)
+    size = 56 if family == "timm_swin" else 32
+    model = {"torchvision_resnet": lambda: torchvision.models.resnet18(num_classes=5),
+             "torchvision_vit": lambda: torchvision.models.VisionTransformer(32, 8, num_layers=2, num_heads=2,
+                                                                              hidden_dim=16, mlp_dim=32, num_classes=5),
+             "timm_convnext": lambda: timm.create_model("convnext_atto", num_classes=5),
+             "timm_swin": lambda: timm.create_model("swin_tiny_patch4_window7_224", img_size=size, num_classes=5),
+             }[family]()
+    stem, head = forward_ends(model, torch.randn(1, 3, size, size))
+    rules = update_rules(model, OptimConfig(name="muon", semantics="caffe"))
+    named = dict(model.named_parameters())
+    muon = {n for n, r in rules.items() if r == "muon"}
+    assert muon == set(muon_matrices(model)) and muon
+    assert f"{stem}.weight" not in muon and f"{head}.weight" not in muon
+    owners = dict(model.named_modules())
+    for name in muon:  # a hidden layer's matrix: an ungrouped convolution, a linear layer or attention's projection
+        module = owners[name.rpartition(".")[0]]
+        assert isinstance(module, (nn.Linear, nn.MultiheadAttention)) or \
+            isinstance(module, nn.Conv2d) and module.groups == 1, name
+    flat = {n for n, p in named.items() if p.ndim < 2}
+    others = {n for n in named if n not in flat and n not in muon}
+    expected = {"torchvision_resnet": {"conv1.weight", "fc.weight"},
+                "torchvision_vit": {"class_token", "conv_proj.weight", "encoder.pos_embedding", "heads.head.weight"},
+                "timm_convnext": {"stem.0.weight", "head.fc.weight"}
+                | {n for n in named if n.endswith("conv_dw.weight")},  # depthwise: (C, 1, 7, 7)
+                "timm_swin": {"patch_embed.proj.weight", "head.fc.weight"}
+                | {n for n in named if n.endswith("relative_position_bias_table")}}[family]
+    assert others == expected and all(rules[n] == "adamw" for n in others | flat)
+    if family == "torchvision_vit":
+        assert "encoder.layers.encoder_layer_0.self_attention.in_proj_weight" in muon
+
+
+def test_muon_leaves_an_embedding_to_adamw_and_takes_the_linear_layer_after_it():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 3))
+    from hpcdl.optim.factory import update_rules
+
+    assert update_rules(model, OptimConfig(name="muon")) == {
+        "0.weight": "adamw", "1.weight": "muon", "1.bias": "adamw", "3.weight": "muon", "3.bias": "adamw",
+        "4.weight": "adamw", "4.bias": "adamw"}
 
 
 def test_schedule_free_evaluates_at_x_trains_on_at_the_same_y_and_resumes_bit_for_bit():

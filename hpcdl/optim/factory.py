@@ -9,8 +9,12 @@ Semantics decide the default groups:
   (LARS) or AdamW (LAMB, Muon) at the global lr.
 - ``caffe``: every tensor is adapted and decayed, as Intel Caffe's LARS did in the Stampede2 runs.
 
-Muon adapts (orthogonalizes) only tensors of 2 or more dimensions, and not the model's first and last such
-tensors (the input layer and the classifier): those, and any tensor the semantics exclude, take AdamW.
+Muon adapts (orthogonalizes) only the matrices of hidden layers, found by structure (:func:`muon_matrices`): the
+weights of ``nn.Linear`` and of ungrouped ``nn.Conv1d/2d/3d`` modules and ``nn.MultiheadAttention``'s input
+projections, not those of the stem (the first such layer in module order) nor of the head (timm's
+``get_classifier()``, else the last ``nn.Linear``). Tokens, position embeddings, ``nn.Embedding`` weights,
+relative position bias tables, layer scales, grouped and depthwise convolutions, every 1-D tensor and any
+tensor the semantics exclude take AdamW, under ``caffe`` semantics too.
 
 ``groups`` rules come first: each is a regular expression over parameter names (``model.named_parameters()``)
 with the options it sets (``weight_decay``, ``adapt``); the first rule that matches a name wins, and a rule
@@ -34,8 +38,8 @@ from hpcdl.optim.lamb import LAMB
 from hpcdl.optim.lars import LARS
 from hpcdl.optim.muon import Muon
 
-__all__ = ["OPTIMIZERS", "SEMANTICS", "GroupRule", "OptimConfig", "OptimInfo", "build_optimizer", "options",
-           "param_groups"]
+__all__ = ["OPTIMIZERS", "SEMANTICS", "GroupRule", "OptimConfig", "OptimInfo", "build_optimizer", "muon_matrices",
+           "options", "param_groups", "update_rules"]
 
 @dataclass(frozen=True, slots=True)
 class OptimInfo:
@@ -111,11 +115,10 @@ def param_groups(model: torch.nn.Module, cfg: OptimConfig, lr_scales: dict[str, 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     no_decay = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()  # timm's: pos_embed...
     rules = [(re.compile(r.pattern), r) for r in cfg.groups]
-    matrices = [n for n, p in named if p.ndim >= 2]
-    ends = {matrices[0], matrices[-1]} if matrices else set()  # the input layer and the classifier
+    hidden = set(muon_matrices(model)) if cfg.name == "muon" else set()
     used, groups = set(), {}
     for name, p in named:
-        options = _default_options(p, cfg, name in no_decay, name in ends)
+        options = _default_options(p, cfg, name in no_decay, name in hidden)
         if body is not None:
             options |= {"lr_scale": (lr_scales or {}).get(name, 1.0), "body": name in body}
         for i, (rx, rule) in enumerate(rules):
@@ -132,11 +135,60 @@ def param_groups(model: torch.nn.Module, cfg: OptimConfig, lr_scales: dict[str, 
     return [{"params": ps, **dict(key)} for key, ps in groups.items()]
 
 
-def _default_options(p: torch.Tensor, cfg: OptimConfig, named_no_decay: bool = False, end: bool = False) -> dict:
+def _default_options(p: torch.Tensor, cfg: OptimConfig, named_no_decay: bool = False, hidden: bool = False) -> dict:
     excluded = cfg.semantics == "mlperf" and (p.ndim <= 1 or named_no_decay)
     options = {"weight_decay": 0.0 if excluded else cfg.weight_decay}
     if cfg.name == "muon":
-        options["adapt"] = not excluded and p.ndim >= 2 and not end
+        options["adapt"] = not excluded and hidden
     elif OPTIMIZERS[cfg.name].adaptive:
         options["adapt"] = not excluded
     return options
+
+
+MATRIX_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+ATTENTION_MATRICES = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")  # nn.MultiheadAttention
+
+
+def muon_matrices(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters Muon orthogonalizes by default: the hidden layers' matrices, found by the modules
+    that own them, not by shape (a ViT's ``cls_token`` and ``pos_embed`` are 3-D, Swin's bias tables 2-D).
+
+    A matrix is the weight of an ``nn.Linear``, of an ``nn.Conv1d/2d/3d`` with ``groups=1`` (a grouped or depthwise
+    convolution's weight is a stack of blocks of its matrix, not the matrix), or one of ``nn.MultiheadAttention``'s
+    input projections (torchvision's ViT). Left out, as Muon's authors advise: the stem, the first such layer (or
+    ``nn.Embedding``) in module order, and the head, timm's ``get_classifier()`` (every layer in it), else the last
+    ``nn.Linear`` (the last such layer in a model without one). Module order, not a forward: the optimizer is built
+    without an input (its size is the data's; a timm ViT refuses any other), a forward costs a step's time and
+    memory on every rank, and torch.fx does not trace many timm models; in torchvision's and timm's classifiers
+    the stem and the head are also the first and last layers a forward calls (tests/test_optim.py checks ResNet,
+    both ViTs, ConvNeXt, Swin). A model that registers its layers in another order: set ``optimizer.groups``
+    rules with ``adapt``."""
+    layers = [m for m in model.modules() if isinstance(m, MATRIX_LAYERS)]
+    if not layers:
+        return []
+    stem = next(m for m in model.modules() if isinstance(m, MATRIX_LAYERS + EMBEDDINGS))
+    head = model.get_classifier() if hasattr(model, "get_classifier") else None
+    heads = head if isinstance(head, (tuple, list)) else (head,)  # a distilled DeiT's: (head, head_dist)
+    ends = {id(m) for h in heads if isinstance(h, torch.nn.Module) for m in h.modules()}
+    if not any(id(m) in ends for m in layers):
+        linear = [m for m in layers if isinstance(m, torch.nn.Linear)]
+        ends = {id((linear or layers)[-1])}
+    ends.add(id(stem))  # an nn.Embedding (AdamW anyway) when the model starts with one
+    chosen = set()
+    for module in model.modules():
+        if isinstance(module, MATRIX_LAYERS) and id(module) not in ends and getattr(module, "groups", 1) == 1:
+            chosen.add(id(module.weight))
+        elif isinstance(module, torch.nn.MultiheadAttention):
+            chosen.update(id(getattr(module, a)) for a in ATTENTION_MATRICES if getattr(module, a) is not None)
+    return [n for n, p in model.named_parameters() if id(p) in chosen]
+
+
+def update_rules(model: torch.nn.Module, cfg: OptimConfig) -> dict[str, str]:
+    """Each trainable parameter's update under ``cfg`` (name -> rule): for Muon ``muon`` or ``adamw``; for LARS,
+    LARC and LAMB their name where the trust ratio applies, ``sgd`` (LARS's excluded tensors) or ``adamw`` (LAMB's);
+    otherwise the optimizer's name."""
+    plain = {"muon": "adamw", "lamb": "adamw", "lars": "sgd", "larc": "sgd"}
+    adapted = {id(p) for g in param_groups(model, cfg) if g.get("adapt", True) for p in g["params"]}
+    return {n: cfg.name if id(p) in adapted else plain.get(cfg.name, cfg.name)
+            for n, p in model.named_parameters() if p.requires_grad}

@@ -11,9 +11,9 @@ In a group with ``adapt=True``, for each tensor ``W`` (viewed as a matrix ``out 
 The last factor is torch's ``adjust_lr_fn="match_rms_adamw"`` (Liu et al. 2025, "Muon is Scalable for LLM
 Training"): the update's RMS matches AdamW's, so one lr and one schedule serve both kinds of group. Groups with
 ``adapt=False`` take AdamW with bias correction (:func:`hpcdl.optim.lamb.adam_direction`) at the same lr.
-:func:`hpcdl.optim.factory.param_groups` decides which tensors adapt: those with 2 or more dimensions, not
-excluded by the semantics, and neither the model's first such tensor (the input layer) nor its last (the
-classifier), as Muon's authors advise; ``groups`` rules change that.
+:func:`hpcdl.optim.factory.param_groups` decides which tensors adapt: the hidden layers' matrices, found by the
+modules that own them (:func:`hpcdl.optim.factory.muon_matrices`), not the stem's nor the head's, as Muon's
+authors advise, and never a token or an embedding; ``groups`` rules change that.
 
 The Newton-Schulz iteration and the momentum follow torch 2.14's ``torch/optim/_muon.py``; on a 2-D tensor the
 update is the same, bit for bit (tests/test_optim.py checks it).
