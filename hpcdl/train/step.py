@@ -61,6 +61,15 @@ class StepResult:
     times: dict[str, float]
 
 
+def step_shape(count: int, micro: int, left: int | None) -> tuple[int, int]:
+    """(micro-batches, images) of this rank's step, whose first micro-batch holds ``micro`` images: ``count``
+    micro-batches, or fewer when ``left`` (the samples not yet taken in the epoch, the first micro-batch's
+    included) ends the epoch sooner. The loader cuts micro-batches of one size, the epoch's last one shorter, so a
+    first micro-batch shorter than the others is the epoch's last and ``left`` is its size."""
+    images = count * micro if left is None else min(left, count * micro)
+    return math.ceil(images / micro), images
+
+
 class Stepper:
     """The hot path, shared by the trainer and ``hpcdl bench step``."""
 
@@ -79,26 +88,39 @@ class Stepper:
             else contextlib.nullcontext
 
     def step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], count: int,
-             flags: Callable[[], tuple[bool, bool]] = lambda: (False, False)) -> StepResult | None:
-        """Train on the next ``count`` micro-batches of ``batches`` (fewer at the end of an epoch).
+             flags: Callable[[], tuple[bool, bool]] = lambda: (False, False),
+             left: int | None = None) -> StepResult | None:
+        """Train on the next ``count`` micro-batches of ``batches``, or on what is left of the epoch.
 
+        ``left``: the samples this rank has not yet taken in the epoch (the sampler's length). It is the same on
+        every rank (the sampler evens them out), so every rank knows where its step ends: an epoch's last step
+        of fewer micro-batches than ``count`` exchanges the gradients at its own last one (without ``left`` no
+        micro-batch of it would: each rank would apply its own gradient), and each micro-batch's loss weighs by
+        its share of the step's images, so the gradient is the mean over the images trained, not ``count``
+        micro-batches' worth. None: ``batches`` holds whole steps (``hpcdl bench``).
         ``flags`` gives rank 0's (stop, save) wishes; other ranks' are ignored. None when ``batches``
         is already exhausted.
         """
         times = dict.fromkeys(PHASES, 0.0)
-        loss_sum, images, done = torch.zeros((), dtype=torch.float64), 0, 0
+        loss_sum, images, done, shape = torch.zeros((), dtype=torch.float64), 0, 0, (count, 0)
         t = time.perf_counter()
         for x, y in batches:
             now = time.perf_counter()
             times["data"] += now - t
             self._span("data", t, now)
-            last = done + 1 == count
-            loss_sum += self._micro_step(x, y, count, last, times) * len(y)
+            if done == 0:
+                shape = step_shape(count, len(y), left)
+            last, parts = done + 1 == shape[0], (shape[1] / len(y) if left is not None else count)
+            loss_sum += self._micro_step(x, y, parts, last, times) * len(y)
             images, done, t = images + len(y), done + 1, time.perf_counter()
             if last:
                 break
         if done == 0:
             return None
+        if left is not None and done < shape[0]:
+            raise RuntimeError(f"the loader ended the step after {done} of its {shape[0]} micro-batches, though the "
+                               f"sampler had {left} samples left: the ranks' gradients were not exchanged; this is a "
+                               "bug in hpcdl")
         t = time.perf_counter()
         result = self._control(loss_sum, images, flags(), times)
         times["comm_wait"] += time.perf_counter() - t
@@ -120,7 +142,9 @@ class Stepper:
         if self.timeline is not None:
             self.timeline.span(name, start, end)
 
-    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, count: int, last: bool, times: dict) -> float:
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, parts: float, last: bool, times: dict) -> float:
+        """Forward and backward of one micro-batch, its mean loss divided by ``parts`` (the step's images over
+        its own: the count of micro-batches when they are all alike); DDP exchanges the gradients at ``last``."""
         t0 = time.perf_counter()
         sync = contextlib.nullcontext() if last or not hasattr(self.net, "no_sync") else self.net.no_sync()
         with sync:
@@ -129,7 +153,7 @@ class Stepper:
             t1 = time.perf_counter()
             if self.comm is not None:
                 self.comm.reset()
-            (loss / count).backward()
+            (loss / parts).backward()
         t2 = time.perf_counter()
         handed = self.comm.last_handover if (self.comm is not None and last and self.comm.buckets) else t2
         times["forward"] += t1 - t0

@@ -230,7 +230,7 @@ class Trainer:
     def _train_epoch(self, runlog: RunLog) -> str:
         p, batches = self.progress, self._batches()
         while p.step < self.last_step:
-            result = self.wrapped.stepper.step(batches, self.cfg.loop.accum_steps, self._wishes)
+            result = self.wrapped.stepper.step(batches, self.cfg.loop.accum_steps, self._wishes, len(self.data.sampler))
             if result is None:
                 return "epoch"
             if not result.finite:
