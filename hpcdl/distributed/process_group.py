@@ -4,6 +4,12 @@ Every rank bumps a counter in the rendezvous store every ``heartbeat_s`` seconds
 thread. When a collective fails (a peer's socket closed, or the collective timed out), the rank
 reads the counters twice and names the ranks whose counters stood still. If the store itself is
 gone, rank 0, which serves it, is the one lost.
+
+Every request a probe sends is bounded (:attr:`Heartbeat.deadline_s`): a TCPStore client's timeout bounds
+its connection and its waits for a key, not a request to a server that accepted the connection and does
+not answer. A stopped rank 0 (SIGSTOP, a node frozen) is such a server: before the bound, a probe that
+asked it waited for ever, and with it the rescue's watch and the oneCCL watchdog (issue 44). A request
+unanswered by its deadline reads as a store that no longer answers, rank 0 lost.
 """
 
 from __future__ import annotations
@@ -115,13 +121,19 @@ class CountingStore(dist.Store):
 class Heartbeat:
     """A counter per rank in the store, bumped by a daemon thread over its own store connection: each rank
     holds two connections to rank 0 for the job's life (the rendezvous', this one) and sends one request per
-    interval, whatever the number of ranks."""
+    interval, whatever the number of ranks.
+
+    :meth:`watch` is what a rank that waits asks every few seconds: the counters of rank 0 and of the next
+    rank only (a ring), so that what rank 0's store serves stays one request per rank per interval at any
+    rank count; only a watch that finds something reads every counter, once, to name the lost ranks."""
 
     def __init__(self, env: RankEnv, interval_s: float, use: StoreUse | None = None):
         self.env, self.interval_s = env, interval_s
         self.use = use or StoreUse()
+        # a store request unanswered this long: rank 0 (its server) is stopped or its node frozen
+        self.deadline_s = max(5.0, 2.5 * interval_s)
         self._last_lost = None  # (when, lost ranks or None) of the last probe that found a problem
-        self.last_probe = None  # (when, finding) of the last probe
+        self.last_probe = None  # (when, finding) of the last probe of every counter
         self._store = self._client(timedelta(seconds=max(10.0, 5 * interval_s)))
         self._store.add(_key("hb", env.rank), 1)
         self.use.beat()
@@ -140,8 +152,16 @@ class Heartbeat:
             try:
                 self._store.add(_key("hb", self.env.rank), 1)
                 self.use.beat()
-            except Exception:  # the store (rank 0) is gone: diagnosis will say so
-                return
+            except Exception:  # the store (rank 0) is gone, or a request failed once: beat on, diagnosis says which
+                continue
+
+    def watch(self) -> list[int] | None:
+        """What a waiting rank asks: rank 0's and the next rank's counters (a stopped rank is seen by the rank
+        before it, rank 0 by every rank); when one stood still or the store does not answer, every counter is
+        read to name the lost ranks (:meth:`lost_ranks`)."""
+        ring = sorted({0, (self.env.rank + 1) % self.env.world_size} - {self.env.rank})
+        found = self._measure(ring)
+        return found if found == [] else self.lost_ranks()
 
     def lost_ranks(self, fresh_s: float = 0.0) -> list[int] | None:
         """Ranks whose heartbeat stopped; ``None`` when the store (served by rank 0) is unreachable. With
@@ -149,7 +169,7 @@ class Heartbeat:
         last = self._last_lost
         if fresh_s and last and time.monotonic() - last[0] < fresh_s:
             return last[1]
-        found = self._measure()
+        found = self._measure(range(self.env.world_size))
         self.last_probe = (time.monotonic(), found)
         if found is None or found:
             self._last_lost = (time.monotonic(), found)
@@ -162,18 +182,40 @@ class Heartbeat:
             return last[1]
         return self.lost_ranks()
 
-    def _measure(self) -> list[int] | None:
+    def _measure(self, ranks) -> list[int] | None:
+        """Those of ``ranks`` whose counter stood still over 2.5 intervals; None when the store does not answer."""
         if self._store_refuses():
             return None
+        ranks = list(ranks)
+        keys = [_key("hb", r) for r in ranks]
         try:  # the client retries a refused connection until its timeout: keep it short
-            store = self._client(timedelta(seconds=max(1.0, 2 * self.interval_s)))
-            keys = [_key("hb", r) for r in range(self.env.world_size)]
-            before = store.multi_get(keys)
+            store = self._bounded(lambda: self._client(timedelta(seconds=max(1.0, 2 * self.interval_s))))
+            before = self._bounded(lambda: store.multi_get(keys))
             time.sleep(2.5 * self.interval_s)
-            after = store.multi_get(keys)
+            after = self._bounded(lambda: store.multi_get(keys))
         except Exception:
             return None
-        return [r for r, (a, b) in enumerate(zip(before, after)) if a == b and r != self.env.rank]
+        return [r for r, a, b in zip(ranks, before, after) if a == b and r != self.env.rank]
+
+    def _bounded(self, request: Callable[[], object]) -> object:
+        """``request()`` (a store call), or TimeoutError when it has not returned within :attr:`deadline_s`: it
+        runs on a daemon thread, left behind when the server never answers (the process is about to leave)."""
+        done, box = threading.Event(), {}
+
+        def call() -> None:
+            try:
+                box["value"] = request()
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+            done.set()
+
+        threading.Thread(target=call, name="hpcdl-store-request", daemon=True).start()
+        if not done.wait(self.deadline_s):
+            raise TimeoutError(f"rank 0's store at {self.env.master_addr}:{self.env.master_port} did not answer "
+                               f"within {self.deadline_s:.0f} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def _store_refuses(self) -> bool:
         """True when rank 0's host answers but nothing listens on the store's port: rank 0 is gone, known at
@@ -190,7 +232,7 @@ class Heartbeat:
 
     def who(self, rank: int) -> str:
         try:
-            return self._client(timedelta(seconds=5)).get(_key("who", rank)).decode()
+            return self._bounded(lambda: self._client(timedelta(seconds=5)).get(_key("who", rank))).decode()
         except Exception:
             return "host unknown"
 
@@ -289,7 +331,7 @@ def _liveness(heartbeat: Heartbeat, heartbeat_s: float) -> Liveness:
     stopped, instead of at the timeout (gloo notices a closed connection itself)."""
 
     def probe() -> str | None:
-        lost = heartbeat.lost_ranks()
+        lost = heartbeat.watch()
         if lost is None:
             return "rank 0's rendezvous store no longer answers"
         return ("heartbeat stopped on " + ", ".join(f"rank {r}" for r in lost)) if lost else None

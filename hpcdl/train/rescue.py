@@ -137,16 +137,17 @@ class Rescue:
                 continue
             if self._others_reported():  # a stat of one folder, only while no step completes
                 self.run("another rank reported a lost peer (see its report in " + self.folder + ")")
-            # The heartbeats only once a step of this start completed: start-up (rendezvous, the checkpoint's
-            # broadcast, the first step) loads rank 0's store most and has its own timeout; and at most every
-            # 10 s, whatever the stall (a long evaluation), so that rank 0's store sees no more requests.
-            if not self._steps or now - since < self.stall_s() or now - probed < 10.0:
+            # The heartbeats from the start on (a stall of start-up is a stall too: its first step may take
+            # minutes, and the heartbeats beat through it on their own thread), at most every 10 s and two of
+            # them (rank 0's and the next rank's: Heartbeat.watch), so that rank 0's store sees no more requests.
+            if now - since < self.stall_s() or now - probed < 10.0:
                 continue
             probed = now
-            lost = self.ctx.heartbeat.lost_ranks()
+            lost = self.ctx.heartbeat.watch()
             unreachable = unreachable + 1 if lost is None else 0
-            if lost is None and unreachable < 2:
-                continue  # a store that does not answer in time may be busy: ask once more before acting
+            # a store that does not answer in time may be busy (start-up's rendezvous loads it most): ask again
+            if lost is None and unreachable < (2 if self._steps else 3):
+                continue
             if (lost is None or lost) and not self._stop.is_set():
                 self.run(self._describe(lost) + f"; no step completed for {time.monotonic() - since:.0f} s")
 
