@@ -176,3 +176,63 @@ def test_rank_0_stopped_then_killed_on_gloo_the_survivors_save_and_the_job_goes_
 def test_rank_0_stopped_then_killed_on_oneccl_the_survivors_save_and_the_job_goes_on(wide, data, ccl, tmp_path):
     _rank_0_stopped_then_killed(data, tmp_path, ("--set", "loop.backend=ccl",
                                                  "--set", f"loop.ccl_lib={ccl.library.parent}"), "rank0-ccl")
+
+
+# -- launchers: mpiexec ends every rank at a rank's death unless told not to ----------------------------------------
+
+def _hydra(mpiexec: str, *args: str, n: int) -> list[str]:
+    return [mpiexec, *args, "-n", str(n)]
+
+
+def _mpi_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_", "PMI_"))}
+    env["MASTER_PORT"] = str(free_port())
+    return env
+
+
+@pytest.mark.parametrize("flags, warned", [((), True), (("-disable-auto-cleanup",), False)])
+def test_hpcdl_reads_whether_mpiexec_ends_every_rank_at_a_rank_s_death(mpiexec, flags, warned):
+    code = "from hpcdl.distributed.env import discover, launcher_ends_survivors; print(launcher_ends_survivors(discover()))"
+    run = subprocess.run([*_hydra(mpiexec, *flags, n=1), PYTHON, "-c", code], capture_output=True, text=True,
+                         env=_mpi_env(), timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert ("mpiexec -disable-auto-cleanup" in run.stdout) == warned, run.stdout
+
+
+def test_under_mpiexec_disable_auto_cleanup_a_killed_rank_leaves_the_survivor_to_save(mpiexec, data, tmp_path):
+    """2 ranks under MPICH's mpiexec -disable-auto-cleanup, rank 1 SIGKILLed at step 3: rank 0 saves step 3 and
+    exits 4 (without the flag mpiexec ended rank 0 at once, exit 9, nothing saved)."""
+    run = tmp_path / "run"
+    cmd = [*_hydra(mpiexec, "-disable-auto-cleanup", n=2), PYTHON, "-m", "hpcdl", "train", "demo_tiny_lars",
+           "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}", "--set", f"run_dir={run}",
+           "--set", "global_batch=24", "--set", "crop=32", "--set", "data.eval_resize=36", "--set", "loop.log_every=1",
+           "--set", "loop.eval_every=0", "--set", "checkpoint.every_minutes=0", "--set", "loop.backend=gloo",
+           "--set", "data.workers=0"]
+    out = tmp_path / "mpiexec.out"
+    with open(out, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_mpi_env(), cwd=tmp_path)
+    try:
+        wait_for_step(run, 3, out, timeout=120)
+        victim = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _rank_of(p, proc.pid) == 1)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.time()
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    text = out.read_text()
+    result = _rescue_after(run, killed, out, timeout=1)
+    assert result["step"] >= 3 and result["checkpoint"] and result["lost"] == [1], result
+    assert code != 0 and "rank 0 stops (status 4)" in text and "ends every rank at once" not in text, text[-3000:]
+
+
+def _rank_of(proc: Path, launcher: int) -> int | None:
+    """The PMI_RANK of a process under the mpiexec ``launcher`` (its grandchild), else None."""
+    try:
+        parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        grand = int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        if grand != launcher:
+            return None
+        env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
+    except (OSError, ValueError):
+        return None
+    return int(env[b"PMI_RANK"]) if b"PMI_RANK" in env else None

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from hpcdl.distributed.hostlist import expand_hostlist
 from hpcdl.errors import ConfigError
 
-__all__ = ["LAUNCHERS", "Launcher", "RankEnv", "discover", "rank_and_world", "rendezvous_port",
-           "resolve_node_address"]
+__all__ = ["LAUNCHERS", "Launcher", "RankEnv", "discover", "launcher_ends_survivors", "rank_and_world",
+           "rendezvous_port", "resolve_node_address"]
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,44 @@ def _own_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# How each launcher takes a rank that dies: whether the others live on to save a just-in-time checkpoint
+# (docs/launching.md, "A lost rank under each launcher").
+_MPICH_KEEP_GOING = ("-disable-auto-cleanup", "--disable-auto-cleanup", "-disable_auto_cleanup")
+
+
+def launcher_ends_survivors(env: RankEnv, pid: int | None = None) -> str | None:
+    """Why this rank's launcher would end every rank at once when one dies, with the flag that stops it; None
+    when it would not, or when hpcdl cannot tell. MPICH's hydra ``mpiexec`` ends the job at a rank's death unless
+    started with ``-disable-auto-cleanup``, a flag it passes to no rank: it is read from the command line of the
+    ``mpiexec`` above this process (visible on mpiexec's own node). Open MPI's ``mpirun`` ends the job too."""
+    if env.launcher == "openmpi":
+        return ("Open MPI's mpirun ends every rank when one dies: no survivor saves a just-in-time checkpoint "
+                "(Open MPI 5's mpirun --enable-recovery keeps them running; not tested by hpcdl)")
+    if env.launcher != "mpi-hydra":
+        return None
+    args = _launcher_args(pid or os.getpid())
+    if args is None or any(a in _MPICH_KEEP_GOING for a in args):
+        return None
+    return ("mpiexec (MPICH's hydra) ends every rank at once when one dies, before any survivor saves a "
+            "just-in-time checkpoint: start it with 'mpiexec -disable-auto-cleanup ...'")
+
+
+def _launcher_args(pid: int, depth: int = 4) -> list[str] | None:
+    """The arguments of the nearest mpiexec or mpirun above ``pid`` (its proxy's parent on mpiexec's node);
+    None where none is seen (a remote node, whose proxy ssh or srun started)."""
+    for _ in range(depth):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except (OSError, ValueError, IndexError):
+            return None
+        if args and os.path.basename(args[0]).startswith(("mpiexec", "mpirun")):
+            return args[1:]
+    return None
 
 
 def _warn_if_batch_step(environ: Mapping[str, str]) -> None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from hpcdl.distributed.affinity import CpuPlan, allocator_in_use, plan_cpus
 from hpcdl.distributed.backend import BACKENDS, BackendChoice, choose_backend
-from hpcdl.distributed.env import RankEnv, discover
+from hpcdl.distributed.env import RankEnv, discover, launcher_ends_survivors
 from hpcdl.distributed.threaded import Liveness, library_group
 from hpcdl.errors import ConfigError, LaunchError, RankLostError
 from hpcdl.utils import exit_if_stuck
@@ -365,6 +365,9 @@ def _log_startup(ctx: DistContext) -> None:
     log.info("backend %s (%s); collective timeout %s", ctx.backend.name, ctx.backend.reason, ctx.timeout)
     log.info("cpu: %s", ctx.cpu.describe())
     log.info("allocator: %s", allocator_in_use())
+    ends = launcher_ends_survivors(env) if env.rank == 0 and env.world_size > 1 else None
+    if ends:
+        log.warning("%s (docs/launching.md)", ends)
 
 
 def backend_groups(ctx: DistContext, names: str, timeout: timedelta | None = None) -> dict[str, dist.ProcessGroup]:
