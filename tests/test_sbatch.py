@@ -84,6 +84,8 @@ def test_spares_allocate_more_nodes_and_the_supervisor_starts_the_training_step(
     assert "#SBATCH --nodes=6" in text and "#SBATCH --no-kill" in text and "srun --kill-on-bad-exit" not in text
     assert ('"$HPCDL_PYTHON" -m hpcdl supervise --spares 2 --max-restarts 3 --tasks-per-node 2 -- "$HPCDL_PYTHON" '
             '-m hpcdl train demo_tiny_lars') in text
+    # each spare serves a restart: --spares 4 with 3 restarts left one unusable
+    assert "--spares 4 --max-restarts 4 " in render_sbatch(job_request(profile="generic", nodes=4, spares=4), train)
     restarts = render_sbatch(job_request(profile="generic", nodes=4, max_restarts=5), train)
     assert "#SBATCH --nodes=4" in restarts and "--spares 0 --max-restarts 5" in restarts
     plain = render_sbatch(job_request(profile="generic", nodes=4), train)
@@ -216,3 +218,36 @@ def test_the_supervisors_probe_finds_a_node_without_slurmd_by_its_refused_connec
                                        text=True).stdout and time.monotonic() < deadline:
         subprocess.run(["scontrol", "update", "nodename=n26", "state=resume"], capture_output=True)
         time.sleep(1)
+
+
+def test_each_start_of_a_supervised_job_has_rescue_folders_of_its_own(tmp_path, monkeypatch):
+    """A requeue keeps the job id: attempt 1 after it named its rescue folder as attempt 1 before it (job-a1), and
+    read the old result.json as its own. Now the start (SLURM_RESTART_COUNT) is in the name, and a folder already
+    there is never taken."""
+    from hpcdl.launch.supervisor import Supervisor
+
+    names = []
+    for count in ("0", "1"):
+        monkeypatch.setenv("SLURM_RESTART_COUNT", count)
+        sup = Supervisor(rank_command=["x"], run_dir=str(tmp_path), global_batch=8, nodes=["n1", "n2"],
+                         tasks_per_node=1, job="77")
+        names.append(sup._attempt_name(1))
+    assert names == ["77-r0-a1", "77-r1-a1"]
+    (tmp_path / "jit" / "77-r1-a1").mkdir(parents=True)
+    again = sup._attempt_name(1)
+    assert again.startswith("77-r1-a1-") and not (tmp_path / "jit" / again).exists()
+
+
+def test_a_rescue_naming_a_node_outside_the_step_does_not_end_the_supervisor(slurm, tmp_path):
+    """After a requeue the old rescue's result named a lost node of the old allocation: _diagnose probed it, found
+    it dead and removed it from the active list, where it was not (list.remove(x): x not in list), and the batch
+    script died. Only the step's own nodes are suspects now: here the step's n1 answers (real srun), and the
+    unknown node is ignored."""
+    from hpcdl.launch.supervisor import Supervisor
+
+    sup = Supervisor(rank_command=["x"], run_dir=str(tmp_path), global_batch=8, nodes=["n1", "n2"],
+                     tasks_per_node=1, spares=1, job="77")
+    old = {"lost": [1], "lost_where": {"1": "host vm (Slurm node nowhere), pid 5"}, "step": 3, "checkpoint": None,
+           "reports": [{"rank": 0, "time": time.time(), "reason": "lost rank 1: heartbeat stopped"}]}
+    event = sup._diagnose(4, old, ["n1"], time.time(), time.time())
+    assert event["lost_nodes"] == [] and sup.active == ["n1"] and sup.spare == ["n2"], event

@@ -36,9 +36,28 @@ def script_for(tmp_path: Path, data: Path, run: Path, *, nodes: int, tasks: int,
     return script
 
 
-def submit(script: Path, tmp_path: Path) -> str:
+def submit(script: Path, tmp_path: Path, env: dict | None = None) -> str:
     return subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(script)], capture_output=True, text=True,
-                          check=True).stdout.strip().split(";")[0]
+                          check=True, env=env).stdout.strip().split(";")[0]
+
+
+FAKE_SITE = """# A fake, planted by tests/test_spares.py: the Python of a node named by a file broken-NODE beside this one
+# fails at start-up (content 'python': always; 'train': hpcdl train only), as on a node that answers srun but
+# cannot train (a broken module, a full /tmp). Imported by site.py through PYTHONPATH.
+import os, sys
+_node = os.environ.get("SLURMD_NODENAME", "")
+_mark = os.path.join(os.path.dirname(os.path.abspath(__file__)), "broken-" + _node)
+if _node and os.path.exists(_mark) and open(_mark).read().strip() in ("python", "train" if "train" in sys.argv else "-"):
+    sys.exit(f"fake: node {_node} cannot start Python (planted by tests/test_spares.py)")
+"""
+
+
+def broken_python_env(tmp_path: Path) -> tuple[dict, Path]:
+    """The job's environment with the fake above on PYTHONPATH, and the folder where a test names broken nodes."""
+    site = tmp_path / "fake-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAKE_SITE)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}, site
 
 
 def steps(run: Path) -> list[dict]:
@@ -58,9 +77,10 @@ def wait_for_step(run: Path, count: int, out: Path, after: float = 0.0, timeout:
         time.sleep(0.1)
 
 
-def kill_node(job: str, node: str) -> float:
-    """SIGKILL node ``node``: its slurmd, the job's step daemon there and the ranks; returns time.time()."""
-    tasks = processes_of(job, node)
+def kill_node(job: str, node: str, whole: bool = False) -> float:
+    """SIGKILL node ``node``: its slurmd, the job's step daemon there and the ranks (``whole``: and the batch script,
+    the supervisor, and their daemon: the job's first node); returns time.time()."""
+    tasks = processes_of(job, node, step_only=not whole)
     stepds = set()
     for pid in tasks:
         try:
@@ -114,9 +134,15 @@ def job_state(job: str) -> str:
     return state
 
 
+def scontrol_job(job: str) -> dict:
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
+    return dict(f.split("=", 1) for f in shown.split() if "=" in f)
+
+
 def wait_for_job(job: str, out: Path, timeout: float = 400) -> None:
+    """Until the job has ended: a requeued one passes through COMPLETING and PENDING on its way."""
     deadline = time.monotonic() + timeout
-    while subprocess.run(["squeue", "-h", "-j", job, "-t", "PD,R"], capture_output=True, text=True).stdout.strip():
+    while scontrol_job(job).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
         assert time.monotonic() < deadline, out.read_text()[-4000:]
         time.sleep(1)
 
@@ -225,11 +251,17 @@ def test_a_lost_node_of_six_is_replaced_by_a_spare_twice_then_the_job_goes_on_on
 @pytest.mark.timeout(600)
 def test_a_lost_node_on_gloo_is_replaced_by_a_spare_within_the_job(wide, data, tmp_path):
     """gloo, 6 nodes + 2 spares, 2 ranks each: one node lost mid-epoch; the same job goes on on a spare to the end,
-    with the time from the kill to the next step printed, every replica identical and each sample once."""
+    with the time from the kill to the next step printed, every replica identical and each sample once. The first
+    spare answers srun but its Python fails at start-up (a fake, FAKE_SITE): the supervisor's probe at its start
+    (the ranks' Python importing hpcdl's trainer) finds it, and it is skipped and named for the second. Before, the
+    supervisor took it, its start failed before any rescue existed, and the job restarted on it to its budget."""
     run = tmp_path / "run"
     script = script_for(tmp_path, data, run, nodes=6, tasks=2, partition="wide", name="gloo", spares=2,
                         extra=("--set", "loop.backend=gloo", "--set", "epochs=5"))
-    job = submit(script, tmp_path)
+    env, fake = broken_python_env(tmp_path)
+    (fake / "broken-n17").write_text("python")
+    script.write_text(script.read_text().replace("#SBATCH --nodes=8", "#SBATCH --nodes=8\n#SBATCH --nodelist=n[11-18]"))
+    job = submit(script, tmp_path, env=env)
     out = tmp_path / f"gloo-{job}.out"
     nodes = []
     try:
@@ -240,7 +272,9 @@ def test_a_lost_node_on_gloo_is_replaced_by_a_spare_within_the_job(wide, data, t
         subprocess.run(["scancel", job], check=False)
         bring_back(nodes)
     text = out.read_text()
-    spare = expand_hostlist(text.split(f"hpcdl: job {job} on 8 node(s) (")[1].split(")")[0])[6]
+    skipped, spare = expand_hostlist(text.split(f"hpcdl: job {job} on 8 node(s) (")[1].split(")")[0])[6:]
+    assert skipped == "n17" and "spare n17 skipped: its Python cannot start the ranks" in text, text[-4000:]
+    assert "fake: node n17 cannot start Python" in json.loads((run / "supervisor.json").read_text())["spares_skipped"]["n17"]
     check_restarts(run, losses, [spare])
     assert f"node {nodes[0]} lost, spare {spare} takes its place" in text and "from the first report of the loss" in text
     assert job_state(job).startswith("COMPLETED"), text[-3000:]
@@ -255,12 +289,17 @@ def test_a_killed_rank_and_a_stopped_one_restart_on_the_same_nodes_from_a_valid_
     """gloo, 2 nodes x 1 rank, --max-restarts 2: rank 1 SIGKILLed (its node healthy), then the restarted rank 1
     SIGSTOPped (no error anywhere: rank 0's watch finds its heartbeat stopped). Each time the job goes on on
     the same nodes; the first just-in-time checkpoint equals, bit for bit, the periodic checkpoint a fault-free
-    job writes at the same step."""
+    job writes at the same step. Then the time limit's signal (USR2, sent by hand): the ranks checkpoint and the
+    job requeues itself; in the requeued start n2's Python fails in start-up (a fake, FAKE_SITE) twice, and the
+    supervisor drops n2 (never a third start on it) and finishes on n1. Before, the requeued start's rescue
+    folders were the first start's (job-a1, job-a2), read as its own; and a node that failed its starts was used
+    until the budget was spent."""
     run, reference = tmp_path / "run", tmp_path / "reference"
     extra = ("--set", "loop.backend=gloo", "--set", "epochs=6", "--set", "data.workers=4", "--set", "global_batch=16",
              "--set", "data.reserve_cores=0")  # the same threads in every start: bitwise comparable
     script = script_for(tmp_path, data, run, nodes=2, tasks=1, partition="debug", name="rank", restarts=2, extra=extra)
-    job = submit(script, tmp_path)
+    env, fake = broken_python_env(tmp_path)
+    job = submit(script, tmp_path, env=env)
     out = tmp_path / f"rank-{job}.out"
     try:
         wait_for_step(run, 6, out)
@@ -272,16 +311,23 @@ def test_a_killed_rank_and_a_stopped_one_restart_on_the_same_nodes_from_a_valid_
         stopped = time.time()
         second = wait_for_step(run, 0, out, after=stopped + 1.0, timeout=120)
         print(f"kill -9: next step {first['time'] - killed:.1f} s after; SIGSTOP: {second['time'] - stopped:.1f} s")
+        sup = json.loads((run / "supervisor.json").read_text())  # the requeued start writes its own
+        (fake / "broken-n2").write_text("train")
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)  # the time limit's signal
         wait_for_job(job, out)
     finally:
         subprocess.run(["scancel", job], check=False)
     text = out.read_text()
     assert job_state(job).startswith("COMPLETED"), text[-3000:]
-    sup = json.loads((run / "supervisor.json").read_text())
     assert [e["lost_nodes"] for e in sup["restarts"]] == [[], []], sup
     assert [e["healthy_suspects"] for e in sup["restarts"]] == [["n2"], ["n2"]], sup
     assert "answer: the same nodes again" in text and "lost rank 1 (host" in text and "no step completed for" in text
-    assert json.loads((run / "summary.json").read_text())["replicas"].startswith("identical on 2 ranks")
+    # the requeued start: its own rescue folders; n2 failed two starts and was dropped, the run finished on n1
+    after = json.loads((run / "supervisor.json").read_text())
+    assert after["start"] == 2 and after["failed_starts"] == {"n2": 2} and after["active"] == ["n1"], after
+    assert [e["trained"] for e in after["restarts"]] == [False, False], after
+    assert f"step {job}-r1-a3: 1 rank(s) on n1" in text and "node n2 failed 2 starts in start-up, not used again" in text
+    assert json.loads((run / "summary.json").read_text())["replicas"].startswith("identical on 1 ranks")
     check_each_sample_once(run, whole_epochs=6)
     # the first just-in-time checkpoint against a fault-free run's periodic checkpoint of the same step
     import torch
@@ -295,3 +341,48 @@ def test_a_killed_rank_and_a_stopped_one_restart_on_the_same_nodes_from_a_valid_
     ref = torch.load(reference / "checkpoints" / f"ckpt-{saved:09d}.pt", map_location="cpu", weights_only=True)
     for part in ("model", "optimizer", "schedule", "sampler"):
         assert same_states(jit[part], ref[part]) == [], part
+
+
+@pytest.mark.timeout(300)
+def test_the_first_node_lost_requeues_the_job_which_resumes_from_the_survivors_checkpoint(wide, data, tmp_path):
+    """gloo, 2 nodes x 1 rank, supervised: the first node (the batch script, the supervisor, rank 0, its slurmd and
+    step daemons) SIGKILLed mid-epoch. The survivor saves the step just in time, finds the supervisor's beat stopped
+    and requeues the job within 60 s of its result (before: the job stayed RUNNING with no process until its time
+    limit). The node comes back (as after a reboot); the requeued job's rescue folders are its own, it resumes from
+    the survivor's checkpoint and finishes: replicas identical, each sample of every epoch trained once."""
+    run = tmp_path / "run"
+    script = script_for(tmp_path, data, run, nodes=2, tasks=1, partition="wide", name="first", restarts=1,
+                        extra=("--set", "loop.backend=gloo", "--set", "epochs=3"))
+    job = submit(script, tmp_path)
+    out = tmp_path / f"first-{job}.out"
+    first = None
+    try:
+        wait_for_step(run, 3, out)
+        first = expand_hostlist(scontrol_job(job)["NodeList"])[0]
+        at = kill_node(job, first, whole=True)
+        folder = run / "jit" / f"{job}-r0-a1"
+        deadline = time.monotonic() + 120
+        while not (folder / "orphan.json").exists():
+            assert time.monotonic() < deadline, out.read_text()[-4000:]
+            time.sleep(0.2)
+        bring_back([first])
+        wait_for_job(job, out, timeout=180)  # requeued: COMPLETING until the node answers, PENDING, then the run
+    finally:
+        subprocess.run(["scancel", job], check=False)
+        if first:
+            bring_back([first])
+    text = out.read_text()
+    result = json.loads((folder / "result.json").read_text())
+    orphan = json.loads((folder / "orphan.json").read_text())
+    print(f"first node {first} killed; the survivor's result {result['time'] - at:.1f} s after, the requeue "
+          f"{orphan['time'] - result['time']:.1f} s after that")
+    assert result["lost"] == [0] and result["checkpoint"] and orphan["action"] == "requeue", (result, orphan)
+    assert orphan["time"] - result["time"] < 60
+    shown = scontrol_job(job)
+    assert shown["JobState"] == "COMPLETED" and shown["Restarts"] == "1", shown
+    assert f"step {job}-r1-a1:" in text, text[-4000:]  # the survivor's log went with srun, on the lost node
+    assert json.loads((run / "supervisor.json").read_text())["start"] == 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["replicas"].startswith("identical on 2 ranks"), summary
+    check_each_sample_once(run, whole_epochs=3)
+    assert sorted({s["step"] for s in steps(run)}) == list(range(1, 13))

@@ -46,7 +46,9 @@ class SubmitCommand:
 @dataclass(kw_only=True, slots=True)
 class SuperviseCommand:
     spares: int = 0  # the allocation's last nodes kept idle, each to take a lost node's place
-    max_restarts: int = 3  # restarts of the training step inside the allocation; the next failure ends the job
+    # restarts of the training step inside the allocation; the next failure ends the job (default: 3, or --spares
+    # when more: each spare serves a restart)
+    max_restarts: int | None = None
     tasks_per_node: int = 0  # ranks per node (0: SLURM_NTASKS_PER_NODE)
     probe_timeout_s: float = 15.0  # a suspect node that cannot run a one-task step in this long is lost
     # -- then what srun starts on every rank: PYTHON -m hpcdl train CONFIG --set ...
@@ -128,8 +130,11 @@ def supervise(cmd: SuperviseCommand) -> int:
                          "e.g. -- python3 -m hpcdl train PRESET --set ...")
     train = parse_train(ranks[at:])
     cfg = resolve(train.config, train.set)
-    return from_slurm(ranks, run_dir(cfg), cfg.global_batch, spares=cmd.spares, max_restarts=cmd.max_restarts,
-                      tasks_per_node=cmd.tasks_per_node, probe_timeout_s=cmd.probe_timeout_s).run()
+    restarts = max(3, cmd.spares) if cmd.max_restarts is None else cmd.max_restarts
+    return from_slurm(ranks, run_dir(cfg), cfg.global_batch, spares=cmd.spares, max_restarts=restarts,
+                      tasks_per_node=cmd.tasks_per_node, probe_timeout_s=cmd.probe_timeout_s,
+                      startup_s=cfg.loop.startup_timeout_s, stall_s=cfg.loop.timeout_s,
+                      max_requeues=cfg.checkpoint.max_requeues).run()
 
 
 def profiles(_: ProfilesCommand) -> int:

@@ -57,7 +57,7 @@ class JobRequest:
         if self.spares < 0 or self.max_restarts < 0:
             raise ConfigError(f"spares={self.spares} and max_restarts={self.max_restarts} must be >= 0")
         if self.spares and not self.max_restarts:
-            self.max_restarts = 3  # a spare serves only a restart
+            self.max_restarts = max(3, self.spares)  # a spare serves only a restart: --spares 4 needs 4
         if self.cpus_per_task is None and prof.cores_per_node:
             self.cpus_per_task = max(1, prof.cores_per_node // self.tasks_per_node)
         if self.cpus_per_task is not None and self.cpus_per_task < 1:

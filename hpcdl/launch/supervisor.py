@@ -16,29 +16,46 @@ The supervisor starts the training step on N of them, and when the step ends wit
    fewer nodes, the largest count whose ranks divide the global batch (a resume keeps the global batch).
 3. It starts the step again, which resumes from the newest checkpoint: the just-in-time one.
 
+A spare is probed before it is used: at the supervisor's start, each spare runs the ranks' Python importing
+hpcdl's trainer (bounded); one that fails is skipped and named. A start that fails before its first step
+with a rank's node named (srun's report of a task's exit, or the rescue's lost ranks) counts against that node,
+and a node on which :data:`FAILED_STARTS` starts failed is not used again. A step on which no rank reports
+is ended by a watchdog: a rank that failed in start-up while the others wait for it (after
+``startup_grace_s``), or no record in ``train.jsonl`` for the bound the ranks' own timeouts give (``_stuck``).
+Each step's rescue folder is named for the job, its start (``SLURM_RESTART_COUNT``: a requeue keeps the job
+id) and the attempt, never one already there. Every 2 s the supervisor rewrites ``RUN/supervisor.alive``
+(:mod:`hpcdl.train.orphan`): when the first node is lost with the supervisor on it, the survivors' rescue finds
+the beat stopped and requeues the job instead of leaving its allocation idle.
+
 Each restart is logged with its cause, the nodes involved and its cost, and appended to
 ``RUN/supervisor.json``. After ``max_restarts`` restarts the next failure ends the job with status 1 and the
-newest checkpoint named. Steps are started with ``--overlap``: a step whose node died is never confirmed
-ended by Slurm (until the node is declared down, minutes later) and would otherwise hold the CPUs of the
-survivors' nodes. The requeue path (the time limit's signal, preemption) is the trainer's, as without
+newest checkpoint named (``--max-restarts`` is at least ``--spares`` by default). Steps are started with
+``--overlap``: a step whose node died is never confirmed ended by Slurm (until the node is declared down,
+minutes later) and would otherwise hold the CPUs of the survivors' nodes. The requeue path (the time limit's signal, preemption) is the trainer's, as without
 the supervisor.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 
 from hpcdl.distributed.hostlist import expand_hostlist
 from hpcdl.errors import LaunchError
+from hpcdl.train.orphan import ENV as BEAT_ENV
+from hpcdl.train.orphan import Beat
 from hpcdl.train.outcome import read_result
 from hpcdl.utils import atomic_write_text
 
@@ -47,6 +64,8 @@ __all__ = ["Supervisor", "fit_nodes", "lost_nodes"]
 log = logging.getLogger("hpcdl.supervise")
 
 BAD_INPUT = 2  # the trainer refused its config: restarting cannot help
+PEER_LOST = 4  # a rank's rescue (hpcdl.train.outcome.EXIT_PEER_LOST)
+FAILED_STARTS = 2  # a node on which this many starts failed in start-up is not used again
 
 
 def fit_nodes(available: int, tasks_per_node: int, global_batch: int) -> int:
@@ -82,6 +101,13 @@ class Supervisor:
     probe_timeout_s: float = 10.0  # a node that cannot start a one-task step in this long is lost
     grace_s: float = 2.0  # after the survivors' rescue, how long srun may take to end by itself
     rescue_timeout_s: float = 300.0  # after the first report, how long the rescue may take before the step is ended
+    spare_probe_s: float = 120.0  # a spare whose Python cannot import hpcdl's trainer in this long is skipped
+    startup_grace_s: float = 10.0  # after a rank failed in start-up, how long the step may take to end by itself
+    # the watchdog: a start with no record in train.jsonl for startup_s + stall_s, or a running one with none for
+    # max(2 x stall_s, 3 x its longest gap between records), is ended and restarted (its ranks hang unreported)
+    startup_s: float = 600.0  # the ranks' loop.startup_timeout_s
+    stall_s: float = 300.0  # the ranks' loop.timeout_s
+    max_requeues: int = 20  # checkpoint.max_requeues: the beat tells a rank that finds the supervisor gone
     job: str = dataclasses.field(default_factory=lambda: os.environ.get("SLURM_JOB_ID", "local"))
     events: list[dict] = dataclasses.field(default_factory=list)
 
@@ -94,14 +120,33 @@ class Supervisor:
         self.active = self.nodes[:len(self.nodes) - self.spares]
         self.spare = self.nodes[len(self.nodes) - self.spares:]
         self.lost: list[str] = []
-        self._pool = concurrent.futures.ThreadPoolExecutor(1)  # the probe that starts while a step ends
+        self.skipped: dict[str, str] = {}  # spares whose Python could not start, with what it said
+        self.failed_starts: collections.Counter[str] = collections.Counter()  # per node, across attempts
+        self.requeues = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # this start of the job: 0, then each requeue
+        self._pool = concurrent.futures.ThreadPoolExecutor(2)  # the probes that run while a step runs or ends
         self._probing = None
+        self._spares_checked = None
+        self._task_exits: list[tuple[str, str, float]] = []  # (node, what srun said, when) of the step in flight
+        self._stuck_why: str | None = None
+        self._beat_path = os.path.join(self.run_dir, "supervisor.alive")
 
     # -- the loop -------------------------------------------------------------------------------------------
     def run(self) -> int:
-        log.info("supervising job %s: training on %d node(s) %s, spares %s, at most %d restart(s); run folder %s",
-                 self.job, len(self.active), ",".join(self.active), ",".join(self.spare) or "none",
-                 self.max_restarts, self.run_dir)
+        log.info("supervising job %s (start %d: requeued %d time(s)): training on %d node(s) %s, spares %s, at most "
+                 "%d restart(s); run folder %s", self.job, self.requeues + 1, self.requeues, len(self.active),
+                 ",".join(self.active), ",".join(self.spare) or "none", self.max_restarts, self.run_dir)
+        os.makedirs(self.run_dir, exist_ok=True)
+        beat = Beat(self._beat_path, {"job": self.job, "node": os.environ.get("SLURMD_NODENAME"),
+                                      "host": socket.gethostname(), "pid": os.getpid(),
+                                      "max_requeues": self.max_requeues}).start()
+        if self.spare:  # before any is needed: a spare that answers srun but cannot start the ranks' Python
+            self._spares_checked = self._pool.submit(self._probe_python, list(self.spare))
+        try:
+            return self._loop()
+        finally:
+            beat.stop()
+
+    def _loop(self) -> int:
         attempt, restarts = 0, 0
         while True:
             attempt += 1
@@ -110,7 +155,7 @@ class Supervisor:
                 return self._give_up(f"no count of the {len(self.active)} node(s) left has ranks that divide the "
                                      f"global batch {self.global_batch}")
             use = sorted(self.active, key=self.nodes.index)[:count]
-            name = f"{self.job}-a{attempt}"
+            name = self._attempt_name(attempt)
             started = time.time()
             self._mark_recovery(started)
             code, result = self._run_step(use, name)
@@ -124,7 +169,8 @@ class Supervisor:
                 log.error("the training step refused its input (status 2): not restarted")
                 self._write(final="refused")
                 return BAD_INPUT
-            event = self._diagnose(code, result, use, started, ended)
+            trained = _first_step_after(os.path.join(self.run_dir, "train.jsonl"), started) is not None
+            event = self._diagnose(code, result, use, started, ended, trained)
             self.events.append(event)
             if restarts >= self.max_restarts:
                 return self._give_up(f"{event['cause']}; {restarts} restart(s) done, --max-restarts "
@@ -135,22 +181,41 @@ class Supervisor:
                         ",".join(sorted(self.active, key=self.nodes.index)))
             self._write()
 
+    def _attempt_name(self, attempt: int) -> str:
+        """The rescue folder's name for this step: the job, its start (a requeue keeps the job id) and the attempt;
+        a folder already there (a job id Slurm gave again) is never read as this step's."""
+        name = f"{self.job}-r{self.requeues}-a{attempt}"
+        if os.path.exists(os.path.join(self.run_dir, "jit", name)):
+            name += f"-{secrets.token_hex(3)}"
+        return name
+
     def _run_step(self, use: list[str], name: str) -> tuple[int, dict | None]:
         """srun the ranks on ``use``; (its exit status, the rescue's result or None)."""
         cpus = [f"--cpus-per-task={self.cpus_per_task}"] if self.cpus_per_task else []
-        argv = ["srun", "--overlap", "--kill-on-bad-exit=0", f"--nodes={len(use)}",
+        argv = ["srun", "--overlap", "--kill-on-bad-exit=0", f"--job-name=hpcdl-{name}", f"--nodes={len(use)}",
                 f"--ntasks={len(use) * self.tasks_per_node}", f"--ntasks-per-node={self.tasks_per_node}",
                 f"--nodelist={','.join(use)}", *cpus, *self.rank_command]
         log.info("step %s: %d rank(s) on %s", name, len(use) * self.tasks_per_node, ",".join(use))
-        proc = subprocess.Popen(argv, env={**os.environ, "HPCDL_ATTEMPT": name})
+        self._task_exits = []
+        proc = subprocess.Popen(argv, env={**os.environ, "HPCDL_ATTEMPT": name, BEAT_ENV: self._beat_path},
+                                stderr=subprocess.PIPE)
+        pump = threading.Thread(target=self._pump, args=(proc.stderr,), name="hpcdl-srun-stderr", daemon=True)
+        pump.start()
         folder = os.path.join(self.run_dir, "jit", name)
         first_report = done_at = None
         self._probing = None
+        progress = _Progress(os.path.join(self.run_dir, "train.jsonl"))
         while proc.poll() is None:
             time.sleep(0.25)
             if first_report is None and os.path.isdir(folder) and any(f.startswith("report-")
                                                                        for f in os.listdir(folder)):
                 first_report = time.monotonic()
+            stuck = self._stuck(progress) if first_report is None else None
+            if stuck:
+                log.warning("step %s: %s; ending it", name, stuck)
+                self._stuck_why = stuck
+                self._end_step(proc, folder, name)
+                break
             result = read_result(folder) if done_at is None else None
             if result is not None:  # ask the suspect nodes now, while the step ends
                 done_at = time.monotonic()
@@ -159,20 +224,49 @@ class Supervisor:
             late = (done_at is not None and time.monotonic() - done_at > self.grace_s) or \
                 (first_report is not None and time.monotonic() - first_report > self.rescue_timeout_s)
             if late:
-                self._end_step(proc, folder)
+                self._end_step(proc, folder, name)
                 break
-        return proc.wait(), read_result(folder)
+        code = proc.wait()
+        pump.join(timeout=5)
+        return code, read_result(folder)
 
-    def _end_step(self, proc: subprocess.Popen, folder: str) -> None:
+    def _pump(self, stream) -> None:
+        """srun's standard error to the job's, and each task's exit that srun reports, with its node."""
+        for line in iter(stream.readline, b""):
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+            said = _TASK_EXIT.match(line.decode(errors="replace").strip())
+            if said and said.group(2) not in ("Exited with exit code 0", f"Exited with exit code {PEER_LOST}"):
+                self._task_exits.append((said.group(1), said.group(2), time.monotonic()))
+        stream.close()
+
+    def _stuck(self, progress: _Progress) -> str | None:
+        """Why the step in flight, which no rank has reported on, is to be ended now; None to go on waiting."""
+        idle, now = progress.idle_s(), time.monotonic()
+        failed = [] if progress.grew else self._task_exits
+        if failed and now - failed[0][2] > self.startup_grace_s:
+            return ("rank(s) failed in start-up: " + "; ".join(f"{node}: {what}" for node, what, _ in failed[:8]) +
+                    f" (the others have not ended in {self.startup_grace_s:.0f} s)")
+        bound = max(2 * self.stall_s, 3 * progress.longest) if progress.grew else self.startup_s + self.stall_s
+        if idle > bound:
+            return (f"the watchdog: no record in train.jsonl for {idle:.0f} s (bound {bound:.0f} s: "
+                    + ("2 x loop.timeout_s, or 3 x the longest gap seen" if progress.grew else
+                       "loop.startup_timeout_s + loop.timeout_s, and this start trained no step") +
+                    ") and no rank's report: every rank hangs")
+        return None
+
+    def _end_step(self, proc: subprocess.Popen, folder: str, name: str) -> None:
         """The survivors are done; what is left are tasks on a dead node (or stopped ones): end the step."""
         steps = set()
-        for entry in os.listdir(folder):
+        for entry in os.listdir(folder) if os.path.isdir(folder) else ():
             if entry.startswith("report-"):
                 try:
                     with open(os.path.join(folder, entry)) as f:
                         steps.add(json.load(f).get("slurm_step"))
                 except (OSError, ValueError):
                     pass
+        if not steps - {None}:  # no rank reported (a start-up failure, the watchdog): the step by its name
+            steps = set(_steps_named(self.job, f"hpcdl-{name}"))
         for step in steps - {None}:  # not waited for: slurmctld answers only once it gave up on a dead node (11 s)
             subprocess.Popen(["scancel", "--signal=KILL", f"{self.job}.{step}"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
@@ -182,9 +276,12 @@ class Supervisor:
             proc.send_signal(signal.SIGKILL)  # srun waits for a node that cannot answer
 
     # -- after a failed step ----------------------------------------------------------------------------------
-    def _diagnose(self, code: int, result: dict | None, use: list[str], started: float, ended: float) -> dict:
+    def _diagnose(self, code: int, result: dict | None, use: list[str], started: float, ended: float,
+                  trained: bool = True) -> dict:
+        exited = sorted({node for node, _, _ in self._task_exits if node in use})
         if result is not None:
-            suspects = lost_nodes(result, use, self.tasks_per_node)
+            # only this step's nodes: a node named by an older rescue, or one no longer in the allocation, is not
+            suspects = [n for n in lost_nodes(result, use, self.tasks_per_node) if n in use]
             first = min(result["reports"], key=lambda r: r["time"]) if result.get("reports") else {}
             found = first.get("reason", "?").split(": heartbeat stopped")[0].split("; rank ")[0]
             cause = (f"rank(s) {','.join(map(str, result['lost']))} lost on {','.join(suspects) or '?'} (rank "
@@ -193,30 +290,77 @@ class Supervisor:
             saved = result.get("checkpoint")
             detected = first.get("time", ended)
         else:
-            suspects, saved, detected = list(use), None, ended
-            cause = f"the step ended with status {code} and no rank's report"
+            suspects, saved, detected = exited, None, ended
+            cause = getattr(self, "_stuck_why", None) or f"the step ended with status {code} and no rank's report"
+            if exited and "start-up" not in cause:
+                cause += "; " + "; ".join(f"{n}: {w}" for n, w, _ in self._task_exits[:8])
+        self._stuck_why = None
+        if not trained:  # a start that failed before its first step, on these nodes
+            for node in suspects:
+                self.failed_starts[node] += 1
         suspects = suspects or list(use)
         started_probe = self._probing
         dead = started_probe[1].result() if started_probe and started_probe[0] == suspects else self._probe(suspects)
+        dead = [n for n in dead if n in self.active]
+        twice = [n for n in use if self.failed_starts[n] >= FAILED_STARTS and n not in dead and n in self.active]
         replaced = {}
-        for node in dead:
+        for node in dead + twice:
             self.active.remove(node)
             self.lost.append(node)
-            if self.spare:
-                replaced[node] = self.spare.pop(0)
-                self.active.append(replaced[node])
-        if dead:
-            what = "; ".join(f"node {n} lost, " + (f"spare {replaced[n]} takes its place" if n in replaced else
-                                                   "no spare left") for n in dead)
+            spare = self._take_spare()
+            if spare:
+                replaced[node] = spare
+                self.active.append(spare)
+        if dead or twice:
+            what = "; ".join((f"node {n} lost, " if n in dead else
+                              f"node {n} failed {self.failed_starts[n]} starts in start-up, not used again, ") +
+                             (f"spare {replaced[n]} takes its place" if n in replaced else "no spare left")
+                             for n in dead + twice)
         else:
             what = f"node(s) {','.join(suspects) or 'none'} answer: the same nodes again"
         saved_text = f"step {result['step']} saved just in time ({saved})" if saved else \
             "nothing saved just in time: the newest checkpoint on disk"
         log.warning("step ended (status %s): %s; %s; %s", code, cause, what, saved_text)
         return {"cause": cause, "what": f"{cause}; {what}; {saved_text}", "status": code, "lost_nodes": dead,
-                "healthy_suspects": [n for n in suspects if n not in dead], "spares_taken": replaced,
-                "saved_step": result.get("step") if result else None, "checkpoint": saved, "detected_at": detected,
-                "step_ended_at": ended, "ranks_lost": result["lost"] if result else None}
+                "failed_start_nodes": twice, "healthy_suspects": [n for n in suspects if n not in dead + twice],
+                "spares_taken": replaced, "saved_step": result.get("step") if result else None, "checkpoint": saved,
+                "detected_at": detected, "step_ended_at": ended, "ranks_lost": result["lost"] if result else None,
+                "trained": trained}
+
+    def _take_spare(self) -> str | None:
+        """The next spare whose Python starts (probed at the supervisor's start); one that does not is skipped and
+        named."""
+        checked = self._spares_checked.result() if self._spares_checked is not None else {}
+        while self.spare:
+            node = self.spare.pop(0)
+            error = checked[node] if node in checked else self._probe_python([node])[node]
+            if error is None:
+                return node
+            self.skipped[node] = error
+            log.warning("spare %s skipped: %s", node, error)
+        return None
+
+    def _probe_python(self, nodes: list[str]) -> dict[str, str | None]:
+        """Each node's failure to start the ranks' Python and import hpcdl's trainer (None: it did), bounded."""
+        at = next((i for i in range(len(self.rank_command) - 1) if self.rank_command[i:i + 2] == ["-m", "hpcdl"]),
+                  None)
+        if at is None:
+            return dict.fromkeys(nodes)
+        command = [*self.rank_command[:at], "-c", "import hpcdl.train.trainer"]
+
+        def one(node: str) -> str | None:
+            try:
+                run = subprocess.run(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", *command],
+                                     capture_output=True, text=True, timeout=self.spare_probe_s)
+            except subprocess.TimeoutExpired:
+                return f"its Python did not import hpcdl.train.trainer within {self.spare_probe_s:.0f} s"
+            if run.returncode == 0:
+                return None
+            said = [line for line in run.stderr.splitlines() if line.strip() and not line.startswith("srun: ")]
+            return (f"its Python cannot start the ranks (python -c 'import hpcdl.train.trainer' exited "
+                    f"{run.returncode}: {(said or ['no message'])[-1].strip()[:300]})")
+        with concurrent.futures.ThreadPoolExecutor(min(8, max(1, len(nodes)))) as pool:
+            return dict(zip(nodes, pool.map(one, nodes)))
 
     def _probe(self, nodes: list[str]) -> list[str]:
         """The nodes among ``nodes`` that cannot run a one-task step within the bound."""
@@ -287,9 +431,46 @@ class Supervisor:
         return 1
 
     def _write(self, final: str | None = None, why: str | None = None) -> None:
-        state = {"job": self.job, "nodes": self.nodes, "active": self.active, "spares_left": self.spare,
-                 "lost": self.lost, "restarts": self.events, "outcome": final, "why": why}
+        state = {"job": self.job, "start": self.requeues + 1, "nodes": self.nodes, "active": self.active,
+                 "spares_left": self.spare, "spares_skipped": self.skipped, "lost": self.lost,
+                 "failed_starts": dict(self.failed_starts), "restarts": self.events, "outcome": final, "why": why}
         atomic_write_text(os.path.join(self.run_dir, "supervisor.json"), json.dumps(state, indent=1) + "\n")
+
+
+_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? [\d,\-]+: (.+)")
+
+
+class _Progress:
+    """train.jsonl's growth: how long since its last record, and the longest gap between two in this step."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.size, self.since = self._size(), time.monotonic()
+        self.grew, self.longest = False, 0.0
+
+    def _size(self) -> int:
+        try:
+            return os.stat(self.path).st_size
+        except OSError:
+            return 0
+
+    def idle_s(self) -> float:
+        size, now = self._size(), time.monotonic()
+        if size != self.size:
+            if self.grew:
+                self.longest = max(self.longest, now - self.since)
+            self.size, self.since, self.grew = size, now, True
+        return now - self.since
+
+
+def _steps_named(job: str, name: str) -> list[str]:
+    """The ids of the job's steps called ``name`` (squeue -s)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [i.split(".", 1)[1] for i, _, j in (line.partition(" ") for line in out.splitlines()) if j == name and "." in i]
 
 
 def slurmd_addresses(nodes: list[str]) -> dict[str, tuple[str, int]]:

@@ -57,6 +57,7 @@ import torch
 from hpcdl.errors import CheckpointError
 from hpcdl.train.checkpoint import CheckpointManager, rng_state
 from hpcdl.train.outcome import EXIT_PEER_LOST, read_result
+from hpcdl.train.orphan import after_rescue
 from hpcdl.utils import atomic_write_text, leave_now
 
 __all__ = ["EXIT_PEER_LOST", "Boundary", "Rescue", "attempt_name", "read_result"]
@@ -180,6 +181,7 @@ class Rescue:
         log.error("rank %d stops (status %d), a peer lost or stuck: %s; just-in-time checkpoint: %s", self.rank,
                   EXIT_PEER_LOST,
                   reason.split("; rank ")[0], saved)
+        after_rescue(self.folder, self.rank)  # a supervised step whose supervisor is gone: requeue the job
         leave_now(EXIT_PEER_LOST)
 
     def _rescue(self, reason: str) -> None:
