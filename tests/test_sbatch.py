@@ -251,3 +251,26 @@ def test_a_rescue_naming_a_node_outside_the_step_does_not_end_the_supervisor(slu
            "reports": [{"rank": 0, "time": time.time(), "reason": "lost rank 1: heartbeat stopped"}]}
     event = sup._diagnose(4, old, ["n1"], time.time(), time.time())
     assert event["lost_nodes"] == [] and sup.active == ["n1"] and sup.spare == ["n2"], event
+
+
+def test_the_supervisors_watchdog_ends_a_step_whose_train_log_stops(tmp_path):
+    """No rank reports when every rank hangs (a filesystem stall, the whole step stopped): nothing ended such a step.
+    The watchdog's bound, from the ranks' own timeouts: loop.startup_timeout_s + loop.timeout_s until this start's
+    first record in train.jsonl, then max(2 x loop.timeout_s, 3 x the longest gap between records)."""
+    from hpcdl.launch.supervisor import Supervisor, _Progress
+
+    sup = Supervisor(rank_command=["x"], run_dir=str(tmp_path), global_batch=8, nodes=["n1"], tasks_per_node=1,
+                     startup_s=1.0, stall_s=1.0)
+    log = tmp_path / "train.jsonl"
+    progress = _Progress(str(log))
+    assert sup._stuck(progress) is None
+    time.sleep(2.2)
+    assert "this start trained no step" in sup._stuck(progress)
+    for _ in range(3):  # a record every 0.25 s: the bound is then 2 x stall_s (3 x the longest gap is less)
+        with log.open("a") as f:
+            f.write('{"kind": "step"}\n')
+        assert sup._stuck(progress) is None
+        time.sleep(0.25)
+    assert sup._stuck(progress) is None
+    time.sleep(max(2 * sup.stall_s, 3 * progress.longest) + 0.2)
+    assert "the watchdog: no record in train.jsonl" in sup._stuck(progress)
