@@ -3,12 +3,21 @@ the gradients at its own last micro-batch and divides by what it trained, on rea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
+from collections import Counter
+from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, free_port, rank_env
+from conftest import PYTHON, REPO, free_port, rank_env, start_ranks
 
+from hpcdl.data.pack import PackConfig, pack
+from hpcdl.data.sampler import DistributedShardSampler
+from hpcdl.data.synthetic import generate
+
+from hpcdl.presets import get_preset
+from hpcdl.train.resume import Saved, plan_resume
 from hpcdl.train.step import step_shape
 
 
@@ -43,3 +52,67 @@ def test_an_epochs_short_last_step_keeps_the_replicas_equal_and_divides_by_what_
         for s in rank["steps"]:
             assert s["replicas_equal"], s
             assert s["from_reference"] < 1e-5, s
+
+
+def test_a_resume_on_one_rank_runs_the_saved_micro_batch_on_this_jobs_per_rank_batch():
+    """A 4-rank checkpoint (accum 2, micro-batch 3, global batch 24) resumed by one process under the demo preset,
+    whose config says 2 ranks: 24 per rank in 8 micro-batches of 3 (it was refused: 'the per-rank batch 12 does
+    not split into loop.accum_steps=8 micro-batches')."""
+    cfg = get_preset("demo_tiny_lars")
+    cfg = dataclasses.replace(cfg, global_batch=24, loop=dataclasses.replace(cfg.loop, accum_steps=2))
+    assert cfg.ranks == 2
+    sampler = {"epoch": 0, "position": 12, "num_replicas": 4, "cuts": []}
+    plan = plan_resume(Saved("ckpt-000000007.pt", 4, 24, 2, False, sampler, False), 1, cfg)
+    now = plan.applied(cfg)
+    assert (now.ranks, now.per_rank_batch, now.loop.accum_steps, now.micro_batch) == (1, 24, 8, 3)
+    assert "loop.accum_steps 2 -> 8 keeps the micro-batch of 3 images" in plan.lines[0]
+
+
+@pytest.fixture(scope="module")
+def data246(tmp_path_factory) -> Path:
+    """246 training images (divides by no rank count here) in 6 classes, 11 shards of 6 to 25."""
+    root = tmp_path_factory.mktemp("data246")
+    train = generate(str(root / "src"), classes=6, per_class=41, size=(80, 64), seed=4)
+    pack(PackConfig(src=train.root, out=str(root / "train"), shard_size="64K", workers=1))
+    return root / "train"
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("mode", ["global", "shard"])
+def test_a_chain_of_cuts_over_4_2_3_1_4_ranks_with_accumulation_trains_each_sample_once(data246, mode, tmp_path):
+    """Global batch 24 over 246 images in micro-batches of 3 (loop.accum_steps=2 on 4 ranks), the default
+    data.workers=4, cut at steps 4 (4 ranks), 9 (2 ranks: accum 4), 14 (3 ranks, into epoch 1: the micro-batch of
+    3 does not divide 8, accum stays 2: micro-batch 4), 18 (1 rank: accum 6) and epoch 1's end (4 ranks: step 22,
+    or 26 for the shard sampler, whose epochs run longer: its ranks are padded to the fullest). Epochs end in short
+    steps (on 4 ranks 62 samples per rank, 2 left for the last). Each leg ends with the replica check (exit 2 when
+    they differ); each rank records the samples it trains: each epoch's 246 samples, repeated only as the sampler's
+    padding. Before the fixes the 1-rank leg was refused (the per-rank batch 12 ...) and the replicas diverged."""
+    extra = ["--set", "data.val=", "--set", "checkpoint.every_minutes=0", "--set", "loop.record_samples=true",
+             "--set", "data.workers=4", "--set", "global_batch=24", "--set", "loop.accum_steps=2",
+             "--set", "epochs=3", "--set", "crop=32", "--set", f"data.sampler={mode}", "--set", "loop.backend=gloo",
+             "--set", "data.reserve_cores=0"]
+    run, end = tmp_path / "run", 22 if mode == "global" else 26
+    for world, steps in ((4, 4), (2, 9), (3, 14), (1, 18), (4, end)):
+        where = tmp_path / f"w{world}-{steps}"
+        where.mkdir()
+        args = ["train", "demo_tiny_lars", "--set", f"data.train={data246}", "--set", f"run_dir={run}",
+                "--set", "loop.log_every=1", "--set", f"loop.max_steps={steps}", *extra]
+        procs = start_ranks(world, args, where)
+        assert [p.wait(timeout=240) for p in procs] == [0] * world, (where / "rank0.log").read_text()[-3000:]
+        log = (where / "rank0.log").read_text()
+        assert f"replicas: identical on {world} ranks" in log, log[-3000:]
+    assert "loop.accum_steps 2 -> 4 keeps the micro-batch of 3 images" in (tmp_path / "w2-9" / "rank0.log").read_text()
+    assert "loop.accum_steps 2 -> 6 keeps the micro-batch of 4 images" in (tmp_path / "w1-18" / "rank0.log").read_text()
+    sizes = [s["count"] for s in json.loads((data246 / "manifest.json").read_text())["shards"]]
+    padding = []  # what the sampler adds to even out the ranks an epoch starts on (4, 3), then under ranks - 1 a cut
+    for epoch, world in ((0, 4), (1, 3)):
+        sampler = DistributedShardSampler(sizes, world, 0, mode, seed=get_preset("demo_tiny_lars").data.seed)
+        sampler.set_epoch(epoch)
+        padding.append(world * sampler.num_samples - 246)
+    lines = [line.split()[:2] for f in sorted((run / "samples").iterdir()) for line in f.read_text().splitlines()]
+    for epoch in ("0", "1"):
+        seen = Counter(int(i) for e, i in lines if e == epoch)
+        assert set(seen) == set(range(246)), epoch
+        assert sum(seen.values()) - 246 <= padding[int(epoch)] + 1 + 2 + 3, (epoch, sum(seen.values()))
+    steps = [json.loads(line)["step"] for line in (run / "train.jsonl").read_text().splitlines() if '"kind": "step"' in line]
+    assert steps == list(range(1, end + 1))

@@ -76,6 +76,15 @@ class ResumePlan:
     def remapped(self) -> bool:
         return self.saved_world != self.world
 
+    def applied(self, cfg: RunConfig) -> RunConfig:
+        """``cfg`` as the plan runs it: on this job's ranks with the plan's loop.accum_steps, both at once. The config
+        checks that its per-rank batch splits into loop.accum_steps micro-batches, and with its own ``ranks`` (a
+        preset's, the saved run's) that is another job's per-rank batch: a 4-rank checkpoint (accum 2, micro-batch
+        3, global batch 24) resumed by one process under a preset of 2 ranks was refused, 'the per-rank batch 12
+        does not split into loop.accum_steps=8', where the batch per rank is 24 = 8 x 3."""
+        return dataclasses.replace(cfg, ranks=self.world,
+                                   loop=dataclasses.replace(cfg.loop, accum_steps=self.accum_steps))
+
 
 def plan_resume(saved: Saved, world: int, cfg: RunConfig) -> ResumePlan:
     """The plan to resume ``saved`` on ``world`` ranks under ``cfg``; a ConfigError when it cannot."""

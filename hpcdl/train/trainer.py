@@ -13,7 +13,6 @@ replica check, the summary).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
@@ -87,7 +86,7 @@ class Trainer:
         cfg, model_defaults = with_model_defaults(cfg)  # crop: 0, the model's
         self.plan = plan_resume(Saved.of(*restore), ctx.world_size, cfg) if restore else None
         if self.plan is not None:
-            cfg = dataclasses.replace(cfg, loop=dataclasses.replace(cfg.loop, accum_steps=self.plan.accum_steps))
+            cfg = self.plan.applied(cfg)  # this job's ranks and the plan's accumulation, checked together
         self.cfg = cfg = preflight(cfg, ctx.world_size, manifests[0])
         if ctx.rank == 0:
             atomic_write_text(os.path.join(self.dir, "config.yaml"), dump_yaml(cfg))
