@@ -157,11 +157,14 @@ class Heartbeat:
 
     def watch(self) -> list[int] | None:
         """What a waiting rank asks: rank 0's and the next rank's counters (a stopped rank is seen by the rank
-        before it, rank 0 by every rank); when one stood still or the store does not answer, every counter is
-        read to name the lost ranks (:meth:`lost_ranks`)."""
+        before it, rank 0 by every rank); when one stood still, every counter is read to name the lost ranks
+        (:meth:`lost_ranks`). None when the store does not answer."""
         ring = sorted({0, (self.env.rank + 1) % self.env.world_size} - {self.env.rank})
         found = self._measure(ring)
-        return found if found == [] else self.lost_ranks()
+        if found is None:
+            self.last_probe = self._last_lost = (time.monotonic(), None)
+            return None
+        return found and self.lost_ranks()
 
     def lost_ranks(self, fresh_s: float = 0.0) -> list[int] | None:
         """Ranks whose heartbeat stopped; ``None`` when the store (served by rank 0) is unreachable. With
