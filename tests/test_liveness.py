@@ -216,10 +216,11 @@ def test_hpcdl_reads_whether_mpiexec_ends_every_rank_at_a_rank_s_death(mpiexec, 
 
 
 def test_under_mpiexec_disable_auto_cleanup_a_killed_rank_leaves_the_survivor_to_save(mpiexec, data, tmp_path):
-    """2 ranks under MPICH's mpiexec -disable-auto-cleanup, rank 1 SIGKILLed at step 3: rank 0 saves step 3 and
-    exits 4 (without the flag mpiexec ended rank 0 at once, exit 9, nothing saved)."""
+    """2 ranks under MPICH's mpiexec -disable-auto-cleanup, one per proxy as on two nodes, rank 1 SIGKILLed at step
+    3: rank 0 saves step 3 and exits 4 (without the flag mpiexec ended rank 0 at once, exit 9, nothing saved;
+    with it, MPICH 5.0.2's proxy still ends the ranks of the killed one's own node)."""
     run = tmp_path / "run"
-    cmd = [*_hydra(mpiexec, "-disable-auto-cleanup", n=2), PYTHON, "-m", "hpcdl", "train", "demo_tiny_lars",
+    cmd = [*_hydra(mpiexec, "-disable-auto-cleanup", "-hosts", "localhost,127.0.0.1", "-ppn", "1", n=2), PYTHON, "-m", "hpcdl", "train", "demo_tiny_lars",
            "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}", "--set", f"run_dir={run}",
            "--set", "global_batch=24", "--set", "crop=32", "--set", "data.eval_resize=36", "--set", "loop.log_every=1",
            "--set", "loop.eval_every=0", "--set", "checkpoint.every_minutes=0", "--set", "loop.backend=gloo",
