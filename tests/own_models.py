@@ -42,3 +42,16 @@ class DropoutNet(nn.Module):
             with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt"), "a") as f:
                 f.write("".join("1" if v else "0" for v in (h != 0).view(-1).tolist()) + "\n")
         return self.head(h)
+
+
+def tiny_swin(num_classes: int, in_channels: int = 3) -> nn.Module:
+    """timm's Swin at 32 pixels, 20k parameters: its relative_position_index buffers are registered with
+    persistent=False (in named_buffers(), in no state dict), as in timm's LeViT, BEiT, EVA and TinyViT."""
+    import timm
+
+    return timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, num_classes=num_classes,
+                             in_chans=in_channels, img_size=32, window_size=4, embed_dim=16, depths=(1, 1),
+                             num_heads=(1, 2))
+
+
+tiny_swin.crop = 32

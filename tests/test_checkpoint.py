@@ -131,3 +131,144 @@ def test_a_checkpoint_above_2_gib_restarts_on_each_backend_with_one_copy_per_ran
             peaks[backend, r] = found["peak_over_start"] / size
             assert peaks[backend, r] <= 1.3, (backend, r, peaks)
     print("peak memory over the start / checkpoint size:", {f"{b} rank {r}": round(v, 3) for (b, r), v in peaks.items()})
+
+
+# -- the one owner of a checkpoint, and the just-in-time one through it ------------------------------------------------
+
+class _LostPeer:
+    """A stand-in for a 2-rank job's context whose rank 1 is lost (its heartbeat found stopped): the rescue's own
+    code runs on it, without a second process (the multi-rank tests lose real ranks: test_train, test_rescue)."""
+
+    rank, world_size, store = 0, 2, None
+    env = type("Env", (), {"master_port": 29500})()
+    heartbeat = type("Heartbeat", (), {"interval_s": 0.1, "recent": lambda self, fresh_s: [1],
+                                       "who": lambda self, r: f"rank {r}'s host"})()
+
+
+def _trained(optimizer: str, steps: int = 3):
+    """own_models.tiny_swin (timm's Swin: non-persistent buffers) and its optimizer after ``steps`` steps."""
+    from own_models import tiny_swin
+
+    from hpcdl.optim.config import OptimConfig
+    from hpcdl.optim.factory import build_optimizer
+    from hpcdl.optim.modes import training_weights
+
+    torch.manual_seed(0)
+    model = tiny_swin(10)
+    opt = build_optimizer(model, OptimConfig(name=optimizer, lr=0.01))
+    training_weights(opt)
+    for _ in range(steps):
+        torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.arange(4)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _rescue_of(tmp_path, model, opt, steps: int):
+    """A Rescue on rank 0 of 2 with the start's Checkpointer, its boundary taken after ``steps`` steps."""
+    from hpcdl.optim.modes import ModelWeights
+    from hpcdl.run_folder import RunFolder
+    from hpcdl.train.checkpoint import Checkpointer
+    from hpcdl.train.rescue import Rescue
+    from hpcdl.train.state import Frozen, Progress
+
+    rescue = Rescue(_LostPeer(), str(tmp_path))
+    ckpt = Checkpointer(RunFolder(str(tmp_path)), keep=2, rank=0, lock=rescue.lock)
+    ckpt.attach({"model": ModelWeights(model, opt, ckpt.lock), "optimizer": opt, "sampler": Frozen({"epoch": 0}),
+                 "counters": Progress(step=steps), "rng": Frozen([None, None])}, lambda: {"format": 2})
+    rescue.attach(ckpt)
+    with ckpt.lock:
+        rescue.take_boundary()
+    return rescue, ckpt
+
+
+@pytest.mark.parametrize("during_evaluation", [False, True])
+def test_a_just_in_time_checkpoint_of_a_model_with_non_persistent_buffers_loads_and_holds_eval_model(
+        tmp_path, during_evaluation):
+    """timm's Swin registers relative_position_index with persistent=False: the rescue's boundary copied every
+    named_buffers() entry and the strict load of the checkpoint refused the extra keys (issue 44, item 2). Of a
+    Schedule-Free run it holds eval_model, the averaged x (item 9); during an evaluation, whose x is in the model,
+    the model saved is the training y all the same (item 5)."""
+    from hpcdl.optim.modes import eval_state
+    from own_models import tiny_swin
+
+    model, opt = _trained("schedulefree")
+    y = {k: v.clone() for k, v in model.state_dict().items()}
+    x = eval_state(model, opt)
+    rescue, ckpt = _rescue_of(tmp_path, model, opt, steps=3)
+    evaluation = ckpt.parts["model"].evaluating()
+    if during_evaluation:
+        evaluation.__enter__()
+        assert any(not torch.equal(model.state_dict()[k], y[k]) for k in y)  # x is in the model
+    with rescue.lock:
+        rescue._rescue("rank 1 lost (a stand-in)")
+    if during_evaluation:
+        evaluation.__exit__(None, None, None)
+    result = json.loads((tmp_path / "jit" / os.path.basename(rescue.folder) / "result.json").read_text())
+    assert result["written"] and result["step"] == 3, result
+    state = torch.load(result["checkpoint"], map_location="cpu", weights_only=True)
+    fresh = tiny_swin(10)
+    fresh.load_state_dict(state["model"])  # strict: no key the model does not save
+    assert all(torch.equal(state["model"][k], y[k]) for k in y)
+    assert "eval_model" in state and all(torch.equal(state["eval_model"][k], x[k]) for k in x)
+    fresh.load_state_dict(state["eval_model"])
+    assert all(torch.equal(model.state_dict()[k], y[k]) for k in y)  # the training weights are back
+
+
+def test_a_rescue_waits_for_a_write_in_flight_and_both_checkpoints_load(tmp_path, monkeypatch):
+    """Rank 0's periodic write and its rescue (from the watch thread) go through one Checkpointer under one lock:
+    the rescue's write waits for the periodic one (a new CheckpointManager used to delete its temporary file and
+    write the same temporary name: both could be lost; issue 44, item 5), then finds it on disk."""
+    import threading
+
+    model, opt = _trained("sgd", steps=1)
+    rescue, ckpt = _rescue_of(tmp_path, model, opt, steps=4)
+    monkeypatch.setenv("HPCDL_TEST_SLOW_SAVE", "periodic:1.5")
+    periodic = threading.Thread(target=ckpt.write, args=(4, ckpt.compose(), "periodic"))
+    periodic.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    with rescue.lock:  # as Rescue.run takes it
+        waited = time.monotonic() - started
+        assert ckpt.has(4)  # the rescue finds the periodic checkpoint of its step and writes none
+        ckpt.write_locked(5, ckpt.compose(), "just in time")
+    periodic.join()
+    assert waited > 1.0
+    assert [os.path.basename(p) for p in ckpt.folder.checkpoint_list()] == ["ckpt-000000005.pt", "ckpt-000000004.pt"]
+    for path in ckpt.folder.checkpoint_list():
+        assert torch.load(path, weights_only=True)["model"].keys() == model.state_dict().keys()
+    assert not list((tmp_path / "checkpoints").glob(".ckpt-*.tmp"))
+
+
+def test_every_start_gets_its_own_rescue_folder(monkeypatch):
+    """The unsupervised name (job, Slurm step, port) repeats across starts (mpiexec or torchrun with the default
+    port): one rescue's reports made every later start in that run folder rescue at once (issue 44, item 1). Rank 0
+    makes a token and the ranks share it through the rendezvous store; the supervisor's HPCDL_ATTEMPT is taken as is."""
+    import torch.distributed as dist
+
+    from hpcdl.train.rescue import attempt_name
+
+    monkeypatch.delenv("HPCDL_ATTEMPT", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    store = dist.HashStore()
+    first = attempt_name(29500, store, rank=0)
+    assert attempt_name(29500, store, rank=1) == first and first.startswith("local.0.29500.")
+    assert attempt_name(29500, dist.HashStore(), rank=0) != first
+    assert attempt_name(29500) != attempt_name(29500)
+    monkeypatch.setenv("HPCDL_ATTEMPT", "123-a2")
+    assert attempt_name(29500, store, rank=0) == "123-a2"
+
+
+def test_the_run_folder_names_its_paths_without_torch(tmp_path):
+    """RunFolder is torch-free: the login node and the supervisor read a run folder with the trainer's names."""
+    code = ("import sys; from hpcdl.run_folder import RunFolder; f = RunFolder(sys.argv[1]); "
+            "print(f.checkpoint(7), f.rank_part(7, 3), f.rescue('j-a1'), f.newest_checkpoint()); "
+            "assert 'torch' not in sys.modules")
+    (tmp_path / "checkpoints").mkdir()
+    for name in ("ckpt-000000007.pt", "ckpt-000000009.rank00001.pt", ".ckpt-000000011.pt.42.tmp"):
+        (tmp_path / "checkpoints" / name).write_bytes(b"")
+    out = subprocess.run([PYTHON, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    c = tmp_path / "checkpoints"
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(c / "ckpt-000000007.pt"), str(c / "ckpt-000000007.rank00003.pt"),
+                                  str(tmp_path / "jit" / "j-a1"), str(c / "ckpt-000000007.pt")]

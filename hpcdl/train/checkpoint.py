@@ -7,6 +7,13 @@ rank and is too large to gather on rank 0 (the chunk_sparse hook's residuals: a 
 goes into one file per rank beside it, ``ckpt-STEP.rankRRRRR.pt``, written before rank 0 writes the
 checkpoint that lists them, and removed with it.
 
+:class:`Checkpointer` is the one owner of what a checkpoint holds: it is handed the training state's parts (each a
+``state_dict``/``load_state_dict`` pair, as torchtitan's ``components/checkpoint.py`` ``CheckpointManager`` holds
+its ``Stateful`` states in one dict) and composes, writes, loads and names them, for the trainer's periodic, signal
+and final checkpoints and for the just-in-time one (:mod:`hpcdl.train.rescue`) alike. Every write runs under its
+lock, the same one the update runs under, so two writes of one process (a rescue and a periodic save) never
+overlap. The file names are :class:`hpcdl.run_folder.RunFolder`'s.
+
 A restart reads the checkpoint from the shared filesystem once per job: rank 0 loads it and the job's group
 streams its tensors to the others (:func:`load_latest_shared`, through
 :func:`hpcdl.distributed.share.broadcast_state`: one copy of the state per rank plus a 64 MiB chunk, every
@@ -20,16 +27,19 @@ import glob
 import logging
 import os
 import random
-import re
+import threading
+import time
+from typing import Callable
 
 import numpy as np
 import torch
 
 from hpcdl.distributed.share import broadcast_state
 from hpcdl.errors import CheckpointError, ConfigError
+from hpcdl.run_folder import CHECKPOINT, RunFolder, checkpoint_name, rank_part_of
 
 log = logging.getLogger(__name__)
-NAME = re.compile(r"ckpt-(\d{9})\.pt")
+NAME = CHECKPOINT
 
 
 class CheckpointManager:
@@ -42,7 +52,7 @@ class CheckpointManager:
             os.unlink(stale)  # a write that was killed; one rank writes a run's checkpoints
 
     def path(self, step: int) -> str:
-        return os.path.join(self.folder, f"ckpt-{step:09d}.pt")
+        return os.path.join(self.folder, checkpoint_name(step))
 
     def save(self, step: int, state: dict) -> str:
         """Write ``state`` as the checkpoint of ``step``; older ones beyond ``keep`` are removed after. A
@@ -59,7 +69,7 @@ class CheckpointManager:
     def checkpoints(self) -> list[str]:
         """Complete checkpoints, newest first (temporary files of interrupted writes are not listed)."""
         found = [p for p in glob.glob(os.path.join(glob.escape(self.folder), "ckpt-*.pt"))
-                 if NAME.fullmatch(os.path.basename(p))]
+                 if CHECKPOINT.fullmatch(os.path.basename(p))]
         return sorted(found, reverse=True)
 
     def load_latest(self) -> tuple[str, dict] | None:
@@ -88,6 +98,107 @@ def load_latest_shared(manager: CheckpointManager | None, group) -> tuple[str, d
     return broadcast_state(latest, group)
 
 
+class Checkpointer:
+    """One per start, on every rank: the training state's parts (:meth:`attach`: name -> a ``state_dict`` /
+    ``load_state_dict`` part; the model's part may also give ``eval_state_dict``, Schedule-Free's averaged weights)
+    and a header, composed into one checkpoint (:meth:`compose`) and written (:meth:`write`) under :attr:`lock`.
+    Rank 0 writes the periodic, signal and final checkpoints; any survivor may write the just-in-time one, with the
+    same parts and the same :meth:`write`."""
+
+    def __init__(self, folder: RunFolder, keep: int, rank: int, lock: threading.RLock | None = None):
+        if keep < 1:
+            raise ConfigError(f"checkpoint keep={keep}: keep at least 1 checkpoint")
+        self.folder, self.keep, self.rank = folder, keep, rank
+        self.lock = lock or threading.RLock()  # the update, the evaluation's weight swap and every write
+        self.parts: dict = {}
+        self.header: Callable[[], dict] = dict
+        self.last_step, self.last_time = -1, time.monotonic()  # the newest checkpoint this start wrote or resumed
+        self._manager = CheckpointManager(folder.checkpoints, keep) if rank == 0 else None
+
+    def attach(self, parts: dict, header: Callable[[], dict]) -> None:
+        self.parts, self.header = parts, header
+
+    def manager(self) -> CheckpointManager:
+        """Made once per process (under :attr:`lock` on a rank other than 0: its first write is a rescue's), so
+        that no second manager removes the temporary file of a write in flight."""
+        if self._manager is None:
+            self._manager = CheckpointManager(self.folder.checkpoints, self.keep)
+        return self._manager
+
+    def load_latest_shared(self, group) -> tuple[str, dict] | None:
+        """Collective: the newest readable checkpoint, read by rank 0 and streamed to the others."""
+        return load_latest_shared(self._manager, group)
+
+    def newest(self) -> str | None:
+        return self.folder.newest_checkpoint()
+
+    def has(self, step: int) -> bool:
+        """Whether this start wrote (or resumed) the checkpoint of ``step`` and it is on disk."""
+        return self.last_step == step and os.path.exists(self.folder.checkpoint(step))
+
+    def compose(self, parts: dict | None = None, **extra) -> dict:
+        """The checkpoint's dict: the header, each part's state (collective where a part is: the RNG streams'
+        gather), the model part's ``eval_state_dict`` as ``eval_model`` where it gives one, then ``extra``.
+        ``parts`` replaces some of the attached ones (the rescue's boundary)."""
+        parts = {**self.parts, **(parts or {})}
+        state = {**self.header(), **{name: part.state_dict() for name, part in parts.items()}}
+        averaged = getattr(parts.get("model"), "eval_state_dict", lambda: None)()
+        if averaged is not None:
+            state["eval_model"] = averaged
+        state.update(extra)
+        return state
+
+    def save(self, step: int, why: str, rank_part: dict | None = None,
+             gathered: Callable[[], None] | None = None) -> str | None:
+        """Collective: the checkpoint of ``step``, written by rank 0; the others give only what a collective part
+        gathers (the RNG streams). ``rank_part``: this rank's comm hook state; its residuals go to the rank's own file
+        first, the rest into the checkpoint as ``hook``. ``gathered`` runs once the collectives are over."""
+        extra = {"rank_states": rank_part is not None}
+        if rank_part is not None:
+            self.save_rank_part(step, rank_part)
+            extra["hook"] = {k: v for k, v in rank_part.items() if k != "residuals"}
+        if self.rank == 0:
+            state = self.compose(**extra)
+        else:
+            state = None
+            for part in self.parts.values():
+                if getattr(part, "collective", False):
+                    part.state_dict()
+        if gathered is not None:
+            gathered()
+        path = self.write(step, state, why) if state is not None else None
+        self.last_step, self.last_time = step, time.monotonic()
+        return path
+
+    def save_rank_part(self, step: int, state: dict) -> str:
+        """This rank's own part of step's checkpoint (before rank 0 writes the checkpoint that lists it)."""
+        return save_rank_state(self.folder.checkpoints, step, self.rank, state)
+
+    def write(self, step: int, state: dict, why: str) -> str:
+        """Write ``state`` as the checkpoint of ``step``, under :attr:`lock`: a rescue waits for a periodic write
+        in flight (and finds it on disk, :meth:`has`), never writes beside it."""
+        with self.lock:
+            return self.write_locked(step, state, why)
+
+    def write_locked(self, step: int, state: dict, why: str) -> str:
+        """:meth:`write` by a caller that holds :attr:`lock` (the rescue holds it to the end of the process)."""
+        _slow_for_tests(why)
+        path = self.manager().save(step, state)
+        self.last_step, self.last_time = step, time.monotonic()
+        log.info("checkpoint (%s): %s", why, path)
+        return path
+
+
+def _slow_for_tests(why: str) -> None:
+    """A test hook, set by tests only: HPCDL_TEST_SLOW_SAVE="WHY[,WHY]:SECONDS" makes each write of those kinds (end,
+    signal, periodic, just in time) take SECONDS longer, as a large checkpoint's write on a slow filesystem does."""
+    kinds, _, seconds = os.environ.get("HPCDL_TEST_SLOW_SAVE", "").rpartition(":")
+    if why in kinds.split(","):
+        log.warning("HPCDL_TEST_SLOW_SAVE: the %s checkpoint's write takes %s s longer (a test's slow write)", why,
+                    seconds)
+        time.sleep(float(seconds))
+
+
 def _write_failed(path: str, tmp: str, state: dict, exc: Exception, kept: list[str]) -> str:
     written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
     needed = sum(t.numel() * t.element_size() for t in _tensors(state))
@@ -114,15 +225,13 @@ def _tensors(tree):
             yield from _tensors(v)
 
 
-def rank_path(checkpoint: str, rank: int) -> str:
-    """The file beside ``checkpoint`` that holds ``rank``'s own state."""
-    return f"{checkpoint[:-len('.pt')]}.rank{rank:05d}.pt"
+rank_path = rank_part_of
 
 
 def save_rank_state(folder: str, step: int, rank: int, state: dict) -> str:
-    """Write ``rank``'s state for the checkpoint of ``step`` (temporary name, fsync, rename)."""
+    """Write ``rank``'s state for the checkpoint of ``step`` in ``folder`` (temporary name, fsync, rename)."""
     os.makedirs(folder, exist_ok=True)
-    return _save_atomically(rank_path(os.path.join(folder, f"ckpt-{step:09d}.pt"), rank), state, kept=[])
+    return _save_atomically(rank_part_of(os.path.join(folder, checkpoint_name(step)), rank), state, kept=[])
 
 
 def _save_atomically(path: str, state: dict, kept: list[str]) -> str:

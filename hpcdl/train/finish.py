@@ -1,5 +1,5 @@
-"""The run's start and end as the user reads them: the lines announced at the start, the replica check, and
-the summary (``summary.json`` and its text)."""
+"""The run's start and end as the user reads them: the lines announced at the start, the replica check, the
+end on a signal or a loss not finite, and the summary (``summary.json`` and its text)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,13 @@ from hpcdl.distributed.affinity import allocator_in_use
 from hpcdl.distributed.process_group import DistContext
 from hpcdl.errors import TrainingDiverged
 from hpcdl.train.metrics import phase_shares
+from hpcdl.run_folder import RunFolder
 from hpcdl.train.outcome import Outcome, summary_text
+from hpcdl.train.preempt import hand_to_submitit, requeue
 from hpcdl.train.state import Progress
 from hpcdl.utils import atomic_write_text
 
-__all__ = ["Facts", "announce", "check_replicas", "write_summary"]
+__all__ = ["Facts", "announce", "check_replicas", "diverged", "on_signal", "write_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +100,34 @@ def check_replicas(model: torch.nn.Module, ctx: DistContext, step: int) -> str:
                            "this is a bug in hpcdl or in a custom comm hook: report it with the run folder")
 
 
+def on_signal(cfg: RunConfig, ctx: DistContext, stop, step: int, terminated: bool, checkpoints: str) -> Outcome:
+    """How a run stopped by a signal ends, its checkpoint written: on SIGTERM, terminated; on the requeue signal,
+    rank 0 hands the job to submitit or ``scontrol requeue`` (requeued), or cannot (stopped)."""
+    if terminated:
+        log.error("rank %d: stopped at step %d on SIGTERM (scancel, or a preemption or time limit without --signal); "
+                  "checkpoint written in %s: submit the job again to resume", ctx.rank, step, checkpoints)
+        return Outcome.TERMINATED
+    log.warning("stopping at step %d on the requeue signal (%s); checkpoint written", step, cfg.checkpoint.signal)
+    # submitit checkpoints the job object and requeues (then exits); else scontrol requeue
+    if ctx.rank == 0 and (hand_to_submitit(stop) or requeue(cfg.checkpoint.max_requeues)):
+        return Outcome.REQUEUED
+    return Outcome.STOPPED
+
+
+def diverged(progress: Progress, newest: str | None) -> TrainingDiverged:
+    """The error of a loss that is not finite, naming the checkpoint the run resumes from."""
+    return TrainingDiverged(
+        f"the loss is not finite at step {progress.step + 1} (epoch {progress.epoch}); stopped without updating the "
+        f"weights or writing a checkpoint. Last good checkpoint: {newest or 'none'}. Lower schedule.base_lr, lengthen "
+        "schedule.warmup_epochs, or check the data; the run resumes from that checkpoint")
+
+
 def write_summary(cfg: RunConfig, ctx: DistContext, progress: Progress, *, outcome: Outcome, epochs: float,
                   run_dir: str, replicas: str) -> dict:
     """The run's summary (the same on every rank); rank 0 writes summary.json and logs its text."""
     elapsed = progress.elapsed()
     best = progress.best or {}
-    jsonl = os.path.join(run_dir, "train.jsonl")
+    jsonl = RunFolder(run_dir).steps_log
     s = {"outcome": outcome.value, "name": cfg.name, "steps": progress.step, "world_size": ctx.world_size,
          "epochs": epochs, "train_s": elapsed,
          "images_per_s": progress.step * cfg.global_batch / elapsed if elapsed else 0.0,
@@ -111,6 +135,6 @@ def write_summary(cfg: RunConfig, ctx: DistContext, progress: Progress, *, outco
          "target_top1": cfg.loop.target_top1, "time_to_target_s": progress.time_to_target_s, "run_dir": run_dir,
          "replicas": replicas, "phases": phase_shares(jsonl) if ctx.rank == 0 and os.path.exists(jsonl) else {}}
     if ctx.rank == 0:
-        atomic_write_text(os.path.join(run_dir, "summary.json"), json.dumps(s, indent=1) + "\n")
+        atomic_write_text(RunFolder(run_dir).summary, json.dumps(s, indent=1) + "\n")
         log.info("%s", summary_text(s))
     return s

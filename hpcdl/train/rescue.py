@@ -16,14 +16,19 @@ trained again.
 
 What each survivor keeps. The update and its bookkeeping run under :attr:`Rescue.lock`; right after, the
 *boundary* is taken: the step and epoch counters, the sampler's position, this rank's RNG streams and the
-model's buffers (batch norm's statistics, which the next forward changes before its exchange). The
-weights and the optimizer's state are read live: nothing changes them outside the lock.
+model's buffers that its state dict holds (batch norm's statistics, which the next forward changes before its
+exchange; not those registered with ``persistent=False``, which no strict load takes). The weights and the
+optimizer's state are read live: nothing changes them outside the lock (an evaluation's swap to Schedule-Free's
+averaged weights runs under it too, and the model's part gives the training weights during one).
 
 How they agree, without the process group (it is what broke) or the rendezvous store (rank 0 serves it, and
-rank 0 may be the one lost): through the run folder, which every rank reaches. In ``RUN/jit/ATTEMPT/`` each
+rank 0 may be the one lost): through the run folder, which every rank reaches. In ``RUN/jit/START/`` (this
+start's own folder, :func:`attempt_name`: a folder of an earlier start is never read as this one's) each
 survivor writes its report (rank, completed step, the ranks it found lost) and its RNG streams, then waits a
 bounded time for the reports of the ranks it believes alive. The lowest rank of those at the highest step
-writes the checkpoint, as every periodic one (temporary name, fsync, rename) and ``result.json``; every
+writes the checkpoint through the start's :class:`~hpcdl.train.checkpoint.Checkpointer`, the owner of every
+checkpoint (the same parts, under the lock the update and the periodic writes run under), then ``result.json``;
+the others wait for that result (under ``srun --kill-on-bad-exit=1`` the first to exit ends the step), and every
 survivor exits with :data:`EXIT_PEER_LOST`, which the supervisor (:mod:`hpcdl.launch.supervisor`) reads.
 
 How it starts. A collective that fails raises in the training thread (gloo's reset connection, the MPI and
@@ -41,6 +46,7 @@ restart from zero, as after a checkpoint from an older hpcdl).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -55,22 +61,40 @@ from collections import deque
 import torch
 
 from hpcdl.errors import CheckpointError
-from hpcdl.train.checkpoint import CheckpointManager, rng_state
+from hpcdl.run_folder import RunFolder
+from hpcdl.train.checkpoint import rng_state
 from hpcdl.train.outcome import EXIT_PEER_LOST, read_result
+from hpcdl.train.state import Frozen
 from hpcdl.train.orphan import after_rescue
 from hpcdl.utils import atomic_write_text, leave_now
 
 __all__ = ["EXIT_PEER_LOST", "Boundary", "Rescue", "attempt_name", "read_result"]
 
 log = logging.getLogger(__name__)
+CLAIM_STALE_S = 15.0  # a writer's claim not touched for this long: the writer is gone
+CLAIM_WAIT_S = 30.0  # how long a survivor waits for the writer to claim the write
 
-def attempt_name(master_port: int) -> str:
-    """The folder of this start's rescue: the supervisor names its attempts (HPCDL_ATTEMPT); otherwise the job,
-    the Slurm step and the rendezvous port, which every rank of one start shares."""
+def attempt_name(master_port: int, store=None, rank: int = 0) -> str:
+    """The folder of this start's rescue, unique to the start: the supervisor names its attempts (HPCDL_ATTEMPT,
+    unique per start, requeues included); otherwise the job, the Slurm step, the rendezvous port and a token rank 0
+    makes at the start and hands the others through the rendezvous ``store``: the first three repeat (mpiexec or
+    torchrun with the default port, a requeued job), and a folder of an earlier start read as this one's made every
+    later start rescue at once."""
     named = os.environ.get("HPCDL_ATTEMPT")
     if named:
         return named
-    return f"{os.environ.get('SLURM_JOB_ID', 'local')}.{os.environ.get('SLURM_STEP_ID', '0')}.{master_port}"
+    base = f"{os.environ.get('SLURM_JOB_ID', 'local')}.{os.environ.get('SLURM_STEP_ID', '0')}.{master_port}"
+    if store is None:
+        return f"{base}.{_token()}"
+    key = f"hpcdl/rescue-start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # torchrun's store outlives a restart
+    if rank == 0:
+        store.set(key, f"{base}.{_token()}")
+    return store.get(key).decode()
+
+
+def _token() -> str:
+    """When and where this start began: sorts by time; two starts in one second differ by the pid and the random part."""
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
 @dataclasses.dataclass(slots=True)
@@ -86,15 +110,18 @@ class Boundary:
 
 
 class Rescue:
-    """One per start, made before the trainer (a loss during start-up is reported too) and given it by
-    :meth:`attach`: its ``parts`` (model, optimizer, schedule), ``data.sampler``, ``progress``, ``cfg``,
-    ``dir``, ``last_save_step`` and :meth:`checkpoint_header`."""
+    """One per start, made before the trainer (a loss during start-up is reported too) and given the start's
+    :class:`~hpcdl.train.checkpoint.Checkpointer` by :meth:`attach`: its parts (model, optimizer, schedule, sampler,
+    counters) and its write, the one every checkpoint goes through."""
 
     def __init__(self, ctx, run_folder: str):
-        self.ctx, self.trainer = ctx, None
+        self.ctx, self.ckpt = ctx, None
         self.rank, self.world = ctx.rank, ctx.world_size
-        self.folder = os.path.join(run_folder, "jit", attempt_name(ctx.env.master_port))
-        self.lock = threading.Lock()  # the update and the boundary; the rescue takes it and never gives it back
+        self.run_folder = RunFolder(run_folder)
+        self.folder = self.run_folder.rescue(attempt_name(ctx.env.master_port, ctx.store, ctx.rank))
+        self.lock = threading.RLock()  # the update, the boundary, every write; the rescue takes it and never gives it back
+        self.record_samples = self.residuals_lost = False
+        self._persistent: set[str] | None = None  # the model's buffers a state dict holds
         self._started = threading.Lock()
         self.boundary: Boundary | None = None
         self._steps: deque[float] = deque(maxlen=20)  # recent step durations, for the stall bound
@@ -102,18 +129,23 @@ class Rescue:
         self.created = time.monotonic()
         self._stop = threading.Event()
 
-    def attach(self, trainer) -> None:
-        self.trainer = trainer
+    def attach(self, ckpt, record_samples: bool = False, residuals_lost: bool = False) -> None:
+        """``ckpt``: the start's Checkpointer, made with :attr:`lock`; ``record_samples``: drop the steps after the
+        saved one from RUN/samples; ``residuals_lost``: the comm hook's residuals are not in a just-in-time checkpoint."""
+        self.ckpt, self.record_samples, self.residuals_lost = ckpt, record_samples, residuals_lost
 
     # -- the boundary -------------------------------------------------------------------------------------
     def take_boundary(self) -> None:
         """Call under :attr:`lock` after each update (and when the epoch turns)."""
-        t = self.trainer
-        now = time.monotonic()
-        if self.boundary is not None and t.progress.step != self.boundary.step:
+        parts, now = self.ckpt.parts, time.monotonic()
+        progress, model = parts["counters"], parts["model"].model
+        if self.boundary is not None and progress.step != self.boundary.step:
             self._steps.append(now - self.boundary.at)
-        self.boundary = Boundary(t.progress.step, t.progress.state_dict(), t.data.sampler.state_dict(), rng_state(),
-                                 {name: b.detach().clone() for name, b in t.parts.model.named_buffers()}, now)
+        if self._persistent is None:  # a buffer registered with persistent=False is in no state dict: not saved
+            self._persistent = set(model.state_dict())
+        self.boundary = Boundary(progress.step, progress.state_dict(), parts["sampler"].state_dict(), rng_state(),
+                                 {name: b.detach().clone() for name, b in model.named_buffers()
+                                  if name in self._persistent}, now)
 
     def stall_s(self, report: bool = False) -> float:
         """How long without a completed step before the watch thread looks for a lost peer: three median
@@ -201,7 +233,28 @@ class Rescue:
         best = max(steps) if steps else None
         writer = min(r for r, rep in reports.items() if rep["step"] == best)
         if writer == self.rank and self._claim():
-            self._write(best, reports, lost)
+            with _touching(os.path.join(self.folder, "writer")):
+                self._write(best, reports, lost)
+        else:
+            self._await_writer(writer)
+
+    def _await_writer(self, writer: int) -> None:
+        """Wait for the writer's result.json before leaving: under ``srun --kill-on-bad-exit=1`` the first rank to
+        exit non-zero ends the step, the writer in the middle of its write. Bounded: while the writer's claim is
+        touched (every 2 s while it writes), and :data:`CLAIM_WAIT_S` for a claim that never comes."""
+        claim, since = os.path.join(self.folder, "writer"), time.monotonic()
+        while read_result(self.folder) is None:
+            try:
+                if time.time() - os.path.getmtime(claim) > CLAIM_STALE_S:
+                    log.error("rank %d: the writer's claim %s is %.0f s old: the writer (rank %d?) is gone, leaving "
+                              "without its result", self.rank, claim, time.time() - os.path.getmtime(claim), writer)
+                    return
+            except OSError:  # no claim yet
+                if time.monotonic() - since > CLAIM_WAIT_S:
+                    log.error("rank %d: no writer claimed %s within %.0f s (rank %d was to write): leaving",
+                              self.rank, self.folder, CLAIM_WAIT_S, writer)
+                    return
+            time.sleep(0.2)
 
     def _report_path(self, rank: int) -> str:
         return os.path.join(self.folder, f"report-{rank:05d}.json")
@@ -237,7 +290,6 @@ class Rescue:
             return False
 
     def _write(self, step: int | None, reports: dict[int, dict], lost: list[int] | None) -> None:
-        t = self.trainer
         started = time.monotonic()
         survivors = sorted(reports)
         rngs: list = [None] * self.world
@@ -250,15 +302,17 @@ class Rescue:
             except Exception as exc:
                 log.warning("rescue: %s unreadable (%s); rank %d's RNG streams are seeded afresh", path, exc, r)
         missing = [r for r in range(self.world) if rngs[r] is None]
-        manager = CheckpointManager(os.path.join(t.dir, "checkpoints"), t.cfg.checkpoint.keep) if t else None
-        if not step:  # no step in this start (lost during start-up), or none trained yet
+        if not step or self.ckpt is None:  # no step in this start (lost during start-up), or none trained yet
             path, wrote = None, False
-        elif t.last_save_step == step and os.path.exists(manager.path(step)):
-            path, wrote = manager.path(step), False  # the periodic checkpoint of this very step is on disk
+        elif self.ckpt.has(step):  # the periodic checkpoint of this very step is on disk (a write waited for)
+            path, wrote = self.run_folder.checkpoint(step), False
         else:
-            path, wrote = manager.save(step, self._state(step, rngs, survivors, missing, lost)), True
-        if t is not None and t.cfg.loop.record_samples and step is not None:
-            _drop_samples_after(os.path.join(t.dir, "samples"), step)
+            state = self.ckpt.compose(self._boundary_parts(rngs), rank_states=False, jit={
+                "survivors": survivors, "lost": lost if lost is not None else [0], "rng_lost": missing,
+                "residuals_lost": self.residuals_lost})
+            path, wrote = self.ckpt.write_locked(step, state, "just in time"), True
+        if self.record_samples and step is not None:
+            _drop_samples_after(self.run_folder.samples, step)
         where = {r: self.ctx.heartbeat.who(r) for r in lost} if lost else {}
         result = {"step": step, "checkpoint": path, "written": wrote, "writer": self.rank, "survivors": survivors,
                   "lost": lost if lost is not None else [0], "rank0_lost": lost is None, "rng_lost": missing,
@@ -271,17 +325,44 @@ class Rescue:
                   "none (no step trained in this start): the run resumes from its newest checkpoint",
                   _ranges(survivors), result["lost"])
 
-    def _state(self, step: int, rngs: list, survivors: list[int], missing: list[int], lost) -> dict:
-        t, b = self.trainer, self.boundary
-        model = t.parts.model.state_dict()
-        model.update(b.buffers)
-        state = t.checkpoint_header()
-        state.update({"model": model, "optimizer": t.parts.optimizer.state_dict(),
-                      "schedule": t.parts.schedule.state_dict(), "sampler": b.sampler, "counters": b.counters,
-                      "rng": rngs, "rank_states": False,
-                      "jit": {"survivors": survivors, "lost": lost if lost is not None else [0], "rng_lost": missing,
-                              "residuals_lost": t.cfg.sync.hook == "chunk_sparse"}})
-        return state
+    def _boundary_parts(self, rngs: list) -> dict:
+        """The parts that the boundary holds, for :meth:`Checkpointer.compose`; the weights and the optimizer's and
+        schedule's states are read live (nothing changes them outside the lock, which the rescue holds)."""
+        b = self.boundary
+        return {"model": _AtBoundary(self.ckpt.parts["model"], b.buffers), "counters": Frozen(b.counters),
+                "sampler": Frozen(b.sampler), "rng": Frozen(rngs)}
+
+
+class _AtBoundary:
+    """The model's part with the buffers the boundary kept (batch norm's statistics, which the next forward changes
+    before its exchange)."""
+
+    def __init__(self, model_part, buffers: dict):
+        self.part, self.buffers = model_part, buffers
+
+    def state_dict(self) -> dict:
+        return {**self.part.state_dict(), **self.buffers}
+
+    def eval_state_dict(self) -> dict | None:
+        averaged = getattr(self.part, "eval_state_dict", lambda: None)()
+        return {**averaged, **self.buffers} if averaged is not None else None
+
+
+@contextlib.contextmanager
+def _touching(path: str):
+    """Touch ``path`` every 2 s inside the block: the other survivors wait while it is fresh."""
+    done = threading.Event()
+
+    def touch():
+        while not done.wait(2.0):
+            with contextlib.suppress(OSError):
+                os.utime(path)
+    thread = threading.Thread(target=touch, name="hpcdl-rescue-writing", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _drop_samples_after(folder: str, step: int) -> None:

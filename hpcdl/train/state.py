@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hpcdl.data.sampler import DistributedShardSampler
 from hpcdl.train.checkpoint import rank_seed, rng_state, seed_rng, set_rng_state
 
-__all__ = ["FORMAT", "Progress", "RankRng", "SamplerPosition", "Stateful", "upgrade"]
+__all__ = ["FORMAT", "Frozen", "Progress", "RankRng", "SamplerPosition", "Stateful", "upgrade"]
 
 FORMAT = 2  # 1: the counters at the top level of the checkpoint
 
@@ -22,6 +22,19 @@ class Stateful(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Frozen:
+    """A part's state taken earlier (the just-in-time checkpoint's boundary), as a part: it saves, never loads."""
+
+    state: object
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        raise TypeError("a Frozen part is for saving: load into the live part")
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,6 +54,13 @@ class Progress:
 
     def elapsed(self) -> float:
         return self.elapsed_before + (time.monotonic() - self.started_at if self.started_at is not None else 0.0)
+
+    def evaluated(self, metrics: dict, target_top1: float) -> None:
+        """Note an evaluation at this step: the best so far, and when ``target_top1`` was first reached."""
+        if self.best is None or metrics["top1"] > self.best["top1"]:
+            self.best = {"step": self.step, **metrics}
+        if target_top1 and self.time_to_target_s is None and metrics["top1"] >= target_top1:
+            self.time_to_target_s = self.elapsed()
 
     def state_dict(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "elapsed_s": self.elapsed(), "best": self.best,
@@ -71,6 +91,8 @@ class RankRng:
     which writes the checkpoint, gathers them (the others get None). On load each rank takes the saved
     streams ``rng_from`` names for it (the resume plan's), or, with none (or a lost rank's), seeds them by the rule
     of the start."""
+
+    collective = True  # every rank calls state_dict, also where rank 0 alone writes
 
     def __init__(self, group, rank: int, world_size: int, seed: int, rng_from: tuple[int | None, ...] | None = None):
         self.group, self.rank, self.world_size, self.seed = group, rank, world_size, seed

@@ -12,7 +12,6 @@ replica check, the summary).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -21,24 +20,24 @@ from datetime import timedelta
 
 from hpcdl.config import RunConfig, dump_yaml
 from hpcdl.distributed.process_group import DistContext, fail_fast, init_distributed, set_timeout, shutdown
-from hpcdl.errors import TrainingDiverged
 from hpcdl.models import with_model_defaults
-from hpcdl.optim.modes import eval_state, evaluation_weights, training_weights
+from hpcdl.optim.modes import ModelWeights, training_weights
+from hpcdl.run_folder import RunFolder
 from hpcdl.schema import to_dict
 from hpcdl.train.build import build_data, build_model_parts, read_manifests, size_loader_for
-from hpcdl.train.checkpoint import CheckpointManager, load_latest_shared, save_rank_state
+from hpcdl.train.checkpoint import Checkpointer
 from hpcdl.train.evaluate import evaluate
-from hpcdl.train.finish import Facts, announce, check_replicas, write_summary
+from hpcdl.train.finish import Facts, announce, check_replicas, diverged, on_signal, write_summary
 from hpcdl.train.loader import data_workers_named
 from hpcdl.train.metrics import RunLog
 from hpcdl.train.outcome import Outcome
 from hpcdl.train.precision import choose_precision
-from hpcdl.train.preempt import StopSignal, hand_to_submitit, requeue
+from hpcdl.train.preempt import StopSignal
 from hpcdl.train.preflight import make_run_dir, preflight, run_dir
 from hpcdl.train.rescue import Rescue
 from hpcdl.train.resume import Saved, changed_config, fold_residuals, plan_resume
 from hpcdl.train.startup import StartupRecord
-from hpcdl.train.state import FORMAT, Progress, RankRng, SamplerPosition, Stateful, upgrade
+from hpcdl.train.state import FORMAT, Progress, RankRng, SamplerPosition, upgrade
 from hpcdl.train.wrap import wrap
 from hpcdl.utils import atomic_write_text
 
@@ -78,9 +77,9 @@ class Trainer:
                  rescue: Rescue | None = None):
         self.ctx, self.stop, self.record, self.rescue = ctx, stop, record, rescue
         self.dir = make_run_dir(cfg)
-        self.ckpt = CheckpointManager(os.path.join(self.dir, "checkpoints"), cfg.checkpoint.keep) \
-            if ctx.rank == 0 else None
-        restore = load_latest_shared(self.ckpt, ctx.group)  # read once, by rank 0; before the batch split
+        self.folder = RunFolder(self.dir)
+        self.ckpt = Checkpointer(self.folder, cfg.checkpoint.keep, ctx.rank, rescue.lock if rescue else None)
+        restore = self.ckpt.load_latest_shared(ctx.group)  # read once, by rank 0; before the batch split
         self._mark("checkpoint read")
         manifests = read_manifests(cfg, ctx)  # before preflight, which needs data.train's
         cfg, model_defaults = with_model_defaults(cfg)  # crop: 0, the model's
@@ -89,7 +88,7 @@ class Trainer:
             cfg = self.plan.applied(cfg)  # this job's ranks and the plan's accumulation, checked together
         self.cfg = cfg = preflight(cfg, ctx.world_size, manifests[0])
         if ctx.rank == 0:
-            atomic_write_text(os.path.join(self.dir, "config.yaml"), dump_yaml(cfg))
+            atomic_write_text(self.folder.config, dump_yaml(cfg))
         precision, precision_why = choose_precision(cfg.loop.precision)
         self.progress = Progress()
         self.parts = build_model_parts(cfg, ctx, precision, resuming=restore is not None)
@@ -98,6 +97,7 @@ class Trainer:
         self._mark("data open")
         sizing = size_loader_for(cfg, ctx, self.data, self.parts, precision)
         self._mark("loader probe")
+        self.ckpt.attach(self._parts_of_state(), self.checkpoint_header)
         hook_state = self._resume(restore)
         del restore  # the state's memory goes back
         training_weights(self.parts.optimizer)  # Schedule-Free: train mode before the first step
@@ -106,16 +106,14 @@ class Trainer:
                             hook_state=hook_state, run_dir=self.dir)
         self._mark("DDP")
         self.last_step = min(cfg.schedule.total_steps, cfg.loop.max_steps or cfg.schedule.total_steps)
-        self.last_save_step = self.progress.step if self.plan else -1
-        self.last_save_time = time.monotonic()
+        self.ckpt.last_step = self.progress.step if self.plan else -1
         self.started = False  # whether this process completed a step (start-up timeout until then)
         self.replicas = "not checked (the run ended early)"
-        self.samples = _sample_file(self.dir, ctx.rank) if cfg.loop.record_samples else None
-        self.wrapped.stepper.commit = self._commit
+        self.samples = _sample_file(self.folder, ctx.rank) if cfg.loop.record_samples else None
+        self.wrapped.stepper.commit, self.wrapped.stepper.guard = self._commit, self.ckpt.lock
         if rescue is not None:
-            rescue.attach(self)
-            self.wrapped.stepper.guard = rescue.lock
-            with rescue.lock:
+            rescue.attach(self.ckpt, cfg.loop.record_samples, residuals_lost=cfg.sync.hook == "chunk_sparse")
+            with self.ckpt.lock:
                 rescue.take_boundary()
         self.facts = Facts(self.dir, self.plan.path if self.plan else None, self.last_step, model_defaults, precision,
                            precision_why, sizing.describe(), self.parts.ipex_note, self.wrapped.compile_note,
@@ -126,12 +124,12 @@ class Trainer:
             self.record.mark(phase)
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def parts_of_state(self) -> dict[str, Stateful]:
-        """What a checkpoint holds beside its format, world size and config: one entry per stateful part.
-        The comm hook's residuals are each rank's own and go to per-rank files."""
+    def _parts_of_state(self) -> dict:
+        """What a checkpoint holds beside its header (:meth:`checkpoint_header`): one entry per stateful part, handed
+        to the Checkpointer. The comm hook's residuals are each rank's own and go to per-rank files."""
         ctx, p = self.ctx, self.parts
-        return {"model": p.model, "optimizer": p.optimizer, "schedule": p.schedule,
-                "sampler": SamplerPosition(self.data.sampler), "counters": self.progress,
+        return {"model": ModelWeights(p.model, p.optimizer, self.ckpt.lock), "optimizer": p.optimizer,
+                "schedule": p.schedule, "sampler": SamplerPosition(self.data.sampler), "counters": self.progress,
                 "rng": RankRng(ctx.group, ctx.rank, ctx.world_size, self.cfg.loop.seed,
                                self.plan.rng_from if self.plan else None)}
 
@@ -144,7 +142,7 @@ class Trainer:
         if changed and self.ctx.rank == 0:
             log.warning("resuming %s with a changed config: %s", path, changed)
         state = upgrade(state)
-        for name, part in self.parts_of_state().items():
+        for name, part in self.ckpt.parts.items():
             part.load_state_dict(state[name])
         if self.ctx.rank == 0:
             for line in self.plan.lines:
@@ -160,23 +158,13 @@ class Trainer:
         return None
 
     def _save(self, why: str) -> None:
-        """Collective: every rank gives its RNG state (and chunk_sparse residuals, to its own file); rank 0 writes."""
-        if self.last_save_step == self.progress.step:
+        """Collective: the checkpoint of this step (rank 0 writes). After the final or the requeue signal's gather no
+        rank needs another: the others leave, so this rank's watch stops before its write, however long."""
+        if self.ckpt.last_step == self.progress.step:
             return
         sparse = self.wrapped.sparse
-        if sparse is not None:  # every rank's own part first; the gather of the RNG states waits for all
-            hook = sparse.state_dict()
-            save_rank_state(os.path.join(self.dir, "checkpoints"), self.progress.step, self.ctx.rank, hook)
-        state = {**self.checkpoint_header(), "rank_states": sparse is not None,
-                 **{name: part.state_dict() for name, part in self.parts_of_state().items()}}
-        averaged = eval_state(self.parts.model, self.parts.optimizer)  # Schedule-Free's x, beside the training state
-        if averaged is not None:
-            state["eval_model"] = averaged
-        if sparse is not None:
-            state["hook"] = {k: v for k, v in hook.items() if k != "residuals"}
-        if self.ckpt is not None:
-            log.info("checkpoint (%s): %s", why, self.ckpt.save(self.progress.step, state))
-        self.last_save_step, self.last_save_time = self.progress.step, time.monotonic()
+        last = self.rescue.stop_watch if self.rescue and why in ("end", "signal") else None
+        self.ckpt.save(self.progress.step, why, sparse.state_dict() if sparse is not None else None, gathered=last)
 
     def checkpoint_header(self) -> dict:
         """What every checkpoint holds beside the parts' states."""
@@ -191,13 +179,9 @@ class Trainer:
                         log_every=self.cfg.loop.log_every)
         try:
             outcome = self._loop(runlog)
-            if outcome == "stop":
-                return self._preempted()
-            if outcome == "terminate":
-                log.error("rank %d: stopped at step %d on SIGTERM (scancel, or a preemption or time limit without "
-                          "--signal); checkpoint written in %s: submit the job again to resume", self.ctx.rank,
-                          self.progress.step, os.path.join(self.dir, "checkpoints"))
-                return self._summary(Outcome.TERMINATED)
+            if outcome in ("stop", "terminate"):  # checkpointed; rank 0 requeues on the requeue signal
+                return self._summary(on_signal(self.cfg, self.ctx, self.stop, self.progress.step,
+                                               outcome == "terminate", self.folder.checkpoints))
             if self.progress.best is None or self.progress.best["step"] != self.progress.step:
                 self._evaluate(runlog)
             self.replicas = check_replicas(self.parts.model, self.ctx, self.progress.step)
@@ -216,7 +200,7 @@ class Trainer:
             outcome = self._train_epoch(runlog)
             if outcome != "epoch":
                 return outcome
-            with self.rescue.lock if self.rescue else contextlib.nullcontext():
+            with self.ckpt.lock:
                 p.epoch += 1
                 sampler.set_epoch(p.epoch)  # a checkpoint from here on names the next epoch's start
                 if self.rescue:
@@ -233,7 +217,7 @@ class Trainer:
             if result is None:
                 return "epoch"
             if not result.finite:
-                self._diverged()
+                raise diverged(self.progress, self.ckpt.newest())
             if not self.started:  # start-up is over: from here on a collective gets the step timeout
                 self.started = True
                 set_timeout(self.ctx, timedelta(seconds=self.cfg.loop.timeout_s))
@@ -277,40 +261,19 @@ class Trainer:
     def _wishes(self) -> tuple[bool, bool]:
         """Rank 0's (stop, checkpoint now); the step's control all-reduce hands them to every rank."""
         minutes = self.cfg.checkpoint.every_minutes
-        due = bool(minutes) and time.monotonic() - self.last_save_time >= 60 * minutes
+        due = bool(minutes) and time.monotonic() - self.ckpt.last_time >= 60 * minutes
         return self.stop.wish, due
-
-    def _diverged(self) -> None:
-        last = self.ckpt.checkpoints()[0] if self.ckpt is not None and self.ckpt.checkpoints() else None
-        raise TrainingDiverged(
-            f"the loss is not finite at step {self.progress.step + 1} (epoch {self.progress.epoch}); stopped without "
-            f"updating the weights or writing a checkpoint. Last good checkpoint: {last or 'none'}. Lower "
-            "schedule.base_lr, lengthen schedule.warmup_epochs, or check the data; the run resumes from that checkpoint")
 
     def _evaluate(self, runlog: RunLog) -> None:
         if self.data.val_loader is None:
             return
         p = self.progress
-        with evaluation_weights(self.parts.optimizer):
+        with self.ckpt.parts["model"].evaluating():  # Schedule-Free's x; a rescue meanwhile saves y all the same
             metrics = evaluate(self.wrapped.net, self.data.val_loader, self._prepare, group=self.ctx.group,
                                num_classes=self.cfg.num_classes)
         runlog.evaluation(p.step, self._epochs(), metrics, self.data.classes)
         metrics.pop("confusion", None)
-        if p.best is None or metrics["top1"] > p.best["top1"]:
-            p.best = {"step": p.step, **metrics}
-        target = self.cfg.loop.target_top1
-        if target and p.time_to_target_s is None and metrics["top1"] >= target:
-            p.time_to_target_s = p.elapsed()
-
-    def _preempted(self) -> dict:
-        log.warning("stopping at step %d on the requeue signal (%s); checkpoint written", self.progress.step,
-                    self.cfg.checkpoint.signal)
-        outcome = Outcome.STOPPED
-        if self.ctx.rank == 0:
-            # submitit checkpoints the job object and requeues (then exits); else scontrol requeue
-            if hand_to_submitit(self.stop) or requeue(self.cfg.checkpoint.max_requeues):
-                outcome = Outcome.REQUEUED
-        return self._summary(outcome)
+        p.evaluated(metrics, self.cfg.loop.target_top1)
 
     def _epochs(self) -> float:
         """Epochs done, fractional: the share of the current epoch trained, counting runs before a cut."""
@@ -325,7 +288,7 @@ class Trainer:
                              run_dir=self.dir, replicas=self.replicas)
 
 
-def _sample_file(folder: str, rank: int):
+def _sample_file(folder: RunFolder, rank: int):
     """loop.record_samples: each rank appends "epoch index step" of every sample it trains."""
-    os.makedirs(os.path.join(folder, "samples"), exist_ok=True)
-    return open(os.path.join(folder, "samples", f"rank{rank:05d}.txt"), "a")
+    os.makedirs(folder.samples, exist_ok=True)
+    return open(folder.sample_record(rank), "a")
