@@ -296,7 +296,8 @@ def test_a_killed_rank_and_a_stopped_one_restart_on_the_same_nodes_from_a_valid_
     until the budget was spent."""
     run, reference = tmp_path / "run", tmp_path / "reference"
     extra = ("--set", "loop.backend=gloo", "--set", "epochs=6", "--set", "data.workers=4", "--set", "global_batch=16",
-             "--set", "data.reserve_cores=0")  # the same threads in every start: bitwise comparable
+             "--set", "data.reserve_cores=0",  # the same threads in every start: bitwise comparable
+             "--set", "checkpoint.keep=8")  # the first just-in-time checkpoint is still there at the end
     script = script_for(tmp_path, data, run, nodes=2, tasks=1, partition="debug", name="rank", restarts=2, extra=extra)
     env, fake = broken_python_env(tmp_path)
     job = submit(script, tmp_path, env=env)

@@ -128,6 +128,7 @@ class Supervisor:
         self._spares_checked = None
         self._task_exits: list[tuple[str, str, float]] = []  # (node, what srun said, when) of the step in flight
         self._stuck_why: str | None = None
+        self._ended_at: float | None = None  # when the supervisor ended the step in flight (time.monotonic())
         self._beat_path = os.path.join(self.run_dir, "supervisor.alive")
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ class Supervisor:
                 f"--ntasks={len(use) * self.tasks_per_node}", f"--ntasks-per-node={self.tasks_per_node}",
                 f"--nodelist={','.join(use)}", *cpus, *self.rank_command]
         log.info("step %s: %d rank(s) on %s", name, len(use) * self.tasks_per_node, ",".join(use))
-        self._task_exits = []
+        self._task_exits, self._ended_at = [], None
         proc = subprocess.Popen(argv, env={**os.environ, "HPCDL_ATTEMPT": name, BEAT_ENV: self._beat_path},
                                 stderr=subprocess.PIPE)
         pump = threading.Thread(target=self._pump, args=(proc.stderr,), name="hpcdl-srun-stderr", daemon=True)
@@ -257,6 +258,7 @@ class Supervisor:
 
     def _end_step(self, proc: subprocess.Popen, folder: str, name: str) -> None:
         """The survivors are done; what is left are tasks on a dead node (or stopped ones): end the step."""
+        self._ended_at = time.monotonic()  # the tasks' exits after this are this end's, not failures of their own
         steps = set()
         for entry in os.listdir(folder) if os.path.isdir(folder) else ():
             if entry.startswith("report-"):
@@ -278,7 +280,8 @@ class Supervisor:
     # -- after a failed step ----------------------------------------------------------------------------------
     def _diagnose(self, code: int, result: dict | None, use: list[str], started: float, ended: float,
                   trained: bool = True) -> dict:
-        exited = sorted({node for node, _, _ in self._task_exits if node in use})
+        exits = [e for e in self._task_exits if self._ended_at is None or e[2] < self._ended_at]
+        exited = sorted({node for node, _, _ in exits if node in use})
         if result is not None:
             # only this step's nodes: a node named by an older rescue, or one no longer in the allocation, is not
             suspects = [n for n in lost_nodes(result, use, self.tasks_per_node) if n in use]
@@ -293,7 +296,7 @@ class Supervisor:
             suspects, saved, detected = exited, None, ended
             cause = getattr(self, "_stuck_why", None) or f"the step ended with status {code} and no rank's report"
             if exited and "start-up" not in cause:
-                cause += "; " + "; ".join(f"{n}: {w}" for n, w, _ in self._task_exits[:8])
+                cause += "; " + "; ".join(f"{n}: {w}" for n, w, _ in exits[:8])
         self._stuck_why = None
         if not trained:  # a start that failed before its first step, on these nodes
             for node in suspects:
