@@ -4,6 +4,7 @@ takes. The sleep and the SIGKILL are real; the rest is the real trainer.
 
     HPCDL_TEST_STALL="PHASE[,PHASE...]:SECONDS:RANK"  sleep at each PHASE
     HPCDL_TEST_KILL="PHASE:RANK"                      SIGKILL this process at PHASE
+    HPCDL_TEST_STOP="PHASE:RANK"                      SIGSTOP this process at PHASE (a hung rank or node)
     python fault_ranks.py train ...
 
 PHASE: rendezvous (before the process group), checkpoint (resume: load and broadcast), ddp (DDP and the
@@ -30,12 +31,14 @@ import hpcdl.train.trainer as trainer
 import hpcdl.train.wrap as wrap
 from hpcdl.cli import console
 
-rank = int(os.environ.get("RANK", "0"))
+rank = int(os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ.get("SLURM_PROCID") or "0")
 stall = os.environ.get("HPCDL_TEST_STALL")
 kill = os.environ.get("HPCDL_TEST_KILL")
 stalls, seconds, stall_rank = (stall.split(":") if stall else ("", "0", "-1"))
 stalls, seconds = set(stalls.split(",")), float(seconds)
 kill_phase, kill_rank = kill.split(":") if kill else ("", "-1")
+stop = os.environ.get("HPCDL_TEST_STOP")
+stop_phase, stop_rank = stop.split(":") if stop else ("", "-1")
 
 
 def fault(phase, on_call=1):
@@ -52,6 +55,9 @@ def fault(phase, on_call=1):
                     time.sleep(seconds)
                 if phase == kill_phase and rank == int(kill_rank):
                     die(phase)
+                if phase == stop_phase and rank == int(stop_rank):
+                    print(f"fault: rank {rank} (pid {os.getpid()}) SIGSTOPped in {phase}", file=sys.stderr, flush=True)
+                    os.kill(os.getpid(), signal.SIGSTOP)
             return fn(*args, **kwargs)
         return wrapper
     return wrap
