@@ -208,7 +208,8 @@ def _mpi_env() -> dict[str, str]:
 
 @pytest.mark.parametrize("flags, warned", [((), True), (("-disable-auto-cleanup",), False)])
 def test_hpcdl_reads_whether_mpiexec_ends_every_rank_at_a_rank_s_death(mpiexec, flags, warned):
-    code = "from hpcdl.distributed.env import discover, launcher_ends_survivors; print(launcher_ends_survivors(discover()))"
+    code = ("from hpcdl.distributed.env import discover, launcher_ends_survivors\n"
+            "print(launcher_ends_survivors(discover()))")
     run = subprocess.run([*_hydra(mpiexec, *flags, n=1), PYTHON, "-c", code], capture_output=True, text=True,
                          env=_mpi_env(), timeout=60)
     assert run.returncode == 0, run.stderr
@@ -220,14 +221,16 @@ def test_under_mpiexec_disable_auto_cleanup_a_killed_rank_leaves_the_survivor_to
     3: rank 0 saves step 3 and exits 4 (without the flag mpiexec ended rank 0 at once, exit 9, nothing saved;
     with it, MPICH 5.0.2's proxy still ends the ranks of the killed one's own node)."""
     run = tmp_path / "run"
-    cmd = [*_hydra(mpiexec, "-disable-auto-cleanup", "-hosts", "localhost,127.0.0.1", "-ppn", "1", n=2), PYTHON, "-m", "hpcdl", "train", "demo_tiny_lars",
+    hydra = _hydra(mpiexec, "-disable-auto-cleanup", "-hosts", "localhost,127.0.0.1", "-ppn", "1", n=2)
+    cmd = [*hydra, PYTHON, "-m", "hpcdl", "train", "demo_tiny_lars",
            "--set", f"data.train={data / 'train'}", "--set", f"data.val={data / 'val'}", "--set", f"run_dir={run}",
            "--set", "global_batch=24", "--set", "crop=32", "--set", "data.eval_resize=36", "--set", "loop.log_every=1",
            "--set", "loop.eval_every=0", "--set", "checkpoint.every_minutes=0", "--set", "loop.backend=gloo",
            "--set", "data.workers=0"]
     out = tmp_path / "mpiexec.out"
-    with open(out, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_mpi_env(), cwd=tmp_path)
+    with open(out, "w") as log:  # two proxies: "2 nodes" to hpcdl, which then needs the rendezvous host
+        env = {**_mpi_env(), "MASTER_ADDR": "127.0.0.1"}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     try:
         wait_for_step(run, 3, out, timeout=120)
         victim = next(int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _rank_of(p, proc.pid) == 1)
