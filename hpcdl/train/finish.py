@@ -19,7 +19,7 @@ from hpcdl.errors import TrainingDiverged
 from hpcdl.train.metrics import phase_shares
 from hpcdl.run_folder import RunFolder
 from hpcdl.train.outcome import Outcome, summary_text
-from hpcdl.train.preempt import hand_to_submitit, requeue
+from hpcdl.train.preempt import hand_to_submitit, requeue, submitit_handles
 from hpcdl.train.state import Progress
 from hpcdl.utils import atomic_write_text
 
@@ -108,10 +108,15 @@ def on_signal(cfg: RunConfig, ctx: DistContext, stop, step: int, terminated: boo
                   "checkpoint written in %s: submit the job again to resume", ctx.rank, step, checkpoints)
         return Outcome.TERMINATED
     log.warning("stopping at step %d on the requeue signal (%s); checkpoint written", step, cfg.checkpoint.signal)
-    # submitit checkpoints the job object and requeues (then exits); else scontrol requeue
-    if ctx.rank == 0 and (hand_to_submitit(stop) or requeue(cfg.checkpoint.max_requeues)):
-        return Outcome.REQUEUED
-    return Outcome.STOPPED
+    if submitit_handles(stop):  # submitit checkpoints the job object and requeues (then exits), on rank 0
+        return Outcome.REQUEUED if ctx.rank == 0 and hand_to_submitit(stop) else Outcome.STOPPED
+    outcome = Outcome.REQUEUED if ctx.rank == 0 and requeue(cfg.checkpoint.max_requeues) else Outcome.STOPPED
+    if ctx.world_size > 1:  # the others wait for rank 0's write and requeue, and take its outcome: under srun
+        # --kill-on-bad-exit=1 their status 3 ended the step, rank 0 in its write or before its scontrol requeue
+        box = [outcome.value]
+        dist.broadcast_object_list(box, src=0, group=ctx.group)
+        outcome = Outcome(box[0])
+    return outcome
 
 
 def diverged(progress: Progress, newest: str | None) -> TrainingDiverged:

@@ -97,6 +97,12 @@ def requeue(max_requeues: int, environ: Mapping[str, str] = os.environ) -> bool:
     return True
 
 
+def submitit_handles(stop: StopSignal) -> bool:
+    """Whether the handler before hpcdl's is submitit's (it is installed in every task of a submitit job)."""
+    owner = getattr(stop._previous, "__self__", None)
+    return type(owner).__name__ == "SignalHandler" and type(owner).__module__.startswith("submitit.")
+
+
 def hand_to_submitit(stop: StopSignal) -> bool:
     """Under submitit, pass the signal on to the handler submitit had installed; False elsewhere.
 
