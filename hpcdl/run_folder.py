@@ -20,7 +20,7 @@ import glob
 import os
 import re
 
-__all__ = ["CHECKPOINT", "RunFolder", "checkpoint_name", "rank_part_of"]
+__all__ = ["CHECKPOINT", "RunFolder", "checkpoint_name", "checkpoints_in", "rank_part_of"]
 
 CHECKPOINT = re.compile(r"ckpt-(\d{9})\.pt")  # a complete checkpoint's name; its step is the group
 
@@ -73,14 +73,20 @@ class RunFolder:
         return rank_part_of(self.checkpoint(step), rank)
 
     def checkpoint_list(self) -> list[str]:
-        """Complete checkpoints, newest first (temporary files of interrupted writes and rank parts are not listed)."""
-        found = [p for p in glob.glob(os.path.join(glob.escape(self.checkpoints), "ckpt-*.pt"))
-                 if CHECKPOINT.fullmatch(os.path.basename(p))]
-        return sorted(found, reverse=True)
+        """Complete checkpoints, newest first."""
+        return checkpoints_in(self.checkpoints)
 
     def newest_checkpoint(self) -> str | None:
         found = self.checkpoint_list()
         return found[0] if found else None
+
+
+def checkpoints_in(folder: str) -> list[str]:
+    """The complete checkpoints in ``folder``, newest first (temporary files of interrupted writes and rank parts
+    are not listed)."""
+    found = [p for p in glob.glob(os.path.join(glob.escape(folder), "ckpt-*.pt"))
+             if CHECKPOINT.fullmatch(os.path.basename(p))]
+    return sorted(found, reverse=True)
 
 
 def checkpoint_name(step: int) -> str:

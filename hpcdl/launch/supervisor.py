@@ -54,6 +54,7 @@ import time
 
 from hpcdl.distributed.hostlist import expand_hostlist
 from hpcdl.errors import LaunchError
+from hpcdl.run_folder import RunFolder
 from hpcdl.train.orphan import ENV as BEAT_ENV
 from hpcdl.train.orphan import Beat
 from hpcdl.train.outcome import read_result
@@ -170,7 +171,7 @@ class Supervisor:
                 log.error("the training step refused its input (status 2): not restarted")
                 self._write(final="refused")
                 return BAD_INPUT
-            trained = _first_step_after(os.path.join(self.run_dir, "train.jsonl"), started) is not None
+            trained = _first_step_after(RunFolder(self.run_dir).steps_log, started) is not None
             event = self._diagnose(code, result, use, started, ended, trained)
             self.events.append(event)
             if restarts >= self.max_restarts:
@@ -186,7 +187,7 @@ class Supervisor:
         """The rescue folder's name for this step: the job, its start (a requeue keeps the job id) and the attempt;
         a folder already there (a job id Slurm gave again) is never read as this step's."""
         name = f"{self.job}-r{self.requeues}-a{attempt}"
-        if os.path.exists(os.path.join(self.run_dir, "jit", name)):
+        if os.path.exists(RunFolder(self.run_dir).rescue(name)):
             name += f"-{secrets.token_hex(3)}"
         return name
 
@@ -202,10 +203,10 @@ class Supervisor:
                                 stderr=subprocess.PIPE)
         pump = threading.Thread(target=self._pump, args=(proc.stderr,), name="hpcdl-srun-stderr", daemon=True)
         pump.start()
-        folder = os.path.join(self.run_dir, "jit", name)
+        folder = RunFolder(self.run_dir).rescue(name)
         first_report = done_at = None
         self._probing = None
-        progress = _Progress(os.path.join(self.run_dir, "train.jsonl"))
+        progress = _Progress(RunFolder(self.run_dir).steps_log)
         while proc.poll() is None:
             time.sleep(0.25)
             if first_report is None and os.path.isdir(folder) and any(f.startswith("report-")
@@ -402,7 +403,7 @@ class Supervisor:
 
     def _summary_since(self, started: float) -> dict | None:
         self._note_recovery()
-        path = os.path.join(self.run_dir, "summary.json")
+        path = RunFolder(self.run_dir).summary
         try:
             if os.path.getmtime(path) < started:
                 return None
@@ -417,7 +418,7 @@ class Supervisor:
         event, started = getattr(self, "_pending", (None, None))
         if event is None or "next_step_at" in event:
             return
-        first = _first_step_after(os.path.join(self.run_dir, "train.jsonl"), started)
+        first = _first_step_after(RunFolder(self.run_dir).steps_log, started)
         if first is not None:
             event["next_step_at"] = first
             event["loss_to_next_step_s"] = round(first - event["detected_at"], 1)
@@ -509,12 +510,7 @@ def _first_step_after(path: str, started: float) -> float | None:
 
 
 def _newest_checkpoint(run_dir: str) -> str | None:
-    folder = os.path.join(run_dir, "checkpoints")
-    try:
-        names = sorted(n for n in os.listdir(folder) if re.fullmatch(r"ckpt-\d{9}\.pt", n))
-    except OSError:
-        return None
-    return os.path.join(folder, names[-1]) if names else None
+    return RunFolder(run_dir).newest_checkpoint()
 
 
 def from_slurm(rank_command: list[str], run_dir: str, global_batch: int, **kw) -> Supervisor:

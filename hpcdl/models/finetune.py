@@ -14,22 +14,20 @@ model's ``group_matcher``, as timm's ``param_groups_layer_decay``).
 
 from __future__ import annotations
 
-import glob
 import os
 import pickle
-import re
 
 import torch
 import torch.nn as nn
 
 from hpcdl.errors import ConfigError
+from hpcdl.run_folder import RunFolder, checkpoints_in
 
 __all__ = ["fetch_hint", "head_names", "load_weights", "lr_scales", "read_weights"]
 
 _PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's wrappers, in files saved from them
 # where trainers keep the model's part; eval_model first: a Schedule-Free run's averaged weights (hpcdl.optim.modes)
 _NESTED = ("eval_model", "model", "state_dict", "model_state_dict", "module")
-_CHECKPOINT = re.compile(r"ckpt-\d+\.pt")  # hpcdl's checkpoints; ckpt-N.rankRRRRR.pt are per-rank parts
 
 
 def fetch_hint(model: str) -> str:
@@ -71,12 +69,11 @@ def read_weights(path: str, model: str = "") -> dict[str, torch.Tensor]:
 
 def _newest_checkpoint(folder: str) -> str:
     """The newest whole checkpoint of a run folder, not a chunk_sparse run's per-rank file beside it."""
-    found = sorted(p for p in glob.glob(os.path.join(folder, "checkpoints", "ckpt-*.pt")) +
-                   glob.glob(os.path.join(folder, "ckpt-*.pt")) if _CHECKPOINT.fullmatch(os.path.basename(p)))
+    found = RunFolder(folder).checkpoint_list() or checkpoints_in(folder)  # a run folder, or its checkpoints/
     if not found:
         raise ConfigError(f"model.weights={folder}: a folder without checkpoints (ckpt-*.pt, or checkpoints/ckpt-*.pt);"
                           " give a weights file or an hpcdl run folder")
-    return found[-1]
+    return found[0]
 
 
 def _unwrapped(data, path: str) -> dict[str, torch.Tensor]:

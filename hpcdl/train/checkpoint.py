@@ -36,7 +36,7 @@ import torch
 
 from hpcdl.distributed.share import broadcast_state
 from hpcdl.errors import CheckpointError, ConfigError
-from hpcdl.run_folder import CHECKPOINT, RunFolder, checkpoint_name, rank_part_of
+from hpcdl.run_folder import CHECKPOINT, RunFolder, checkpoint_name, checkpoints_in, rank_part_of
 
 log = logging.getLogger(__name__)
 NAME = CHECKPOINT
@@ -68,9 +68,7 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[str]:
         """Complete checkpoints, newest first (temporary files of interrupted writes are not listed)."""
-        found = [p for p in glob.glob(os.path.join(glob.escape(self.folder), "ckpt-*.pt"))
-                 if CHECKPOINT.fullmatch(os.path.basename(p))]
-        return sorted(found, reverse=True)
+        return checkpoints_in(self.folder)
 
     def load_latest(self) -> tuple[str, dict] | None:
         """(path, state) of the newest checkpoint that loads; None when there is none. Each file is read once."""

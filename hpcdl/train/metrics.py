@@ -14,6 +14,7 @@ import time
 
 from tqdm import tqdm
 
+from hpcdl.run_folder import RunFolder
 from hpcdl.train import confusion as cm
 from hpcdl.train.step import PHASES, StepResult
 
@@ -25,7 +26,7 @@ class RunLog:
         self._jsonl = self._tb = self._bar = None
         if not self.enabled:
             return
-        self._jsonl = open(os.path.join(run_dir, "train.jsonl"), "a", buffering=1)
+        self._jsonl = open(RunFolder(run_dir).steps_log, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -26,6 +26,7 @@ import subprocess
 import threading
 import time
 
+from hpcdl.run_folder import RunFolder
 from hpcdl.train.outcome import read_result
 from hpcdl.train.preflight import requeue_target
 from hpcdl.utils import atomic_write_text
@@ -114,8 +115,8 @@ def after_rescue(folder: str, rank: int, stale_s: float = STALE_S) -> None:
     except OSError as exc:
         log.error("rank %d: %s, and %s cannot be written (%s)", rank, gone, folder, exc)
         return
-    checkpoint = (result or {}).get("checkpoint") or "the newest in " + os.path.join(
-        os.path.dirname(os.path.dirname(folder)), "checkpoints")
+    checkpoint = (result or {}).get("checkpoint") or "the newest in " + RunFolder(
+        os.path.dirname(os.path.dirname(folder))).checkpoints
     act(gone, checkpoint, folder, rank, int((beat or {}).get("max_requeues", 20)))
 
 

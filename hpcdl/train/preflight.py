@@ -12,6 +12,7 @@ from hpcdl.config import RunConfig
 from hpcdl.data.format import Manifest
 from hpcdl.data.verify import load_manifest
 from hpcdl.errors import ConfigError
+from hpcdl.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def make_run_dir(cfg: RunConfig) -> str:
     check_writable(cfg)  # the refusal the login node gives, before the folder is made
     folder = run_dir(cfg)
     try:
-        os.makedirs(os.path.join(folder, "checkpoints"), exist_ok=True)
+        os.makedirs(RunFolder(folder).checkpoints, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"run_dir {folder}: cannot create it ({exc.strerror or exc}); --set run_dir to a folder "
                           "this job can write") from None
