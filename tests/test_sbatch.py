@@ -186,9 +186,10 @@ def test_the_supervisors_probe_finds_a_node_without_slurmd_by_its_refused_connec
     tier) has its slurmd stopped, then started again."""
     import socket
 
+    from hpcdl.launch import probe
     from hpcdl.launch import supervisor as module
 
-    addresses = module.slurmd_addresses(["n1", "n3", "n26", "nowhere"])
+    addresses = probe.slurmd_addresses(["n1", "n3", "n26", "nowhere"])
     assert addresses["n1"] == ("127.0.0.1", 7001) and addresses["n3"] == ("10.77.0.3", 7003)  # slurm/local's
     assert "nowhere" not in addresses
     supervisor = module.Supervisor(rank_command=["x"], run_dir="/tmp", global_batch=8, nodes=["n25", "n26"],
@@ -257,12 +258,13 @@ def test_the_supervisors_watchdog_ends_a_step_whose_train_log_stops(tmp_path):
     """No rank reports when every rank hangs (a filesystem stall, the whole step stopped): nothing ended such a step.
     The watchdog's bound, from the ranks' own timeouts: loop.startup_timeout_s + loop.timeout_s until this start's
     first record in train.jsonl, then max(2 x loop.timeout_s, 3 x the longest gap between records)."""
-    from hpcdl.launch.supervisor import Supervisor, _Progress
+    from hpcdl.launch.progress import StepLog
+    from hpcdl.launch.supervisor import Supervisor
 
     sup = Supervisor(rank_command=["x"], run_dir=str(tmp_path), global_batch=8, nodes=["n1"], tasks_per_node=1,
                      startup_s=1.0, stall_s=1.0)
     log = tmp_path / "train.jsonl"
-    progress = _Progress(str(log))
+    progress = StepLog(str(log))
     assert sup._stuck(progress) is None
     time.sleep(2.2)
     assert "this start trained no step" in sup._stuck(progress)

@@ -54,6 +54,8 @@ import time
 
 from hpcdl.distributed.hostlist import expand_hostlist
 from hpcdl.errors import LaunchError
+from hpcdl.launch.probe import python_failures, unanswering
+from hpcdl.launch.progress import StepLog, first_step_after
 from hpcdl.run_folder import RunFolder
 from hpcdl.train.orphan import ENV as BEAT_ENV
 from hpcdl.train.orphan import Beat
@@ -171,7 +173,7 @@ class Supervisor:
                 log.error("the training step refused its input (status 2): not restarted")
                 self._write(final="refused")
                 return BAD_INPUT
-            trained = _first_step_after(RunFolder(self.run_dir).steps_log, started) is not None
+            trained = first_step_after(RunFolder(self.run_dir).steps_log, started) is not None
             event = self._diagnose(code, result, use, started, ended, trained)
             self.events.append(event)
             if restarts >= self.max_restarts:
@@ -206,7 +208,7 @@ class Supervisor:
         folder = RunFolder(self.run_dir).rescue(name)
         first_report = done_at = None
         self._probing = None
-        progress = _Progress(RunFolder(self.run_dir).steps_log)
+        progress = StepLog(RunFolder(self.run_dir).steps_log)
         while proc.poll() is None:
             time.sleep(0.25)
             if first_report is None and os.path.isdir(folder) and any(f.startswith("report-")
@@ -242,7 +244,7 @@ class Supervisor:
                 self._task_exits.append((said.group(1), said.group(2), time.monotonic()))
         stream.close()
 
-    def _stuck(self, progress: _Progress) -> str | None:
+    def _stuck(self, progress: StepLog) -> str | None:
         """Why the step in flight, which no rank has reported on, is to be ended now; None to go on waiting."""
         idle, now = progress.idle_s(), time.monotonic()
         failed = [] if progress.grew else self._task_exits
@@ -345,57 +347,10 @@ class Supervisor:
         return None
 
     def _probe_python(self, nodes: list[str]) -> dict[str, str | None]:
-        """Each node's failure to start the ranks' Python and import hpcdl's trainer (None: it did), bounded."""
-        at = next((i for i in range(len(self.rank_command) - 1) if self.rank_command[i:i + 2] == ["-m", "hpcdl"]),
-                  None)
-        if at is None:
-            return dict.fromkeys(nodes)
-        command = [*self.rank_command[:at], "-c", "import hpcdl.train.trainer"]
-
-        def one(node: str) -> str | None:
-            try:
-                run = subprocess.run(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", *command],
-                                     capture_output=True, text=True, timeout=self.spare_probe_s)
-            except subprocess.TimeoutExpired:
-                return f"its Python did not import hpcdl.train.trainer within {self.spare_probe_s:.0f} s"
-            if run.returncode == 0:
-                return None
-            said = [line for line in run.stderr.splitlines() if line.strip() and not line.startswith("srun: ")]
-            return (f"its Python cannot start the ranks (python -c 'import hpcdl.train.trainer' exited "
-                    f"{run.returncode}: {(said or ['no message'])[-1].strip()[:300]})")
-        with concurrent.futures.ThreadPoolExecutor(min(8, max(1, len(nodes)))) as pool:
-            return dict(zip(nodes, pool.map(one, nodes)))
+        return python_failures(nodes, self.rank_command, self.spare_probe_s)
 
     def _probe(self, nodes: list[str]) -> list[str]:
-        """The nodes among ``nodes`` that cannot run a one-task step within the bound."""
-        addresses = slurmd_addresses(nodes)
-
-        def answers(node: str) -> bool:
-            if node in addresses:
-                try:
-                    socket.create_connection(addresses[node], timeout=self.probe_timeout_s).close()
-                except OSError:  # refused (no slurmd), unreachable, or no answer in time
-                    return False
-            proc = subprocess.Popen(["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "true"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            os.set_blocking(proc.stderr.fileno(), False)
-            said, deadline = b"", time.monotonic() + self.probe_timeout_s
-            try:
-                while proc.poll() is None:
-                    said += proc.stderr.read() or b""
-                    # srun says so at once when the node's slurmd refuses the launch, then waits on
-                    if b"Communication connection failure" in said or time.monotonic() > deadline:
-                        return False
-                    time.sleep(0.1)
-                return proc.returncode == 0
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-                proc.stderr.close()
-        with concurrent.futures.ThreadPoolExecutor(min(32, max(1, len(nodes)))) as pool:
-            alive = list(pool.map(answers, nodes))
-        return [n for n, ok in zip(nodes, alive) if not ok]
+        return unanswering(nodes, self.probe_timeout_s)
 
     def _mark_recovery(self, started: float) -> None:
         """The last restart's cost once its step has started: noted when the next attempt begins, or at the end."""
@@ -418,7 +373,7 @@ class Supervisor:
         event, started = getattr(self, "_pending", (None, None))
         if event is None or "next_step_at" in event:
             return
-        first = _first_step_after(RunFolder(self.run_dir).steps_log, started)
+        first = first_step_after(RunFolder(self.run_dir).steps_log, started)
         if first is not None:
             event["next_step_at"] = first
             event["loss_to_next_step_s"] = round(first - event["detected_at"], 1)
@@ -428,7 +383,7 @@ class Supervisor:
                      first - event["step_ended_at"])
 
     def _give_up(self, why: str) -> int:
-        newest = _newest_checkpoint(self.run_dir)
+        newest = RunFolder(self.run_dir).newest_checkpoint()
         log.error("giving up: %s. Newest checkpoint: %s; submit the job again to resume from it", why,
                   newest or "none")
         self._write(final="gave up", why=why)
@@ -438,33 +393,10 @@ class Supervisor:
         state = {"job": self.job, "start": self.requeues + 1, "nodes": self.nodes, "active": self.active,
                  "spares_left": self.spare, "spares_skipped": self.skipped, "lost": self.lost,
                  "failed_starts": dict(self.failed_starts), "restarts": self.events, "outcome": final, "why": why}
-        atomic_write_text(os.path.join(self.run_dir, "supervisor.json"), json.dumps(state, indent=1) + "\n")
+        atomic_write_text(RunFolder(self.run_dir).supervisor, json.dumps(state, indent=1) + "\n")
 
 
 _TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? [\d,\-]+: (.+)")
-
-
-class _Progress:
-    """train.jsonl's growth: how long since its last record, and the longest gap between two in this step."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.size, self.since = self._size(), time.monotonic()
-        self.grew, self.longest = False, 0.0
-
-    def _size(self) -> int:
-        try:
-            return os.stat(self.path).st_size
-        except OSError:
-            return 0
-
-    def idle_s(self) -> float:
-        size, now = self._size(), time.monotonic()
-        if size != self.size:
-            if self.grew:
-                self.longest = max(self.longest, now - self.since)
-            self.size, self.since, self.grew = size, now, True
-        return now - self.since
 
 
 def _steps_named(job: str, name: str) -> list[str]:
@@ -475,42 +407,6 @@ def _steps_named(job: str, name: str) -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [i.split(".", 1)[1] for i, _, j in (line.partition(" ") for line in out.splitlines()) if j == name and "." in i]
-
-
-def slurmd_addresses(nodes: list[str]) -> dict[str, tuple[str, int]]:
-    """Each node's slurmd address and port, from ``scontrol show node`` (the configured ``SlurmdPort`` where the
-    node names none); nodes Slurm does not describe are left out."""
-    try:
-        text = subprocess.run(["scontrol", "show", "node", "-o", ",".join(nodes)], capture_output=True, text=True,
-                              timeout=30).stdout
-        default = re.search(r"^SlurmdPort\s*=\s*(\d+)", subprocess.run(
-            ["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout, re.M)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    found = {}
-    for line in text.splitlines():
-        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-        port = fields.get("Port") or (default.group(1) if default else None)
-        if fields.get("NodeName") in nodes and fields.get("NodeAddr") and port and port.isdigit():
-            found[fields["NodeName"]] = (fields["NodeAddr"], int(port))
-    return found
-
-
-def _first_step_after(path: str, started: float) -> float | None:
-    try:
-        with open(path) as f:
-            for line in f:
-                if '"kind": "step"' in line:
-                    record = json.loads(line)
-                    if record["time"] >= started:
-                        return record["time"]
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _newest_checkpoint(run_dir: str) -> str | None:
-    return RunFolder(run_dir).newest_checkpoint()
 
 
 def from_slurm(rank_command: list[str], run_dir: str, global_batch: int, **kw) -> Supervisor:
