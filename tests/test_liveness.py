@@ -43,7 +43,7 @@ def _rank_1(port: int) -> RankEnv:
 def test_a_probe_of_a_stopped_rank_0s_store_says_so_within_its_deadline():
     """Before the bound, the probe's request to the stopped server never returned (the watch thread and the
     oneCCL watchdog waited for ever: issue 44's hang of ten minutes)."""
-    from hpcdl.distributed.process_group import Heartbeat
+    from hpcdl.distributed.heartbeat import Heartbeat
 
     port = free_port()
     server = _store_server(port)
@@ -69,7 +69,7 @@ def test_a_probe_of_a_stopped_rank_0s_store_says_so_within_its_deadline():
 def test_the_heartbeat_beats_on_after_a_failed_request():
     """A failed request (the store busy past the client's timeout, once) used to end the heartbeat thread for
     good: the others then named this rank lost at their next stall."""
-    from hpcdl.distributed.process_group import Heartbeat
+    from hpcdl.distributed.heartbeat import Heartbeat
 
     port = free_port()
     server = _store_server(port)
