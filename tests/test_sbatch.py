@@ -254,6 +254,30 @@ def test_a_rescue_naming_a_node_outside_the_step_does_not_end_the_supervisor(slu
     assert event["lost_nodes"] == [] and sup.active == ["n1"] and sup.spare == ["n2"], event
 
 
+def test_a_start_failed_by_a_silent_dead_node_blames_that_node_not_the_ranks_that_reported(tmp_path, monkeypatch):
+    """A node that dies during the rendezvous (before any rescue exists) says nothing: srun reports no task exit
+    for it, while its peers' ranks exit 1. Only the nodes that reported were probed and counted a failed start, so
+    the dead node stayed and, after a second such start, every healthy node was dropped as 'failed 2 starts'.
+    Every node of the step is probed now, and a start whose failure a lost node explains counts against no other.
+    The probe's answers are a fake (killing a slurmd is test_the_supervisors_probe_finds_...'s)."""
+    from hpcdl.launch.supervisor import Supervisor
+
+    sup = Supervisor(rank_command=["x"], run_dir=str(tmp_path), global_batch=8, nodes=["n1", "n2", "n3", "n4", "n5"],
+                     tasks_per_node=1, spares=1, job="78")
+    dead = {"n4"}
+    monkeypatch.setattr(sup, "_probe", lambda nodes: [n for n in nodes if n in dead])
+    monkeypatch.setattr(sup, "_probe_python", lambda nodes: dict.fromkeys(nodes))
+    for attempt in range(2):
+        use = list(sup.active)
+        sup._task_exits, sup._ended_at = [(n, "Exited with exit code 1", time.monotonic()) for n in ("n1", "n2", "n3")], None
+        event = sup._diagnose(1, None, use, time.time(), time.time(), trained=False)
+        if attempt == 0:
+            assert event["lost_nodes"] == ["n4"] and event["spares_taken"] == {"n4": "n5"}, event
+            assert not sup.failed_starts, sup.failed_starts
+        dead = set()
+    assert sup.active == ["n1", "n2", "n3", "n5"], (sup.active, sup.failed_starts)
+
+
 def test_the_supervisors_watchdog_ends_a_step_whose_train_log_stops(tmp_path):
     """No rank reports when every rank hangs (a filesystem stall, the whole step stopped): nothing ended such a step.
     The watchdog's bound, from the ranks' own timeouts: loop.startup_timeout_s + loop.timeout_s until this start's

@@ -296,18 +296,19 @@ class Supervisor:
             saved = result.get("checkpoint")
             detected = first.get("time", ended)
         else:
-            suspects, saved, detected = exited, None, ended
+            # every node of the step: a node that died says nothing (no task exit), while its peers' ranks exit
+            suspects, saved, detected = list(use), None, ended
             cause = getattr(self, "_stuck_why", None) or f"the step ended with status {code} and no rank's report"
             if exited and "start-up" not in cause:
                 cause += "; " + "; ".join(f"{n}: {w}" for n, w, _ in exits[:8])
         self._stuck_why = None
-        if not trained:  # a start that failed before its first step, on these nodes
-            for node in suspects:
-                self.failed_starts[node] += 1
         suspects = suspects or list(use)
         started_probe = self._probing
         dead = started_probe[1].result() if started_probe and started_probe[0] == suspects else self._probe(suspects)
         dead = [n for n in dead if n in self.active]
+        if not trained and not dead:  # a start that failed before its first step, no node lost: the nodes blamed
+            for node in (exited if result is None else suspects):  # are those whose ranks failed, not their peers
+                self.failed_starts[node] += 1
         twice = [n for n in use if self.failed_starts[n] >= FAILED_STARTS and n not in dead and n in self.active]
         replaced = {}
         for node in dead + twice:
