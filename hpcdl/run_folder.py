@@ -7,7 +7,7 @@ the supervisor read a run folder with the trainer's names).
     RUN/summary.json                     the run's summary, written at its end
     RUN/supervisor.json                  the supervisor's restarts
     RUN/train.jsonl                      the step and evaluation records
-    RUN/checkpoints/ckpt-STEP.pt         a checkpoint (STEP: 9 digits), .ckpt-STEP.pt.PID.tmp while written
+    RUN/checkpoints/ckpt-STEP.pt         a checkpoint (STEP: 9 digits), .ckpt-STEP.pt.HOST.PID.tmp while written
     RUN/checkpoints/ckpt-STEP.rankRRRRR.pt   a rank's own part of it (chunk_sparse residuals)
     RUN/jit/START/                       one start's just-in-time rescue (reports, RNG streams, result.json)
     RUN/samples/rankRRRRR.txt            loop.record_samples

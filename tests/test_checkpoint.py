@@ -240,6 +240,33 @@ def test_a_rescue_waits_for_a_write_in_flight_and_both_checkpoints_load(tmp_path
     assert not list((tmp_path / "checkpoints").glob(".ckpt-*.tmp"))
 
 
+def test_a_rescue_written_by_another_rank_leaves_rank_0s_write_in_flight_alone(tmp_path):
+    """A survivor other than rank 0 writes the just-in-time checkpoint when rank 0's report does not come in time
+    (rank 0's rescue waits for its own periodic write, which may outlast the survivors' bound). Its first manager
+    removed every .ckpt-*.tmp: rank 0's write in flight, which then failed as a disk error (exit 2, and under
+    --kill-on-bad-exit the writer killed). Only rank 0 at a start removes them; the file stands in for rank 0's
+    write on another node."""
+    from hpcdl.optim.modes import ModelWeights
+    from hpcdl.run_folder import RunFolder
+    from hpcdl.train.checkpoint import Checkpointer, CheckpointManager
+    from hpcdl.train.state import Frozen, Progress
+
+    model, opt = _trained("sgd", steps=1)
+    folder = RunFolder(str(tmp_path))
+    os.makedirs(folder.checkpoints)
+    in_flight = os.path.join(folder.checkpoints, ".ckpt-000000004.pt.node1.4242.tmp")
+    with open(in_flight, "wb") as f:
+        f.write(b"rank 0 is writing")
+    ckpt = Checkpointer(folder, keep=2, rank=1)
+    ckpt.attach({"model": ModelWeights(model, opt, ckpt.lock), "optimizer": opt, "sampler": Frozen({"epoch": 0}),
+                 "counters": Progress(step=5), "rng": Frozen([None, None])}, lambda: {"format": 2})
+    with ckpt.lock:
+        ckpt.write_locked(5, ckpt.compose(), "just in time")
+    assert os.path.exists(in_flight) and ckpt.has(5)
+    CheckpointManager(folder.checkpoints)  # rank 0's at the next start: a killed write's file goes
+    assert not os.path.exists(in_flight)
+
+
 def test_every_start_gets_its_own_rescue_folder(monkeypatch):
     """The unsupervised name (job, Slurm step, port) repeats across starts (mpiexec or torchrun with the default
     port): one rescue's reports made every later start in that run folder rescue at once (issue 44, item 1). Rank 0

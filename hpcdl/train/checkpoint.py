@@ -27,6 +27,7 @@ import glob
 import logging
 import os
 import random
+import socket
 import threading
 import time
 from typing import Callable
@@ -43,13 +44,18 @@ NAME = CHECKPOINT
 
 
 class CheckpointManager:
-    def __init__(self, folder: str, keep: int = 3):
+    def __init__(self, folder: str, keep: int = 3, *, clean: bool = True):
+        """``clean``: remove the temporary files of writes that were killed. Only rank 0 at a start may: a rescue's
+        writer on another rank would remove the file rank 0 is still writing."""
         if keep < 1:
             raise ConfigError(f"checkpoint keep={keep}: keep at least 1 checkpoint")
         self.folder, self.keep = folder, keep
         os.makedirs(folder, exist_ok=True)
-        for stale in glob.glob(os.path.join(glob.escape(folder), ".ckpt-*.tmp")):
-            os.unlink(stale)  # a write that was killed; one rank writes a run's checkpoints
+        for stale in glob.glob(os.path.join(glob.escape(folder), ".ckpt-*.tmp")) if clean else ():
+            try:
+                os.unlink(stale)  # a write that was killed
+            except FileNotFoundError:
+                pass
 
     def path(self, step: int) -> str:
         return os.path.join(self.folder, checkpoint_name(step))
@@ -119,8 +125,8 @@ class Checkpointer:
     def manager(self) -> CheckpointManager:
         """Made once per process (under :attr:`lock` on a rank other than 0: its first write is a rescue's), so
         that no second manager removes the temporary file of a write in flight."""
-        if self._manager is None:
-            self._manager = CheckpointManager(self.folder.checkpoints, self.keep)
+        if self._manager is None:  # a rescue's writer on a rank other than 0: rank 0 may be writing
+            self._manager = CheckpointManager(self.folder.checkpoints, self.keep, clean=False)
         return self._manager
 
     def load_latest_shared(self, group) -> tuple[str, dict] | None:
@@ -235,7 +241,8 @@ def save_rank_state(folder: str, step: int, rank: int, state: dict) -> str:
 def _save_atomically(path: str, state: dict, kept: list[str]) -> str:
     """``torch.save`` to a temporary name beside ``path``, fsync, rename; a CheckpointError naming the path,
     the bytes and ``kept``'s newest when the write fails."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    # the host too: a rescue's writer on another node may have rank 0's pid
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{socket.gethostname()}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
