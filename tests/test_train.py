@@ -675,7 +675,7 @@ def test_fault_matrix_a_killed_data_loader_worker_is_named(data, tmp_path):
 def test_fault_matrix_scancel_stops_every_rank_with_a_checkpoint(slurm, data, tmp_path):
     """scancel sends SIGTERM to every process of the job (KillWait=2 s on the local Slurm, then SIGKILL):
     the ranks stop together at the next step, rank 0 writes a checkpoint, every rank says why and exits
-    non-zero, and the checkpoint loads."""
+    non-zero, and the checkpoint, of the step they stopped at, loads."""
     from hpcdl.train.checkpoint import CheckpointManager
 
     script = _train_script(data, tmp_path, "term", tmp_path / "term", "--set", "loop.max_steps=2000",
@@ -695,7 +695,8 @@ def test_fault_matrix_scancel_stops_every_rank_with_a_checkpoint(slurm, data, tm
         assert f"rank {rank}: stopped at step" in out and "on SIGTERM (scancel" in out, out[-3000:]
     assert "Traceback" not in out
     newest = CheckpointManager(str(tmp_path / "term" / "checkpoints")).load_latest()
-    assert newest is not None and newest[1]["counters"]["step"] >= 4
+    stopped = int(re.search(r"rank 0: stopped at step (\d+)", out).group(1))
+    assert newest is not None and newest[1]["counters"]["step"] == stopped >= 4, (newest and newest[0], stopped)
 
 
 def test_fault_matrix_the_second_node_fails_mid_job(two_nodes, data, tmp_path):

@@ -104,6 +104,8 @@ def on_signal(cfg: RunConfig, ctx: DistContext, stop, step: int, terminated: boo
     """How a run stopped by a signal ends, its checkpoint written: on SIGTERM, terminated; on the requeue signal,
     rank 0 hands the job to submitit or ``scontrol requeue`` (requeued), or cannot (stopped)."""
     if terminated:
+        if ctx.world_size > 1:  # the others wait for rank 0's write, as below: their status 3 under srun
+            dist.broadcast_object_list([None], src=0, group=ctx.group)  # --kill-on-bad-exit=1 would end it
         log.error("rank %d: stopped at step %d on SIGTERM (scancel, or a preemption or time limit without --signal); "
                   "checkpoint written in %s: submit the job again to resume", ctx.rank, step, checkpoints)
         return Outcome.TERMINATED
