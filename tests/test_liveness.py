@@ -63,6 +63,8 @@ def test_a_probe_of_a_stopped_rank_0s_store_says_so_within_its_deadline():
     finally:
         server.kill()
         server.wait()
+        if "beat" in locals():
+            beat.stop()  # its thread would beat on against the dead store for the worker's life
 
 
 @pytest.mark.ranks
@@ -89,10 +91,11 @@ def test_the_heartbeat_beats_on_after_a_failed_request():
         sent = beat.use.heartbeat
         time.sleep(2.0)
         assert failed["n"] == 1 and beat.use.heartbeat >= sent + 3, (failed, sent, beat.use.heartbeat)
-        beat.stop()
     finally:
         server.kill()
         server.wait()
+        if "beat" in locals():
+            beat.stop()
 
 
 # -- must-show: a stopped, then a killed rank 0 in a supervised job of 4 nodes + 1 spare ------------------------------
