@@ -300,3 +300,34 @@ def test_the_supervisors_watchdog_ends_a_step_whose_train_log_stops(tmp_path):
     assert sup._stuck(progress) is None
     time.sleep(max(2 * sup.stall_s, 3 * progress.longest) + 0.2)
     assert "the watchdog: no record in train.jsonl" in sup._stuck(progress)
+
+
+def test_the_watchdog_sees_an_evaluation_grow_train_jsonl(tmp_path):
+    """A long evaluation wrote nothing to train.jsonl until its end: past the watchdog's bound the supervisor ended
+    a healthy step as 'every rank hangs', again at each restart. Now rank 0 writes an "evaluating" record at its
+    start and every every_s while it evaluates (the readers of train.jsonl filter by kind)."""
+    import json
+
+    import torch
+
+    from hpcdl.launch.progress import StepLog
+    from hpcdl.train.evaluate import evaluate
+    from hpcdl.train.metrics import RunLog
+
+    runlog = RunLog(str(tmp_path), rank=0, total_steps=1, start_step=0, log_every=1, tensorboard=False)
+    progress = StepLog(str(tmp_path / "train.jsonl"))
+    progress.idle_s()
+    seen = []
+
+    def slow_batches():
+        for _ in range(4):
+            time.sleep(0.1)
+            seen.append(progress.idle_s())  # the watchdog's reading as the evaluation goes on
+            yield torch.randn(2, 3), torch.tensor([0, 1])
+
+    evaluate(torch.nn.Linear(3, 2), slow_batches(), progress=runlog.evaluating, every_s=0.15)
+    runlog.close()
+    assert progress.grew and max(seen) < 0.35, seen  # without the records: idle 0.1, 0.2, 0.3, 0.4 s
+    records = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert records[0] == {"kind": "evaluating", "batches": 0, "time": records[0]["time"]} and len(records) >= 2
+

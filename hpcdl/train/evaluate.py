@@ -7,6 +7,7 @@ all-reduce of the sums at the end makes the totals.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -20,15 +21,24 @@ CONFUSION_MAX_CLASSES = 1024  # above this the matrix (8 bytes a cell, summed ov
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             group=None, num_classes: int = 0) -> dict:
+             group=None, num_classes: int = 0, progress: Callable[[int], None] | None = None,
+             every_s: float = 60.0) -> dict:
     """-> {"images", "top1", "top5", "loss"} over all ranks (percentages; loss per image), and with
-    ``num_classes`` up to :data:`CONFUSION_MAX_CLASSES`, "confusion": counts[true class, predicted class]."""
+    ``num_classes`` up to :data:`CONFUSION_MAX_CLASSES`, "confusion": counts[true class, predicted class].
+    ``progress(batches done)`` is called at the start and then at most every ``every_s`` seconds: the run's
+    train.jsonl grows during a long evaluation, so the supervisor's watchdog does not take it for a hang."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64)  # images, top-1 hits, top-5 hits, summed loss
     n = num_classes if 0 < num_classes <= CONFUSION_MAX_CLASSES else 0
     cells = [torch.zeros(0, dtype=torch.int64)]  # true class * n + predicted class, per image
-    for images, labels in loader:
+    if progress is not None:
+        progress(0)
+    last = time.monotonic()
+    for done, (images, labels) in enumerate(loader):
+        if progress is not None and time.monotonic() - last >= every_s:
+            progress(done)
+            last = time.monotonic()
         logits = model(prepare(images) if prepare else images)
         real = labels != PADDING_LABEL
         logits, labels = logits[real], labels[real]

@@ -1,7 +1,8 @@
 """What a run reports: a progress bar on rank 0, a JSONL line per step, TensorBoard scalars, a summary.
 
 ``train.jsonl`` in the run folder holds one object per step (``"kind": "step"``) with the time of each
-phase (see :mod:`hpcdl.train.step`), and one per evaluation (``"kind": "eval"``). It is appended to
+phase (see :mod:`hpcdl.train.step`), and one per evaluation (``"kind": "eval"``), with progress lines
+(``"kind": "evaluating"``) at its start and every minute while it runs (the supervisor's watchdog). It is appended to
 across requeues, so a run's whole history stays in one file. Only rank 0 writes.
 """
 
@@ -54,6 +55,11 @@ class RunLog:
                     self._tb.add_scalar(f"train/{key}", record[key], step)
                 for k in PHASES:
                     self._tb.add_scalar(f"time/{k}", result.times[k], step)
+
+    def evaluating(self, batches: int) -> None:
+        """A progress line of an evaluation in flight: train.jsonl grows, the supervisor's watchdog sees life."""
+        if self.enabled:
+            self._jsonl.write(json.dumps({"kind": "evaluating", "batches": batches, "time": time.time()}) + "\n")
 
     def evaluation(self, step: int, epoch: float, metrics: dict, classes: list[str] | None = None) -> None:
         """One evaluation's line; with its confusion matrix, also the files of :mod:`hpcdl.train.confusion`."""

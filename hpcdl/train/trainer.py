@@ -270,7 +270,7 @@ class Trainer:
         p = self.progress
         with self.ckpt.parts["model"].evaluating():  # Schedule-Free's x; a rescue meanwhile saves y all the same
             metrics = evaluate(self.wrapped.net, self.data.val_loader, self._prepare, group=self.ctx.group,
-                               num_classes=self.cfg.num_classes)
+                               num_classes=self.cfg.num_classes, progress=runlog.evaluating)
         runlog.evaluation(p.step, self._epochs(), metrics, self.data.classes)
         metrics.pop("confusion", None)
         p.evaluated(metrics, self.cfg.loop.target_top1)
