@@ -331,3 +331,19 @@ def test_the_watchdog_sees_an_evaluation_grow_train_jsonl(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert records[0] == {"kind": "evaluating", "batches": 0, "time": records[0]["time"]} and len(records) >= 2
 
+
+def test_the_orphan_wait_for_result_ends_with_the_writers_stale_claim(tmp_path):
+    """The first node lost and the rescue's write failed (disk full): each survivor waited RESULT_WAIT_S (600 s) for
+    a result.json that never came. Now the wait ends when the writer's claim is stale, as the rescue's own wait."""
+    import os
+
+    from hpcdl.train import orphan
+    from hpcdl.train.orphan import CLAIM_STALE_S
+
+    claim = tmp_path / "writer"
+    claim.touch()
+    old = time.time() - CLAIM_STALE_S - 5
+    os.utime(claim, (old, old))
+    start = time.monotonic()
+    assert orphan._wait_for_result(str(tmp_path)) is None
+    assert time.monotonic() - start < 3

@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 ENV = "HPCDL_SUPERVISOR"  # the beat's file, set by the supervisor for the ranks it starts
 BEAT_S = 2.0
 STALE_S = 15.0  # a beat unchanged this long: the supervisor (or its node) is gone
-RESULT_WAIT_S = 600.0  # how long a rank waits for the writer's result before acting without it
+RESULT_WAIT_S = 600.0  # the most a rank waits for the writer's result, while the writer's claim is touched
+CLAIM_STALE_S = 15.0  # a writer's claim not touched for this long: the writer is gone (rescue.py's, which imports it)
+CLAIM_WAIT_S = 30.0  # how long a survivor waits for the writer to claim the write
 
 
 class Beat:
@@ -121,8 +123,21 @@ def after_rescue(folder: str, rank: int, stale_s: float = STALE_S) -> None:
 
 
 def _wait_for_result(folder: str) -> dict | None:
-    deadline = time.monotonic() + RESULT_WAIT_S
-    while (result := read_result(folder)) is None and time.monotonic() < deadline:
+    """The writer's result.json, or None once the writer is gone: as the rescue's own wait for it, no claim
+    (``folder/writer``) within CLAIM_WAIT_S or a claim untouched for CLAIM_STALE_S (the writer touches it every 2 s
+    while it writes), and at most RESULT_WAIT_S. A failed write (disk full) leaves the survivors idle for seconds,
+    not the whole allocation for RESULT_WAIT_S."""
+    claim, since = os.path.join(folder, "writer"), time.monotonic()
+    while (result := read_result(folder)) is None and time.monotonic() - since < RESULT_WAIT_S:
+        try:
+            if time.time() - os.path.getmtime(claim) > CLAIM_STALE_S:
+                log.error("the writer's claim %s is %.0f s old: the writer is gone, acting without its result",
+                          claim, time.time() - os.path.getmtime(claim))
+                return None
+        except OSError:  # no claim yet
+            if time.monotonic() - since > CLAIM_WAIT_S:
+                log.error("no writer claimed %s within %.0f s: acting without its result", folder, CLAIM_WAIT_S)
+                return None
         time.sleep(0.5)
     return result
 
