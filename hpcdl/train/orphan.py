@@ -39,7 +39,7 @@ ENV = "HPCDL_SUPERVISOR"  # the beat's file, set by the supervisor for the ranks
 BEAT_S = 2.0
 STALE_S = 15.0  # a beat unchanged this long: the supervisor (or its node) is gone
 RESULT_WAIT_S = 600.0  # the most a rank waits for the writer's result, while the writer's claim is touched
-CLAIM_STALE_S = 15.0  # a writer's claim not touched for this long: the writer is gone (rescue.py's, which imports it)
+CLAIM_STALE_S = 15.0  # a writer's claim not touched for this long: the writer is gone (rescue.py imports both)
 CLAIM_WAIT_S = 30.0  # how long a survivor waits for the writer to claim the write
 
 

@@ -63,16 +63,15 @@ import torch
 from hpcdl.errors import CheckpointError
 from hpcdl.run_folder import RunFolder
 from hpcdl.train.checkpoint import rng_state
+from hpcdl.train.orphan import CLAIM_STALE_S, CLAIM_WAIT_S, after_rescue
 from hpcdl.train.outcome import EXIT_PEER_LOST, read_result
 from hpcdl.train.state import Frozen
-from hpcdl.train.orphan import after_rescue
 from hpcdl.utils import atomic_write_text, leave_now
 
 __all__ = ["EXIT_PEER_LOST", "Boundary", "Rescue", "attempt_name", "read_result"]
 
 log = logging.getLogger(__name__)
-CLAIM_STALE_S = 15.0  # a writer's claim not touched for this long: the writer is gone
-CLAIM_WAIT_S = 30.0  # how long a survivor waits for the writer to claim the write
+
 
 def attempt_name(master_port: int, store=None, rank: int = 0) -> str:
     """The folder of this start's rescue, unique to the start: the supervisor names its attempts (HPCDL_ATTEMPT,
