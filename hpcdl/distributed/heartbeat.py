@@ -179,8 +179,11 @@ class Heartbeat:
             return None
         ranks = list(ranks)
         keys = [key("hb", r) for r in ranks]
-        try:  # the client retries a refused connection until its timeout: keep it short
-            store = self._bounded(lambda: self._client(timedelta(seconds=max(1.0, 2 * self.interval_s))))
+        # over the heartbeat's own connection (TCPStore's client serializes its requests): a probe opens none, so
+        # rank 0 serves two connections per rank whatever the probes (a new client per probe made 3 per rank in
+        # a slow start-up: bench startup's count; thousands of connections at 2,048 ranks)
+        store = self._store
+        try:
             before = self._bounded(lambda: store.multi_get(keys))
             time.sleep(2.5 * self.interval_s)
             after = self._bounded(lambda: store.multi_get(keys))
@@ -223,7 +226,7 @@ class Heartbeat:
 
     def who(self, rank: int) -> str:
         try:
-            return self._bounded(lambda: self._client(timedelta(seconds=5)).get(key("who", rank))).decode()
+            return self._bounded(lambda: self._store.get(key("who", rank))).decode()
         except Exception:
             return "host unknown"
 
