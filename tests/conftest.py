@@ -27,8 +27,8 @@ HOSTILE = ["a 0", 'a"=0"', "a'; echo foo", "$HOME `x` $(id)"]
 NEEDS = {"slurm": "slurm", "two_nodes": "slurm", "fabric": "slurm", "wide": "scale", "mpiexec": "mpi", "ccl": "ccl"}
 # Tests that share a finite resource run one after another on one xdist worker (--dist loadgroup): the
 # local Slurm's nodes n1 n2 (partition debug) and n3 n4 (the shaped partition fabric, whose rate a test
-# measures). The rest spread over the workers.
-GROUPS = {"fabric": "fabric", "wide": "wide", "slurm": "slurm", "two_nodes": "slurm"}
+# measures), and the launchers' default rendezvous port (default_port). The rest spread over the workers.
+GROUPS = {"fabric": "fabric", "wide": "wide", "slurm": "slurm", "two_nodes": "slurm", "default_port": "default_port"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -164,6 +164,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def default_port() -> int:
+    """The launchers' default rendezvous port (29500: plain mpiexec, torchrun without --master-port), once free. The
+    tests that take it run one after another on one worker (GROUPS); a process outside them holding it for a
+    minute fails the test in CI (skips elsewhere)."""
+    from hpcdl.distributed.env import DEFAULT_PORT
+
+    deadline = time.monotonic() + 60  # the store of the group's previous test may still be closing
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore binds: TIME_WAIT holds nothing
+            try:
+                s.bind(("", DEFAULT_PORT))
+                return DEFAULT_PORT
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    missing("the default port", f"{DEFAULT_PORT} is taken on this machine ({exc}): find its holder "
+                            f"with 'ss -ltnp sport = :{DEFAULT_PORT}'")
+        time.sleep(1.0)
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:

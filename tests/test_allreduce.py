@@ -28,7 +28,7 @@ def test_two_ranks_reduce_correctly_and_report(tmp_path):
 
 
 @pytest.mark.ranks
-def test_torchrun_launch(tmp_path):
+def test_torchrun_launch(default_port, tmp_path):  # torchrun without --master-port
     run = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "hpcdl", *QUICK,
                           "--dtype", "int64", "--json", "tr.json"], capture_output=True, text=True, cwd=tmp_path,
                          timeout=180)

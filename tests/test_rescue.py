@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,20 +20,9 @@ import torch
 from conftest import PYTHON, REPO, sbatch_wait, start_ranks
 from test_train import args_for
 
-from hpcdl.distributed.env import DEFAULT_PORT
-
 SWIN_SCHEDULE_FREE = ["--set", "model=own_models:tiny_swin", "--set", "optimizer.name=schedulefree", "--set",
                       "schedule.base_lr=0.005", "--set", "schedule.decay=constant", "--set", "data.workers=0",
                       "--set", "checkpoint.every_minutes=0", "--set", "loop.eval_every=0"]
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def _mpiexec(mpiexec: str, log: Path, argv: list, env: dict, on_result: Path | None = None,
@@ -65,15 +53,13 @@ def _launcher_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}", "PYTHONUNBUFFERED": "1", **extra}
 
 
-def test_two_starts_under_mpiexec_with_the_default_port_the_first_rescued_the_second_trains_on(mpiexec, data,
-                                                                                                 tmp_path):
+def test_two_starts_under_mpiexec_with_the_default_port_the_first_rescued_the_second_trains_on(mpiexec, default_port,
+                                                                                                 data, tmp_path):
     """mpiexec -n 2 twice in one run folder, no MASTER_PORT (the default port): the first start's rank 1 is stopped
     at step 3, rank 0 saves step 2 just in time; the second start resumes it and finishes. Before, every start
     named its rescue folder local.0.29500, and the second read the first's reports and exited 4 at once. The model
     is timm's Swin (non-persistent buffers: the JIT checkpoint's strict load failed) trained by Schedule-Free (the
     JIT checkpoint held no eval_model)."""
-    if not _port_free(DEFAULT_PORT):
-        pytest.skip(f"the default port {DEFAULT_PORT} is taken on this machine")
     run = tmp_path / "run"
     args = args_for(data, run, "--set", "loop.max_steps=8", *SWIN_SCHEDULE_FREE)
     first = _mpiexec(mpiexec, tmp_path / "first.log", [REPO / "tests" / "fault_ranks.py", *args],
