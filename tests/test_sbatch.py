@@ -246,8 +246,12 @@ def test_a_rescue_naming_a_node_outside_the_step_does_not_end_the_supervisor(slu
     unknown node is ignored."""
     from hpcdl.launch.supervisor import Supervisor
 
+    deadline = time.monotonic() + 120  # the probe's srun allocates n1: a previous test's job may still be leaving it
+    while subprocess.run(["sinfo", "-h", "-n", "n1", "-o", "%T"], capture_output=True, text=True).stdout.strip() != "idle":
+        assert time.monotonic() < deadline, "n1 is not idle"
+        time.sleep(1.0)
     sup = Supervisor(rank_command=["x"], run_dir=str(tmp_path), global_batch=8, nodes=["n1", "n2"],
-                     tasks_per_node=1, spares=1, job="77")
+                     tasks_per_node=1, spares=1, job="77", probe_timeout_s=60.0)  # the busy CI machine's srun
     old = {"lost": [1], "lost_where": {"1": "host vm (Slurm node nowhere), pid 5"}, "step": 3, "checkpoint": None,
            "reports": [{"rank": 0, "time": time.time(), "reason": "lost rank 1: heartbeat stopped"}]}
     event = sup._diagnose(4, old, ["n1"], time.time(), time.time())
