@@ -58,7 +58,7 @@ slurm-scripts: venv
 # a file with no such test) is no failure.
 test: venv slurm
 	@status=0; \
-	$(PY) -m pytest -n $(WORKERS) --dist loadgroup --durations=15 -m "not alone and not scale" $(PYTEST_ARGS) tests || status=$$?; \
+	$(PY) -m pytest -n $(WORKERS) --dist loadgroup --durations=30 -m "not alone and not scale" $(PYTEST_ARGS) tests || status=$$?; \
 	$(PY) -m pytest --durations=10 -m scale $(PYTEST_ARGS) tests || { s=$$?; [ $$s = 5 ] || status=$$s; }; \
 	$(PY) -m pytest -m alone $(PYTEST_ARGS) tests || { s=$$?; [ $$s = 5 ] || status=$$s; }; \
 	exit $$status
