@@ -105,15 +105,7 @@ class Trainer:
         self.wrapped = wrap(cfg, ctx, self.parts, self.data, precision=precision, step=self.progress.step,
                             hook_state=hook_state, run_dir=self.dir)
         self._mark("DDP")
-        # The run ends at loop.max_steps or with its last epoch: a whole number of epochs at that epoch's end, a
-        # fraction at the schedule's step. The shard sampler pads its ranks to the fullest, so its epochs can take
-        # more steps than images / global batch: ended at the schedule's count, the last epoch lost its last samples.
-        # The schedule holds its last lr past its count.
-        whole = float(cfg.epochs).is_integer()
-        self.last_epoch = int(cfg.epochs) if whole else None
-        bound = sys.maxsize if whole else cfg.schedule.total_steps
-        self.last_step = min(bound, cfg.loop.max_steps or bound)
-        nominal = min(self.last_step, cfg.schedule.total_steps)  # the steps announced and shown
+        self.last_step = min(cfg.schedule.total_steps, cfg.loop.max_steps or cfg.schedule.total_steps)
         self.ckpt.last_step = self.progress.step if self.plan else -1
         self.started = False  # whether this process completed a step (start-up timeout until then)
         self.replicas = "not checked (the run ended early)"
@@ -123,7 +115,7 @@ class Trainer:
             rescue.attach(self.ckpt, cfg.loop.record_samples, residuals_lost=cfg.sync.hook == "chunk_sparse")
             with self.ckpt.lock:
                 rescue.take_boundary()
-        self.facts = Facts(self.dir, self.plan.path if self.plan else None, nominal, model_defaults, precision,
+        self.facts = Facts(self.dir, self.plan.path if self.plan else None, self.last_step, model_defaults, precision,
                            precision_why, sizing.describe(), self.parts.ipex_note, self.wrapped.compile_note,
                            self.parts.channels_last, self.parts.channels_last_why)
 
@@ -183,7 +175,7 @@ class Trainer:
     def fit(self) -> dict:
         announce(self.cfg, self.ctx, self.progress, self.facts)
         self.progress.start_clock()
-        runlog = RunLog(self.dir, rank=self.ctx.rank, total_steps=self.facts.last_step, start_step=self.progress.step,
+        runlog = RunLog(self.dir, rank=self.ctx.rank, total_steps=self.last_step, start_step=self.progress.step,
                         log_every=self.cfg.loop.log_every)
         try:
             outcome = self._loop(runlog)
@@ -203,7 +195,7 @@ class Trainer:
 
     def _loop(self, runlog: RunLog) -> str:
         p, sampler = self.progress, self.data.sampler
-        while self._more():
+        while p.step < self.last_step:
             sampler.set_epoch(p.epoch)
             outcome = self._train_epoch(runlog)
             if outcome != "epoch":
@@ -214,12 +206,9 @@ class Trainer:
                 if self.rescue:
                     self.rescue.take_boundary()
             every = self.cfg.loop.eval_every
-            if every and p.epoch % every == 0 and self._more():
+            if every and p.epoch % every == 0 and p.step < self.last_step:
                 self._evaluate(runlog)
         return "done"
-
-    def _more(self) -> bool:
-        return self.progress.step < self.last_step and (self.last_epoch is None or self.progress.epoch < self.last_epoch)
 
     def _train_epoch(self, runlog: RunLog) -> str:
         p, batches = self.progress, self._batches()
