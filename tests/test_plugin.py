@@ -141,7 +141,7 @@ def test_hpcdl_exec_sets_torchs_variables_from_the_launcher():
     assert run.stdout.split() == ["1", "2", "1", "2", "127.0.0.1", "29999"]
 
 
-def test_bench_plugin_measures_both_paths_with_hpcdl_absent_before_init(mpiexec, ccl, tmp_path):
+def test_bench_plugin_measures_both_paths_with_hpcdl_absent_before_init(mpiexec, ccl, default_port, tmp_path):  # plain mpiexec
     """``hpcdl bench plugin``: the plugin path's processes had no hpcdl before init_process_group, and every
     backend's sweep on both paths reduced exactly (the figures: docs/performance.md)."""
     env = {**launcher_env(), "PATH": f"{BIN}:{os.environ['PATH']}"}

@@ -319,7 +319,7 @@ def test_a_killed_rank_and_a_stopped_one_restart_on_the_same_nodes_from_a_valid_
         sup = json.loads((run / "supervisor.json").read_text())  # the requeued start writes its own
         (fake / "broken-n2").write_text("train")
         subprocess.run(["scancel", "--signal=USR2", job], check=True)  # the time limit's signal
-        wait_for_job(job, out)
+        wait_for_job(job, out, requeued=True)
     finally:
         subprocess.run(["scancel", job], check=False)
     text = out.read_text()
