@@ -45,7 +45,10 @@ def test_a_second_fabric_comes_up_shaped_and_goes_down_leaving_nothing(tmp_path)
 
 
 def test_two_nodes_over_the_shaped_link_measure_its_rate(fabric, tmp_path):
-    """A 2-node job crosses the link; the best 8 and 16 MiB all-reduce runs at the shaped rate, within 15%.
+    """A 2-node job crosses the link; the best 8 and 16 MiB all-reduce runs at the shaped rate: at most 15% above it
+    (loopback, unshaped, is ten times faster) and at most 20% below (CI's fresh clone measured 0.84x under the
+    parallel tier's load, 0.957x idle: tbf's own shortfall). Each size gets 1 s: at 0.2 s a 16 MiB message (134 ms
+    at the rate) had one or two tries, and the best of so few was stretched by the load.
 
     Not the fit over all sizes: tbf's bucket (2 ms at the rate) refills whenever the sender pauses, and under the
     other tests' load the pauses between iterations let a 1 MiB message pass a quarter of its bytes at once; the
@@ -56,14 +59,14 @@ def test_two_nodes_over_the_shaped_link_measure_its_rate(fabric, tmp_path):
         job_request(profile="local", nodes=2, tasks_per_node=1, time="5", python=PYTHON, partition="fabric",
                     output=f"{tmp_path}/%j.out"),
         ["bench", "allreduce", "--backend", "gloo", "--min-bytes", "1M", "--max-bytes", "16M", "--seconds-per-size",
-         "0.2", "--json", f"{tmp_path}/fabric-%j-%N.json"]))
+         "1", "--json", f"{tmp_path}/fabric-%j-%N.json"]))
     job = sbatch_wait(script)
     report = load_json(tmp_path / f"fabric-{job}-n3.json")  # rank 0's node, by Slurm's name
     assert sorted(r["host"] for r in report["ranks"]) == ["n3", "n4"]
     assert all(row["correct"] for row in report["rows"])
     # 2 ranks: the bus bandwidth is the algorithm's, bytes over time
     best = max(row["bytes"] / (row["min_time_us"] * 1e-6) for row in report["rows"] if row["bytes"] >= 8 << 20)
-    assert abs(best / fabric - 1) <= 0.15, (best, fabric, report["rows"], (tmp_path / f"{job}.out").read_text()[-2000:])
+    assert 0.8 <= best / fabric <= 1.15, (best, fabric, report["rows"], (tmp_path / f"{job}.out").read_text()[-2000:])
 
 
 def test_a_hook_trains_to_the_target_across_the_shaped_link(fabric, demo_data, tmp_path):

@@ -207,43 +207,6 @@ def test_each_rank_draws_its_own_dropout_masks_and_a_resume_draws_the_same_ones_
         assert same_states(a[key], b[key]) == [], key
 
 
-@pytest.mark.ranks
-def test_a_chain_of_cuts_inside_the_read_ahead_window_trains_each_sample_of_every_epoch_once(data, tmp_path):
-    """Global batch 16 over 240 images (15 steps an epoch) with the default data.workers=4, whose read-ahead
-    (4 batches a worker) reaches the epoch's end within its first steps, so every checkpoint below is written
-    inside that window: 3 steps on 4 ranks, to 5 on 2, to 13 on 2 (a same-count resume of a cut epoch), to 20 on
-    1 (into epoch 1), to 26 on 4, to 30 (epoch 1's end) on 2. Each rank records the samples it trains: each
-    epoch's 240 samples once. The micro-batch of 4 stays: accumulation follows the ranks."""
-    extra = ["--set", "data.val=", "--set", "checkpoint.every_minutes=0", "--set", "loop.record_samples=true",
-             "--set", "data.workers=4", "--set", "sync.hook=chunk_sparse", "--set", "sync.chunk=256",
-             "--set", "sync.dense_warmup_epochs=0.1"]  # data.workers: the default (the demo preset's is 1)
-    run = tmp_path / "run"
-    for world, steps in ((4, 3), (2, 5), (2, 13), (1, 20), (4, 26), (2, 30)):
-        where = tmp_path / f"w{world}-{steps}"
-        where.mkdir()
-        procs = start_ranks(world, args_for(data, run, *extra, "--set", f"loop.max_steps={steps}"), where)
-        assert wait_all(procs) == [0] * world, (where / "rank0.log").read_text()[-3000:]
-    log2, log1, log4 = ((tmp_path / w / "rank0.log").read_text() for w in ("w2-5", "w1-20", "w4-26"))
-    assert "written by 4 ranks, on 2: global batch 16 = 2 x 8 per rank (was 4 x 4)" in log2, log2[-3000:]
-    assert "epoch 0 goes on with the 192 samples not yet trained, 96 per rank" in log2
-    assert "loop.accum_steps 1 -> 2 keeps the micro-batch of 4 images" in log2
-    assert "chunk_sparse residuals: old rank r's to rank r mod 2, scaled by 2/4" in log2
-    assert "written by 2 ranks, on 1" in log1 and "loop.accum_steps 1 -> 4" in log1
-    assert "epoch 1 goes on with the 160 samples not yet trained, 40 per rank" in log4  # 5 steps of 15 were done
-    lines = [line.split()[:2] for f in sorted((run / "samples").iterdir()) for line in f.read_text().splitlines()]
-    for epoch in ("0", "1"):
-        assert sorted(int(i) for e, i in lines if e == epoch) == list(range(240)), epoch
-    assert len(lines) == 480
-    steps = [json.loads(line)["step"] for line in (run / "train.jsonl").read_text().splitlines() if '"kind": "step"' in line]
-    assert steps == list(range(1, 31))
-    refused = tmp_path / "refused"
-    refused.mkdir()
-    procs = start_ranks(3, args_for(data, run, *extra, "--set", "loop.max_steps=40"), refused)
-    assert wait_all(procs) == [2, 2, 2]
-    assert "global_batch=16 does not split over 3 ranks, and a resume keeps the global batch" in \
-        (refused / "rank0.log").read_text()
-
-
 @pytest.mark.slow
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(data, tmp_path):
     run = tmp_path / "run"
