@@ -334,20 +334,41 @@ def load_json(path: Path) -> dict:
     raise AssertionError(f"{path} was not written")
 
 
+def built_once(tmp_path_factory, worker_id: str, name: str, build) -> Path:
+    """A session's dataset, built by ``build(root)`` once for every xdist worker of the run: the first worker to
+    ask builds it under a lock in the run's shared temporary folder, the others wait and read it (each built its
+    own before: the demo's set cost 63 CPU-s a build, four times in CI). Tests read it, never write it."""
+    from filelock import FileLock
+
+    if worker_id == "master":  # no xdist: the folder above basetemp is shared with earlier runs
+        root = tmp_path_factory.mktemp(name)
+        build(root)
+        return root
+    root = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(f"{root}.lock"):
+        if not (root / ".built").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            build(root)
+            (root / ".built").touch()
+    return root
+
+
 @pytest.fixture(scope="session")
-def data(tmp_path_factory) -> Path:
+def data(tmp_path_factory, worker_id) -> Path:
     """Packed synthetic JPEGs for the training tests: 240 training images in 10 classes, in several shards,
     and 29 validation images (an odd number)."""
     from hpcdl.data.pack import PackConfig, pack
     from hpcdl.data.synthetic import generate
 
-    root = tmp_path_factory.mktemp("train-data")
-    train = generate(str(root / "src-train"), classes=10, per_class=24, size=(80, 64), seed=1)
-    val = generate(str(root / "src-val"), classes=10, per_class=3, size=(80, 64), seed=2)
-    os.unlink(os.path.join(val.root, "n90000009", sorted(os.listdir(os.path.join(val.root, "n90000009")))[0]))
-    pack(PackConfig(src=train.root, out=str(root / "train"), shard_size="64K", workers=1))
-    pack(PackConfig(src=val.root, out=str(root / "val"), shard_size="64K", workers=1))
-    return root
+    def build(root: Path) -> None:
+        train = generate(str(root / "src-train"), classes=10, per_class=24, size=(80, 64), seed=1)
+        val = generate(str(root / "src-val"), classes=10, per_class=3, size=(80, 64), seed=2)
+        os.unlink(os.path.join(val.root, "n90000009", sorted(os.listdir(os.path.join(val.root, "n90000009")))[0]))
+        pack(PackConfig(src=train.root, out=str(root / "train"), shard_size="64K", workers=1))
+        pack(PackConfig(src=val.root, out=str(root / "val"), shard_size="64K", workers=1))
+
+    return built_once(tmp_path_factory, worker_id, "train-data", build)
 
 
 @pytest.fixture(scope="session")
@@ -364,19 +385,20 @@ def ccl():
 
 
 @pytest.fixture(scope="session")
-def demo_data(tmp_path_factory) -> Path:
+def demo_data(tmp_path_factory, worker_id) -> Path:
     """The demo's dataset (``make demo``): 10 synthetic classes, 150 training and 25 validation images each,
     packed at short side 72."""
     from hpcdl.data.images import Encoding
     from hpcdl.data.pack import PackConfig, pack
     from hpcdl.data.synthetic import generate
 
-    root = tmp_path_factory.mktemp("demo-data")
-    for split, per_class, seed in (("train", 150, 1), ("val", 25, 2)):
-        src = generate(str(root / f"src-{split}"), classes=10, per_class=per_class, seed=seed)
-        pack(PackConfig(src=src.root, out=str(root / split), shard_size="1MB", encoding=Encoding(short_side=72),
-                        workers=2))
-    return root
+    def build(root: Path) -> None:
+        for split, per_class, seed in (("train", 150, 1), ("val", 25, 2)):
+            src = generate(str(root / f"src-{split}"), classes=10, per_class=per_class, seed=seed)
+            pack(PackConfig(src=src.root, out=str(root / split), shard_size="1MB", encoding=Encoding(short_side=72),
+                            workers=2))
+
+    return built_once(tmp_path_factory, worker_id, "demo-data", build)
 
 
 FABRIC_STATE = Path(os.environ.get("HPCDL_SLURM_STATE", "/var/tmp/hpcdl-slurm"))

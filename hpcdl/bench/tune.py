@@ -191,11 +191,9 @@ def measure(cfg: TuneConfig, log=print) -> TuneResult:
     start = Trial(ranks=1, allocator=allocators[0], batch=cfg.batch)
     for ranks in rank_counts(topology):
         attempt(dataclasses.replace(start, ranks=ranks))
-    skipped = {}
-    if set(NATIVE_BF16) & cpu_flags():
+    skipped = skipped_choices(cpu_flags())
+    if "bf16" not in skipped:
         attempt(dataclasses.replace(best(), precision="bf16"))
-    else:
-        skipped["bf16"] = "the CPU has no avx512_bf16 or amx_bf16: bf16 is emulated, many times slower than fp32"
     attempt(dataclasses.replace(best(), channels_last=False))
     for allocator in allocators:
         attempt(dataclasses.replace(best(), allocator=allocator))
@@ -208,6 +206,13 @@ def measure(cfg: TuneConfig, log=print) -> TuneResult:
         if len(done) >= 2:
             rss[top.ranks] = _fit_rss(done, results)
     return _decide(cfg, results, refused, skipped, run, topology, memory_mb)
+
+
+def skipped_choices(flags: set[str]) -> dict[str, str]:
+    """The choices the trials leave out on a CPU with ``flags``, each with the reason the table prints."""
+    if set(NATIVE_BF16) & flags:
+        return {}
+    return {"bf16": "the CPU has no avx512_bf16 or amx_bf16: bf16 is emulated, many times slower than fp32"}
 
 
 def _fit_rss(trials: list[Trial], results: dict) -> tuple[float, float]:
