@@ -30,7 +30,7 @@ setup(
         "ipex": ["intel-extension-for-pytorch==2.8.*", "torch==2.8.*"],
         # sklearn: the digits (bench large-batch, docs/data.md); Lightning: its DDP on hpcdl's groups
         # (tests/test_plugin.py); simplejpeg: a third JPEG decoder for bench data; pytest-xdist: make test's workers
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "scikit-learn>=1.2", "pytorch-lightning>=2.6", "simplejpeg>=1.6"],
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "filelock>=3", "scikit-learn>=1.2", "pytorch-lightning>=2.6", "simplejpeg>=1.6"],
     },
     entry_points={
         "console_scripts": ["hpcdl = hpcdl.cli:console"],

@@ -347,8 +347,8 @@ def built_once(tmp_path_factory, worker_id: str, name: str, build) -> Path:
     root = tmp_path_factory.getbasetemp().parent / name
     with FileLock(f"{root}.lock"):
         if not (root / ".built").exists():
-            shutil.rmtree(root, ignore_errors=True)
-            root.mkdir()
+            shutil.rmtree(root, ignore_errors=True)  # a build that died half-way
+            root.mkdir(exist_ok=True)
             build(root)
             (root / ".built").touch()
     return root

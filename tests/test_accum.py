@@ -78,9 +78,10 @@ def data246(tmp_path_factory) -> Path:
 
 
 # Each leg: (ranks, the step it stops after; None: the schedule's end). The chain 4 -> 2 -> 3 -> 1 -> 4 ranks of
-# issue 44 with both samplers; the global sampler's epochs take 11 steps (2 epochs: 22), the shard sampler's 11 or
+# issue 44 with both samplers, and a same-count resume (2 -> 2) of an epoch already resumed and cut; the global sampler's epochs take 11 steps (2 epochs: 22), the shard sampler's 11 or
 # more (it pads each rank to the fullest), so its run has 3 epochs and stops at step 26, past epoch 1's end.
-LEGS = {"global": ((4, 4), (2, 9), (3, 14), (1, 18), (4, None)), "shard": ((4, 4), (2, 9), (3, 14), (1, 18), (4, 26))}
+LEGS = {"global": ((4, 4), (2, 7), (2, 9), (3, 14), (1, 18), (4, None)),
+        "shard": ((4, 4), (2, 7), (2, 9), (3, 14), (1, 18), (4, 26))}
 # global: 2 epochs, the run's end; shard: 3 epochs, cut at 26. Epochs 0 and 1 are checked whole in both modes.
 EPOCHS = {"global": 2, "shard": 3}
 
@@ -91,15 +92,15 @@ EPOCHS = {"global": 2, "shard": 3}
 def test_a_chain_of_cuts_to_other_rank_counts_with_accumulation_trains_each_sample_once(data246, mode, tmp_path):
     """Global batch 24 over 246 images in micro-batches of 3 (loop.accum_steps=2 on 4 ranks), the default
     data.workers=4, whose read-ahead (4 batches a worker) reaches far past every cut below, so each checkpoint is
-    written inside that window. Cut at step 4 (4 ranks), 9 (2 ranks: accum 4), 14 (3 ranks, into epoch 1: the
+    written inside that window. Cut at step 4 (4 ranks), 7 and 9 (2 ranks: accum 4), 14 (3 ranks, into epoch 1: the
     micro-batch of 3 does not divide 8, accum stays 2: micro-batch 4), 18 (1 rank: accum 6), then on 4 ranks to the
     run's end (global) or step 26 (shard). Epochs end in short steps (epoch 0 on 3 ranks: 11 per rank, 8 and then
     3). The global run sends chunk_sparse gradients, whose residuals follow the ranks. Each leg ends with the replica
     check (exit 2 when they differ); each rank records the samples it trains: epochs 0 and 1 hold each of the 246
     samples, repeated only as the sampler's padding. Before the fixes the 1-rank leg was refused (the per-rank
     batch 12 ...) and the replicas diverged. This chain took over the read-ahead chain of test_train (240 images
-    at accumulation 1: 4 -> 2 -> 2 -> 1 -> 4 -> 2 ranks); the bitwise resume matrix there resumes on the same
-    count."""
+    at accumulation 1: 4 -> 2 -> 2 -> 1 -> 4 -> 2 ranks; accumulation 1 -> 2 on a resume is test_scale's cut
+    chain's). At the end, 5 ranks are refused: 24 does not split over 5, and a resume keeps the global batch."""
     extra = ["--set", "data.val=", "--set", "checkpoint.every_minutes=0", "--set", "loop.record_samples=true",
              "--set", "data.workers=4", "--set", "global_batch=24", "--set", "loop.accum_steps=2",
              "--set", f"epochs={EPOCHS[mode]}", "--set", "crop=32", "--set", f"data.sampler={mode}",
@@ -116,27 +117,40 @@ def test_a_chain_of_cuts_to_other_rank_counts_with_accumulation_trains_each_samp
         assert [p.wait(timeout=240) for p in procs] == [0] * world, (where / "rank0.log").read_text()[-3000:]
         log = (where / "rank0.log").read_text()
         assert f"replicas: identical on {world} ranks" in log, log[-3000:]
-    log2, log1 = ((tmp_path / w / "rank0.log").read_text() for w in ("w2-9", "w1-18"))
+    log2, log1 = ((tmp_path / w / "rank0.log").read_text() for w in ("w2-7", "w1-18"))
     assert "written by 4 ranks, on 2: global batch 24 = 2 x 12 per rank (was 4 x 6)" in log2, log2[-3000:]
     assert "loop.accum_steps 2 -> 4 keeps the micro-batch of 3 images" in log2
+    again = (tmp_path / "w2-9" / "rank0.log").read_text()
+    assert "resuming from" in again and "written by" not in again, again[-3000:]  # the same ranks: no plan to apply
     assert "written by 3 ranks, on 1" in log1 and "loop.accum_steps 2 -> 6 keeps the micro-batch of 4 images" in log1
     if mode == "global":
         # 4 steps of 24 on 4 ranks trained 96 of 248 (246 padded to 4 x 62): 152 left, 2 of them padding
         assert "epoch 0 goes on with the 152 samples not yet trained, 76 per rank" in log2, log2[-3000:]
         assert "chunk_sparse residuals: old rank r's to rank r mod 2, scaled by 2/4" in log2
     sizes = [s["count"] for s in json.loads((data246 / "manifest.json").read_text())["shards"]]
-    padding = []  # what the sampler adds to even out the ranks an epoch starts on, then under ranks - 1 a cut
+    lines = [line.split()[:3] for f in sorted((run / "samples").iterdir()) for line in f.read_text().splitlines()]
+    first = {e: min(int(step) for epoch, _, step in lines if int(epoch) == e) for e in (0, 1, 2) if
+             any(int(epoch) == e for epoch, _, _ in lines)}
+    assert first[0] == 1 and 10 <= first[1] <= 14, first  # epoch 1 starts in the 3-rank leg (steps 10 to 14)
+    starts = [1] + [steps + 1 for _, steps in LEGS[mode][:-1]]  # each leg's first step
     for epoch, world in ((0, 4), (1, 3)):
         sampler = DistributedShardSampler(sizes, world, 0, mode, seed=get_preset("demo_tiny_lars").data.seed)
         sampler.set_epoch(epoch)
-        padding.append(world * sampler.num_samples - 246)
-    cuts = sum(world - 1 for world, _ in LEGS[mode][1:])  # a cut's rest of the epoch, dealt again, pads too
-    lines = [line.split()[:2] for f in sorted((run / "samples").iterdir()) for line in f.read_text().splitlines()]
-    for epoch in ("0", "1"):
-        seen = Counter(int(i) for e, i in lines if e == epoch)
+        # repeats allowed: the padding that evens out the ranks the epoch starts on, and for each leg that resumes
+        # it mid-way, what evens out that leg's ranks over the rest (at most ranks - 1)
+        end = first.get(epoch + 1, 10 ** 6)
+        cuts = sum(w - 1 for (w, _), start in zip(LEGS[mode], starts) if first[epoch] < start < end)
+        seen = Counter(int(i) for e, i, _ in lines if int(e) == epoch)
         assert set(seen) == set(range(246)), epoch
-        assert sum(seen.values()) - len(seen) <= padding[int(epoch)] + cuts, (epoch, sum(seen.values()))
+        assert sum(seen.values()) - len(seen) <= world * sampler.num_samples - 246 + cuts, (epoch, sum(seen.values()))
     steps = [json.loads(line)["step"] for line in (run / "train.jsonl").read_text().splitlines() if '"kind": "step"' in line]
     summary = json.loads((run / "summary.json").read_text())
     end = 22 if mode == "global" else 26
     assert summary["outcome"] == "finished" and summary["steps"] == end and steps == list(range(1, end + 1)), summary
+    if mode == "global":  # 24 does not split over 5 ranks: every rank refuses, naming the counts that do
+        refused = tmp_path / "refused"
+        refused.mkdir()
+        args = ["train", "demo_tiny_lars", "--set", f"data.train={data246}", "--set", f"run_dir={run}", *extra]
+        assert [p.wait(timeout=240) for p in start_ranks(5, args, refused)] == [2] * 5
+        assert "global_batch=24 does not split over 5 ranks, and a resume keeps the global batch" in \
+            (refused / "rank0.log").read_text()

@@ -95,18 +95,18 @@ def test_bench_sync_reports_every_path(mpiexec, tmp_path):
     assert bad.returncode == 2 and "--buckets item '1:x': give CAP or FIRST:CAP in MB" in bad.stderr
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_chunk_sparse_trains_as_well_as_dense(mpiexec, demo_data, tmp_path):
     """The demo's LARS run at keep 0.1 (64-element chunks, so that TinyCNN's 5k weights make 80 chunks)
     reaches the dense run's best top-1 within 2 points. The demo's 8 epochs (4 left the sparse run at 93.2%
     against 99.2%): two runs of 30-35 s on an idle 2-core machine, 157 s and over 300 s under the parallel tier's
-    load, hence 600 s."""
+    load, hence 400 s each and 900 in all."""
     best = {}
     for hook in ("none", "chunk_sparse"):
         run = tmp_path / hook
         done = mpi_run(mpiexec, "-m", "hpcdl", "train", "demo_tiny_lars", "--set", f"data.train={demo_data / 'train'}",
                        "--set", f"data.val={demo_data / 'val'}", "--set", f"run_dir={run}", "--set", f"sync.hook={hook}",
-                       "--set", "sync.chunk=64", "--set", "sync.keep=0.1", timeout=290)
+                       "--set", "sync.chunk=64", "--set", "sync.keep=0.1", timeout=400)
         assert done.returncode == 0, done.stderr
         best[hook] = json.loads((run / "summary.json").read_text())["best_top1"]
     assert best["none"] >= 90  # the comparison means something only if dense training learns
