@@ -28,6 +28,7 @@ def test_replicas_stay_identical_and_sums_match_a_plain_allreduce(mpiexec, ccl, 
     assert all(r["max_rel_error"] <= TOLERANCE[hook] for r in ranks), ranks
 
 
+@pytest.mark.timeout(600)  # two jobs, each waited for up to 240 s: queued behind the other Slurm tests' jobs, 246 s in CI
 @pytest.mark.parametrize("backend", ["gloo", "ccl"])
 def test_hierarchical_on_two_nodes_matches_flat(two_nodes, ccl, tmp_path, backend):
     from conftest import sbatch_wait
