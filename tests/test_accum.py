@@ -129,8 +129,9 @@ def test_a_chain_of_cuts_to_other_rank_counts_with_accumulation_trains_each_samp
         assert "chunk_sparse residuals: old rank r's to rank r mod 2, scaled by 2/4" in log2
     sizes = [s["count"] for s in json.loads((data246 / "manifest.json").read_text())["shards"]]
     lines = [line.split()[:3] for f in sorted((run / "samples").iterdir()) for line in f.read_text().splitlines()]
-    first = {e: min(int(step) for epoch, _, step in lines if int(epoch) == e) for e in (0, 1, 2) if
-             any(int(epoch) == e for epoch, _, _ in lines)}
+    first = {}  # each epoch's first step
+    for epoch, _, step in lines:
+        first[int(epoch)] = min(first.get(int(epoch), int(step)), int(step))
     assert first[0] == 1 and 10 <= first[1] <= 14, first  # epoch 1 starts in the 3-rank leg (steps 10 to 14)
     starts = [1] + [steps + 1 for _, steps in LEGS[mode][:-1]]  # each leg's first step
     for epoch, world in ((0, 4), (1, 3)):
