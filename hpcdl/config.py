@@ -93,6 +93,9 @@ class LoopConfig:
     log_every: int = 10  # steps between progress lines and TensorBoard points (the JSONL log has every step)
     seed: int = 0  # the model's initial weights
     target_top1: float = 0.0  # time-to-accuracy: first evaluation at or above this top-1 (0: none)
+    # end the run at that evaluation, as MLPerf's time-to-train rule does (the summary says so); a resume of a run
+    # that stopped there trains no further
+    stop_at_target: bool = False
     timeline: bool = False  # per-rank trace spans in RUN_DIR/timeline (hpcdl timeline merge RUN_DIR)
     # each rank appends the samples it trains to RUN_DIR/samples/rankRRRRR.txt, "EPOCH INDEX STEP" a line: to audit
     # the data order, or count that an epoch saw every sample once across restarts on any number of ranks
@@ -112,6 +115,11 @@ class LoopConfig:
                               "must be more than 0 seconds (e.g. 300 and 600)")
         if self.accum_steps < 1 or self.log_every < 1:
             raise ConfigError(f"loop.accum_steps={self.accum_steps} and loop.log_every={self.log_every} must be >= 1")
+        if self.stop_at_target and not self.target_top1 > 0:
+            raise ConfigError("loop.stop_at_target needs the top-1 to stop at: --set loop.target_top1=75.9 (a percent)")
+        if self.stop_at_target and self.eval_every < 1:
+            raise ConfigError("loop.stop_at_target stops at an evaluation, and loop.eval_every=0 evaluates only at "
+                              "the end: --set loop.eval_every=1")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -299,3 +299,28 @@ def test_the_run_folder_names_its_paths_without_torch(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(c / "ckpt-000000007.pt"), str(c / "ckpt-000000007.rank00003.pt"),
                                   str(tmp_path / "jit" / "j-a1"), str(c / "ckpt-000000007.pt")]
+
+
+def test_the_time_to_target_belongs_to_its_target_across_a_resume():
+    """Progress (the checkpoint's counters) keeps the target its time was taken for: resumed with another target,
+    the time is taken anew; a checkpoint from before the target was saved keeps its time."""
+    from hpcdl.train.state import Progress
+
+    first = Progress()
+    first.start_clock()
+    assert not first.evaluated({"top1": 90.0}, 95.0) and first.time_to_target_s is None
+    assert first.evaluated({"top1": 96.0}, 95.0) and first.time_to_target_s is not None
+    first.stopped_at = 48
+    saved = first.state_dict()
+    same = Progress()
+    same.load_state_dict(saved)
+    assert (same.target_top1, same.time_to_target_s, same.stopped_at) == (95.0, first.time_to_target_s, 48)
+    higher = Progress()
+    higher.load_state_dict(saved)
+    higher.start_clock()
+    assert not higher.evaluated({"top1": 96.5}, 98.0) and higher.time_to_target_s is None
+    older = Progress()
+    older.load_state_dict({k: v for k, v in saved.items() if k not in ("target_top1", "stopped_at")})
+    older.start_clock()
+    older.evaluated({"top1": 91.0}, 95.0)
+    assert older.time_to_target_s == first.time_to_target_s and older.stopped_at is None

@@ -98,21 +98,23 @@ def test_bench_sync_reports_every_path(mpiexec, tmp_path):
 
 @pytest.mark.timeout(900)
 def test_chunk_sparse_trains_as_well_as_dense(mpiexec, demo_data, tmp_path):
-    """The demo's LARS run at keep 0.1 (64-element chunks, so that TinyCNN's 5k weights make 80 chunks)
-    reaches the dense run's best top-1 within 2 points. The demo's 8 epochs (4 left the sparse run at 93.2%
-    against 99.2%): two runs of 30-35 s on an idle 2-core machine, 157 s and over 300 s under the parallel tier's
-    load, hence 400 s each and 900 in all."""
-    best = {}
+    """The demo's LARS run at keep 0.1 (64-element chunks, so that TinyCNN's 5k weights make 80 chunks) reaches
+    the demo's target, 95% top-1, within the demo's 8 epochs, as the dense run does; each run stops there
+    (loop.stop_at_target, MLPerf's rule). The sparse run was at 93.2% after 4 epochs (dense 99.2%), hence the 8.
+    Two runs of 30-35 s to the end on an idle 2-core machine, 157 s and over 300 s under the parallel tier's load,
+    hence 400 s each and 900 in all."""
+    runs = {}
     for hook in ("none", "chunk_sparse"):
         run = tmp_path / hook
         done = mpi_run(mpiexec, "-m", "hpcdl", "train", "demo_tiny_lars", "--set", f"data.train={demo_data / 'train'}",
                        "--set", f"data.val={demo_data / 'val'}", "--set", f"run_dir={run}", "--set", f"sync.hook={hook}",
-                       "--set", "sync.chunk=64", "--set", "sync.keep=0.1", timeout=400)
+                       "--set", "sync.chunk=64", "--set", "sync.keep=0.1", "--set", "loop.stop_at_target=true",
+                       timeout=400)
         assert done.returncode == 0, done.stderr
-        best[hook] = json.loads((run / "summary.json").read_text())["best_top1"]
-    assert best["none"] >= 90  # the comparison means something only if dense training learns
-    assert best["chunk_sparse"] >= best["none"] - 2, best
-
+        runs[hook] = json.loads((run / "summary.json").read_text())
+    reached = {hook: (s["best_top1"], s["time_to_target_s"], s["steps"]) for hook, s in runs.items()}
+    assert all(top1 >= 95 and seconds is not None for top1, seconds, _ in reached.values()), reached
+    assert runs["none"]["stopped_at_target"], reached  # dense is past 95% by epoch 4 of 8: the stop works
 
 def test_hold_back_leaves_unsent_positions_to_a_later_step():
     import torch

@@ -262,6 +262,10 @@ def test_a_damaged_shard_stops_every_rank_and_the_rank_that_checked_it_names_it(
     (["--set", "loop.precison=fp32"], "no key 'precison'"),
     (["--set", "loop.precision=fp16"], "choose one of auto, fp32, bf16"),
     (["--set", "num_classes=4"], "--set num_classes=10"),
+    (["--set", "loop.stop_at_target=true", "--set", "loop.target_top1=0"], "--set loop.target_top1=75.9"),
+    (["--set", "loop.stop_at_target=true", "--set", "loop.eval_every=0"], "--set loop.eval_every=1"),
+    (["--set", "loop.stop_at_target=true", "--set", "loop.target_top1=90", "--set", "data.val="],
+     "loop.stop_at_target stops at an evaluation, and data.val is not set"),
 ])
 def test_bad_configs_are_refused_before_submission(data, tmp_path, change, message):
     run = hpcdl("sbatch", "--nodes", "1", "--tasks-per-node", "4", "--", *args_for(data, tmp_path / "run"), *change)
@@ -305,20 +309,29 @@ def test_slurm_job_requeues_itself_and_resumes_bit_for_bit(slurm, data, tmp_path
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def test_the_demo_preset_trains_to_its_target_on_ccl_through_sbatch(slurm, ccl, demo_data, tmp_path):
+def test_the_demo_preset_trains_to_its_target_on_ccl_through_sbatch_stops_there_and_trains_no_further_on_resume(slurm, ccl, demo_data, tmp_path):
     script = tmp_path / "ccl-demo.sbatch"
     made = hpcdl("sbatch", "--profile", "local", "--nodes", 1, "--tasks-per-node", 2, "--time", 5, "--job-name",
                  "ccl-demo", "--output", f"{tmp_path}/ccl-demo-%j.out", "--python", PYTHON, "--write", script, "--",
                  "train", "demo_tiny_lars", "--set", f"data.train={demo_data / 'train'}",
                  "--set", f"data.val={demo_data / 'val'}", "--set", f"run_dir={tmp_path / 'run'}",
                  "--set", "loop.backend=ccl", "--set", f"loop.ccl_lib={ccl.library.parent}",
-                 "--set", "checkpoint.every_minutes=0")
+                 "--set", "checkpoint.every_minutes=0", "--set", "loop.stop_at_target=true")
     assert made.returncode == 0, made.stderr
-    job = sbatch_wait(script, f"--chdir={tmp_path}", env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    job = sbatch_wait(script, f"--chdir={tmp_path}", env=env, timeout=300)
     out = (tmp_path / f"ccl-demo-{job}.out").read_text()
     assert f"backend oneccl (requested: oneCCL 2022.2.0 from {ccl.library} (named by loop.ccl_lib)" in out, out[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["best_top1"] >= 95 and summary["time_to_target_s"] is not None, summary
+    # 12 steps an epoch, 8 epochs: the run ends at the end of the epoch whose evaluation first reached 95%
+    assert summary["best_top1"] >= 95 and summary["stopped_at_target"], summary
+    assert summary["steps"] % 12 == 0 and summary["best_step"] == summary["steps"], summary
+    assert "the run stopped there (loop.stop_at_target)" in out
+    # the same job again resumes the stopped run and trains no further
+    again = sbatch_wait(script, f"--chdir={tmp_path}", env=env, timeout=300)
+    resumed = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert resumed["outcome"] == "finished" and resumed["steps"] == summary["steps"] and resumed["stopped_at_target"]
+    assert steps_logged(tmp_path / "run") == summary["steps"], (tmp_path / f"ccl-demo-{again}.out").read_text()[-3000:]
 
 
 def test_submitit_job_checkpoints_through_its_protocol_and_resumes(slurm, data, tmp_path, monkeypatch):

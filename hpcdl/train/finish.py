@@ -139,7 +139,8 @@ def write_summary(cfg: RunConfig, ctx: DistContext, progress: Progress, *, outco
          "epochs": epochs, "train_s": elapsed,
          "images_per_s": progress.step * cfg.global_batch / elapsed if elapsed else 0.0,
          "best_top1": best.get("top1"), "best_top5": best.get("top5"), "best_step": best.get("step"),
-         "target_top1": cfg.loop.target_top1, "time_to_target_s": progress.time_to_target_s, "run_dir": run_dir,
+         "target_top1": cfg.loop.target_top1, "time_to_target_s": progress.time_to_target_s,
+         "stopped_at_target": progress.stopped_at is not None, "run_dir": run_dir,
          "replicas": replicas, "phases": phase_shares(jsonl) if ctx.rank == 0 and os.path.exists(jsonl) else {}}
     if ctx.rank == 0:
         atomic_write_text(RunFolder(run_dir).summary, json.dumps(s, indent=1) + "\n")

@@ -30,7 +30,8 @@ def summary_text(s: dict) -> str:
     if s.get("target_top1"):
         reached = s.get("time_to_target_s")
         lines.append(f"  time to top-1 {s['target_top1']:g}%: " + (f"{reached:.1f} s" if reached is not None
-                                                                      else "not reached"))
+                                                                      else "not reached")
+                     + ("; the run stopped there (loop.stop_at_target)" if s.get("stopped_at_target") else ""))
     if s.get("phases"):
         lines.append("  step time: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["phases"].items()))
     return "\n".join(lines)

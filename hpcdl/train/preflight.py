@@ -35,6 +35,9 @@ def preflight(cfg: RunConfig, world_size: int, manifest: Manifest | None = None)
         divisors = [n for n in range(1, min(cfg.global_batch, 4096) + 1) if cfg.global_batch % n == 0]
         raise ConfigError(f"global_batch={cfg.global_batch} does not split over {world_size} ranks; run on one of "
                           f"{divisors[-12:]} ranks, or --set global_batch to a multiple of {world_size}")
+    if cfg.loop.stop_at_target and not cfg.data.val:
+        raise ConfigError(f"{cfg.name}: loop.stop_at_target stops at an evaluation, and data.val is not set; "
+                          "--set data.val=/path/to/packed/val")
     check_writable(cfg)
     images = sum(s.count for s in manifest.shards)
     if (cfg.ranks, cfg.train_images) != (world_size, images):

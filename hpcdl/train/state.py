@@ -40,13 +40,16 @@ class Frozen:
 @dataclasses.dataclass(slots=True)
 class Progress:
     """The train loop's counters: steps and epochs done, training time (that of earlier runs, and this
-    process's since :meth:`start_clock`), the best evaluation, the time to the target accuracy."""
+    process's since :meth:`start_clock`), the best evaluation, the time to the target accuracy and the step
+    where the run stopped at it (``loop.stop_at_target``)."""
 
     step: int = 0
     epoch: int = 0
     elapsed_before: float = 0.0
     best: dict | None = None
     time_to_target_s: float | None = None
+    target_top1: float | None = 0.0  # the target time_to_target_s was timed for (None: a checkpoint's, unknown)
+    stopped_at: int | None = None  # the step whose evaluation reached the target and ended the run
     started_at: float | None = None  # time.monotonic() when this process began training
 
     def start_clock(self) -> None:
@@ -55,20 +58,29 @@ class Progress:
     def elapsed(self) -> float:
         return self.elapsed_before + (time.monotonic() - self.started_at if self.started_at is not None else 0.0)
 
-    def evaluated(self, metrics: dict, target_top1: float) -> None:
-        """Note an evaluation at this step: the best so far, and when ``target_top1`` was first reached."""
+    def evaluated(self, metrics: dict, target_top1: float) -> bool:
+        """Note an evaluation at this step: the best so far, and when ``target_top1`` was first reached (a run
+        resumed with another target times it from its own evaluations). Whether this one reached it."""
         if self.best is None or metrics["top1"] > self.best["top1"]:
             self.best = {"step": self.step, **metrics}
-        if target_top1 and self.time_to_target_s is None and metrics["top1"] >= target_top1:
+        if self.target_top1 is not None and target_top1 != self.target_top1:
+            self.time_to_target_s = None
+        self.target_top1 = target_top1
+        reached = bool(target_top1) and metrics["top1"] >= target_top1
+        if reached and self.time_to_target_s is None:
             self.time_to_target_s = self.elapsed()
+        return reached
 
     def state_dict(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "elapsed_s": self.elapsed(), "best": self.best,
-                "time_to_target_s": self.time_to_target_s}
+                "time_to_target_s": self.time_to_target_s, "target_top1": self.target_top1,
+                "stopped_at": self.stopped_at}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.epoch, self.elapsed_before = state["step"], state["epoch"], state["elapsed_s"]
         self.best, self.time_to_target_s = state["best"], state["time_to_target_s"]
+        # checkpoints before loop.stop_at_target: the target is unknown (time_to_target_s stays as it was)
+        self.target_top1, self.stopped_at = state.get("target_top1"), state.get("stopped_at")
 
 
 class SamplerPosition:

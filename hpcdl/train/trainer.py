@@ -195,7 +195,9 @@ class Trainer:
 
     def _loop(self, runlog: RunLog) -> str:
         p, sampler = self.progress, self.data.sampler
-        while p.step < self.last_step:
+        if not self.cfg.loop.stop_at_target:
+            p.stopped_at = None  # a run stopped at its target, resumed without the flag: it trains on
+        while p.step < self.last_step and p.stopped_at is None:
             sampler.set_epoch(p.epoch)
             outcome = self._train_epoch(runlog)
             if outcome != "epoch":
@@ -207,7 +209,12 @@ class Trainer:
                     self.rescue.take_boundary()
             every = self.cfg.loop.eval_every
             if every and p.epoch % every == 0 and p.step < self.last_step:
-                self._evaluate(runlog)
+                reached = self._evaluate(runlog)
+                with self.ckpt.lock:
+                    if reached and self.cfg.loop.stop_at_target:  # the metrics are all-reduced: every rank stops
+                        p.stopped_at = p.step
+                    if self.rescue:  # a rescue from here on holds this evaluation, and the stop
+                        self.rescue.take_boundary()
         return "done"
 
     def _train_epoch(self, runlog: RunLog) -> str:
@@ -264,16 +271,17 @@ class Trainer:
         due = bool(minutes) and time.monotonic() - self.ckpt.last_time >= 60 * minutes
         return self.stop.wish, due
 
-    def _evaluate(self, runlog: RunLog) -> None:
+    def _evaluate(self, runlog: RunLog) -> bool:
+        """Evaluate, log, note the best; whether the evaluation reached loop.target_top1."""
         if self.data.val_loader is None:
-            return
+            return False
         p = self.progress
         with self.ckpt.parts["model"].evaluating():  # Schedule-Free's x; a rescue meanwhile saves y all the same
             metrics = evaluate(self.wrapped.net, self.data.val_loader, self._prepare, group=self.ctx.group,
                                num_classes=self.cfg.num_classes, progress=runlog.evaluating)
         runlog.evaluation(p.step, self._epochs(), metrics, self.data.classes)
         metrics.pop("confusion", None)
-        p.evaluated(metrics, self.cfg.loop.target_top1)
+        return p.evaluated(metrics, self.cfg.loop.target_top1)
 
     def _epochs(self) -> float:
         """Epochs done, fractional: the share of the current epoch trained, counting runs before a cut."""
