@@ -309,7 +309,8 @@ def test_slurm_job_requeues_itself_and_resumes_bit_for_bit(slurm, data, tmp_path
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def test_the_demo_preset_trains_to_its_target_on_ccl_through_sbatch_stops_there_and_trains_no_further_on_resume(slurm, ccl, demo_data, tmp_path):
+def test_the_demo_preset_trains_to_its_target_on_ccl_through_sbatch_stops_there_and_trains_no_further_on_resume(
+        slurm, ccl, demo_data, tmp_path):
     script = tmp_path / "ccl-demo.sbatch"
     made = hpcdl("sbatch", "--profile", "local", "--nodes", 1, "--tasks-per-node", 2, "--time", 5, "--job-name",
                  "ccl-demo", "--output", f"{tmp_path}/ccl-demo-%j.out", "--python", PYTHON, "--write", script, "--",
