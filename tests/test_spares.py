@@ -344,6 +344,12 @@ def test_a_killed_rank_and_a_stopped_one_restart_on_the_same_nodes_from_a_valid_
                        extra=(*extra, "--set", f"loop.max_steps={saved}"))
     sbatch_wait(plain, f"--chdir={tmp_path}", timeout=300)
     ref = torch.load(reference / "checkpoints" / f"ckpt-{saved:09d}.pt", map_location="cpu", weights_only=True)
+    if jit["sampler"]["epoch"] == ref["sampler"]["epoch"] + 1:
+        # saved at an epoch's last step (it happened in CI): the rescue's boundary was taken as the epoch turned and
+        # names the next epoch's start, the fault-free run's checkpoint of that step the epoch's end: one place
+        s = ref["sampler"]
+        assert jit["sampler"]["position"] == 0 and s["position"] * s["num_replicas"] >= s["total"], (jit["sampler"], s)
+        jit["sampler"] = {**jit["sampler"], "epoch": s["epoch"], "position": s["position"]}
     for part in ("model", "optimizer", "schedule", "sampler"):
         assert same_states(jit[part], ref[part]) == [], part
 
