@@ -58,14 +58,19 @@ class Progress:
     def elapsed(self) -> float:
         return self.elapsed_before + (time.monotonic() - self.started_at if self.started_at is not None else 0.0)
 
+    def aim(self, target_top1: float) -> None:
+        """This run's target: a run resumed with another one times it from its own evaluations and has not
+        stopped at it (a checkpoint's unknown target, None, keeps its time)."""
+        if self.target_top1 is not None and target_top1 != self.target_top1:
+            self.time_to_target_s, self.stopped_at = None, None
+        self.target_top1 = target_top1
+
     def evaluated(self, metrics: dict, target_top1: float) -> bool:
-        """Note an evaluation at this step: the best so far, and when ``target_top1`` was first reached (a run
-        resumed with another target times it from its own evaluations). Whether this one reached it."""
+        """Note an evaluation at this step: the best so far, and when ``target_top1`` was first reached.
+        Whether this one reached it."""
         if self.best is None or metrics["top1"] > self.best["top1"]:
             self.best = {"step": self.step, **metrics}
-        if self.target_top1 is not None and target_top1 != self.target_top1:
-            self.time_to_target_s = None
-        self.target_top1 = target_top1
+        self.aim(target_top1)
         reached = bool(target_top1) and metrics["top1"] >= target_top1
         if reached and self.time_to_target_s is None:
             self.time_to_target_s = self.elapsed()

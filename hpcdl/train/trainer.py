@@ -195,9 +195,7 @@ class Trainer:
 
     def _loop(self, runlog: RunLog) -> str:
         p, sampler = self.progress, self.data.sampler
-        target = self.cfg.loop.target_top1
-        if p.target_top1 is not None and p.target_top1 != target:  # resumed with another target: timed anew
-            p.target_top1, p.time_to_target_s, p.stopped_at = target, None, None
+        p.aim(self.cfg.loop.target_top1)
         if not self.cfg.loop.stop_at_target:
             p.stopped_at = None  # a run stopped at its target, resumed without the flag: it trains on
         while p.step < self.last_step and p.stopped_at is None:
