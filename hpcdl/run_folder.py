@@ -65,6 +65,11 @@ class RunFolder:
     def sample_record(self, rank: int) -> str:
         return os.path.join(self.samples, f"rank{rank:05d}.txt")
 
+    def open_sample_record(self, rank: int):
+        """loop.record_samples: each rank appends "epoch index step" of every sample it trains."""
+        os.makedirs(self.samples, exist_ok=True)
+        return open(self.sample_record(rank), "a")
+
     def checkpoint(self, step: int) -> str:
         return os.path.join(self.checkpoints, checkpoint_name(step))
 

@@ -317,7 +317,8 @@ def test_the_demo_preset_trains_to_its_target_on_ccl_through_sbatch_stops_there_
                  "train", "demo_tiny_lars", "--set", f"data.train={demo_data / 'train'}",
                  "--set", f"data.val={demo_data / 'val'}", "--set", f"run_dir={tmp_path / 'run'}",
                  "--set", "loop.backend=ccl", "--set", f"loop.ccl_lib={ccl.library.parent}",
-                 "--set", "checkpoint.every_minutes=0", "--set", "loop.stop_at_target=true")
+                 "--set", "checkpoint.every_minutes=0", "--set", "checkpoint.every_steps=12",
+                 "--set", "loop.stop_at_target=true")
     assert made.returncode == 0, made.stderr
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     job = sbatch_wait(script, f"--chdir={tmp_path}", env=env, timeout=300)
@@ -328,6 +329,10 @@ def test_the_demo_preset_trains_to_its_target_on_ccl_through_sbatch_stops_there_
     assert summary["best_top1"] >= 95 and summary["stopped_at_target"], summary
     assert summary["steps"] % 12 == 0 and summary["best_step"] == summary["steps"], summary
     assert "the run stopped there (loop.stop_at_target)" in out
+    # the periodic checkpoint of the stop's step was written before the evaluation: the final one is written again
+    final = tmp_path / "run" / "checkpoints" / f"ckpt-{summary['steps']:09d}.pt"
+    counters = torch.load(final, weights_only=True)["counters"]
+    assert counters["stopped_at"] == summary["steps"] and counters["best"]["top1"] == summary["best_top1"], counters
     # the same job again resumes the stopped run and trains no further
     again = sbatch_wait(script, f"--chdir={tmp_path}", env=env, timeout=300)
     resumed = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -563,6 +568,15 @@ def test_fault_matrix_a_rank_killed_in_each_phase(data, tmp_path, phase, victim)
     assert newest[0] == result["checkpoint"] and newest[1]["counters"]["step"] == completed == result["step"]
     if phase == "save":  # the half-written one was a temporary file, never listed; the survivor's write removed it
         assert result["written"] and not list((run / "checkpoints").glob(".ckpt-*.tmp"))
+    if phase == "eval":  # saved at the epoch's turn, before its evaluation: a resume (here on one rank) makes it first
+        counters = newest[1]["counters"]
+        assert (counters["epoch"], counters["evaluated_epoch"]) == (1, 0), counters
+        resumed = hpcdl(*args_for(data, run, "--set", f"loop.max_steps={completed + 1}", "--set", "data.workers=0",
+                                  "--set", "loop.eval_every=1"), timeout=120)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        log_lines = (run / "train.jsonl").read_text().splitlines()
+        evals = [json.loads(line)["step"] for line in log_lines if '"eval"' in line]
+        assert evals == [completed, completed + 1], evals  # the lost one, then the run's last step's
 
 
 @pytest.mark.ranks

@@ -107,9 +107,10 @@ class Trainer:
         self._mark("DDP")
         self.last_step = min(cfg.schedule.total_steps, cfg.loop.max_steps or cfg.schedule.total_steps)
         self.ckpt.last_step = self.progress.step if self.plan else -1
+        self.saved_evaluations = 0  # the evaluations this process had made when it last saved
         self.started = False  # whether this process completed a step (start-up timeout until then)
         self.replicas = "not checked (the run ended early)"
-        self.samples = _sample_file(self.folder, ctx.rank) if cfg.loop.record_samples else None
+        self.samples = self.folder.open_sample_record(ctx.rank) if cfg.loop.record_samples else None
         self.wrapped.stepper.commit, self.wrapped.stepper.guard = self._commit, self.ckpt.lock
         if rescue is not None:
             rescue.attach(self.ckpt, cfg.loop.record_samples, residuals_lost=cfg.sync.hook == "chunk_sparse")
@@ -160,11 +161,12 @@ class Trainer:
     def _save(self, why: str) -> None:
         """Collective: the checkpoint of this step (rank 0 writes). After the final or the requeue signal's gather no
         rank needs another: the others leave, so this rank's watch stops before its write, however long."""
-        if self.ckpt.last_step == self.progress.step:
-            return
+        if (self.ckpt.last_step, self.saved_evaluations) == (self.progress.step, self.progress.evaluations):
+            return  # the checkpoint of this step is written, and no evaluation came after it
         sparse = self.wrapped.sparse
         last = self.rescue.stop_watch if self.rescue and why in ("end", "signal") else None
         self.ckpt.save(self.progress.step, why, sparse.state_dict() if sparse is not None else None, gathered=last)
+        self.saved_evaluations = self.progress.evaluations
 
     def checkpoint_header(self) -> dict:
         """What every checkpoint holds beside the parts' states."""
@@ -189,16 +191,24 @@ class Trainer:
             return self._summary(Outcome.FINISHED)
         finally:
             runlog.close()
-            for closing in (self.wrapped.timeline, self.samples):
-                if closing is not None:
-                    closing.close()
+            for closing in filter(None, (self.wrapped.timeline, self.samples)):
+                closing.close()
 
     def _loop(self, runlog: RunLog) -> str:
         p, sampler = self.progress, self.data.sampler
         p.aim(self.cfg.loop.target_top1)
         if not self.cfg.loop.stop_at_target:
             p.stopped_at = None  # a run stopped at its target, resumed without the flag: it trains on
-        while p.step < self.last_step and p.stopped_at is None:
+        while True:
+            if p.evaluation_due(self.cfg.loop.eval_every, self.last_step):  # also first after a rescue before it
+                reached = self._evaluate(runlog)
+                with self.ckpt.lock:
+                    if reached and self.cfg.loop.stop_at_target:  # the metrics are all-reduced: every rank stops
+                        p.stopped_at = p.step
+                    if self.rescue:  # a rescue from here on holds this evaluation, and the stop
+                        self.rescue.take_boundary()
+            if p.step >= self.last_step or p.stopped_at is not None:
+                return "done"
             sampler.set_epoch(p.epoch)
             outcome = self._train_epoch(runlog)
             if outcome != "epoch":
@@ -208,15 +218,6 @@ class Trainer:
                 sampler.set_epoch(p.epoch)  # a checkpoint from here on names the next epoch's start
                 if self.rescue:
                     self.rescue.take_boundary()
-            every = self.cfg.loop.eval_every
-            if every and p.epoch % every == 0 and p.step < self.last_step:
-                reached = self._evaluate(runlog)
-                with self.ckpt.lock:
-                    if reached and self.cfg.loop.stop_at_target:  # the metrics are all-reduced: every rank stops
-                        p.stopped_at = p.step
-                    if self.rescue:  # a rescue from here on holds this evaluation, and the stop
-                        self.rescue.take_boundary()
-        return "done"
 
     def _train_epoch(self, runlog: RunLog) -> str:
         p, batches = self.progress, self._batches()
@@ -296,8 +297,3 @@ class Trainer:
         return write_summary(self.cfg, self.ctx, self.progress, outcome=outcome, epochs=self._epochs(),
                              run_dir=self.dir, replicas=self.replicas)
 
-
-def _sample_file(folder: RunFolder, rank: int):
-    """loop.record_samples: each rank appends "epoch index step" of every sample it trains."""
-    os.makedirs(folder.samples, exist_ok=True)
-    return open(folder.sample_record(rank), "a")
