@@ -101,48 +101,65 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(f"pytest took {config._hpcdl_usage.line()}")
 
 
-def _process_cpu() -> dict[int, tuple[float, str]]:
-    """Every process's CPU seconds so far and its command, from /proc (a process gone meanwhile is skipped)."""
+def _process_cpu() -> dict[tuple[int, str], tuple[float, str]]:
+    """Each process's CPU seconds so far and its command, keyed by pid and start time (a reused pid is another
+    process), from /proc; a process gone meanwhile is skipped."""
     tick, found = os.sysconf("SC_CLK_TCK"), {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 stat = (entry / "stat").read_text()
                 fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                found[int(entry.name)] = ((int(fields[11]) + int(fields[12])) / tick, command[:120] or stat.split()[1])
+                try:
+                    command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                except OSError:
+                    command = ""
+                found[(int(entry.name), fields[19])] = ((int(fields[11]) + int(fields[12])) / tick,
+                                                        command[:120] or stat.split()[1])
     return found
 
 
 def busy_elsewhere(seconds: float = 2.0) -> tuple[float, list[str]]:
-    """The CPUs that processes other than this one kept busy over ``seconds``, and the busiest of them."""
-    before = _process_cpu()
+    """The CPUs kept busy over ``seconds`` (the whole machine's, from /proc/stat: short-lived processes and the
+    hypervisor's steal count too; this process sleeps), and the processes busiest meanwhile."""
+    before, busy = _process_cpu(), _Usage.cpu_seconds()
     time.sleep(seconds)
-    after = _process_cpu()
-    used = sorted(((cpu - before.get(pid, (cpu,))[0], pid, command) for pid, (cpu, command) in after.items()
-                   if pid != os.getpid()), reverse=True)
-    return sum(u for u, _, _ in used) / seconds, [f"pid {pid} {u / seconds:.2f} CPUs: {c}" for u, pid, c in used[:5]
-                                                   if u > 0]
+    busy, after = (_Usage.cpu_seconds() - busy) / seconds, _process_cpu()
+    used = sorted(((cpu - before.get(key, (0.0,))[0], key[0], command) for key, (cpu, command) in after.items()),
+                  reverse=True)
+    return busy, [f"pid {pid} {u / seconds:.2f} CPUs: {c}" for u, pid, c in used[:5] if u > 0]
+
+
+QUIET_WAIT_S = 120
 
 
 @pytest.fixture(autouse=True)
 def quiet_machine(request):
-    """A test marked alone compares timings: it starts once nothing else keeps a CPU busy and Slurm runs no
-    job, waiting up to 3 minutes (a scale-tier job still ending, say); after that it fails naming who was busy,
-    because its figures would measure them. (The project's CI of ddb483b: bench step read 34% slow beside
-    something, bench scaling on the same box a minute later was as usual.)"""
+    """A test marked alone compares timings: it starts once no Slurm job of this user is queued or running and
+    the machine keeps under a quarter of a CPU busy, waiting up to QUIET_WAIT_S (a scale-tier job still ending,
+    say; the test's timeout allows for the wait); after that it fails naming what was busy, because its figures
+    would measure it. (The project's CI of ddb483b: bench step read 34% slow, bench scaling on the same box a
+    minute later as usual.)"""
     if not request.node.get_closest_marker("alone"):
         return
-    deadline, why = time.monotonic() + 180, []
+    deadline, why = time.monotonic() + QUIET_WAIT_S, []
     while time.monotonic() < deadline:
-        jobs = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True).stdout.split("\n") \
-            if shutil.which("squeue") else []
+        why = []
+        if shutil.which("squeue"):
+            try:
+                queue = subprocess.run(["squeue", "-h", "--me", "-o", "%i %j %T"], capture_output=True, text=True,
+                                       timeout=30)
+                why = [f"Slurm job {j}" for j in queue.stdout.splitlines() if j.strip()] if queue.returncode == 0 \
+                    else [f"squeue failed: {queue.stderr.strip()}"]
+            except subprocess.TimeoutExpired:
+                why = ["squeue did not answer in 30 s"]
         busy, top = busy_elsewhere()
-        why = [f"Slurm job {j}" for j in jobs if j.strip()] + ([f"{busy:.2f} CPUs busy elsewhere"] + top
-                                                               if busy > 0.25 else [])
+        if busy > 0.25:
+            why += [f"{busy:.2f} CPUs busy", *top]
         if not why:
             return
-    pytest.fail("the machine did not quiet down in 3 minutes for a test that compares timings:\n  " + "\n  ".join(why))
+    pytest.fail(f"the machine did not quiet down in {QUIET_WAIT_S} s for a test that compares timings:\n  "
+                + "\n  ".join(why))
 
 
 def missing(component: str, why: str):

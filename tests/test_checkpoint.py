@@ -328,9 +328,10 @@ def test_the_time_to_target_belongs_to_its_target_across_a_resume():
 
 def test_an_epochs_evaluation_lost_with_a_rank_is_made_on_resume():
     """A rank lost during the evaluation after an epoch's turn: the just-in-time checkpoint is the turn's, taken
-    before the evaluation (the counters say so), and the resume evaluates before it trains; a checkpoint taken
-    after the evaluation, mid-epoch, or at an epoch that loop.eval_every skips does not; nor does one written
-    before the counters held this (as if evaluated)."""
+    before the evaluation (the counters say so), and the resume evaluates before it trains; under the same config
+    a checkpoint taken after the evaluation, mid-epoch, or at an epoch that loop.eval_every skips does not; nor
+    does one written before the counters held this (as if evaluated). The step last evaluated is kept too: a
+    finished run started again is not evaluated again (older checkpoints: the best's step)."""
     from hpcdl.train.state import Progress
 
     turned = Progress(step=30, epoch=2, evaluated_epoch=1)  # the turn to epoch 2, its evaluation in flight
@@ -339,7 +340,8 @@ def test_an_epochs_evaluation_lost_with_a_rank_is_made_on_resume():
     assert resumed.evaluation_due(every=1, last_step=60) and resumed.evaluation_due(every=2, last_step=60)
     assert not resumed.evaluation_due(every=0, last_step=60) and not resumed.evaluation_due(every=1, last_step=30)
     resumed.evaluated({"top1": 50.0}, 95.0)
-    assert resumed.evaluated_epoch == 2 and not resumed.evaluation_due(every=1, last_step=60)
+    assert (resumed.evaluated_epoch, resumed.evaluated_step) == (2, 30)
+    assert not resumed.evaluation_due(every=1, last_step=60)
     again = Progress()
     again.load_state_dict(resumed.state_dict())
     assert not again.evaluation_due(every=1, last_step=60) and again.evaluations == 0  # counted per process
@@ -347,3 +349,6 @@ def test_an_epochs_evaluation_lost_with_a_rank_is_made_on_resume():
     older = Progress()
     older.load_state_dict({k: v for k, v in turned.state_dict().items() if k != "evaluated_epoch"})
     assert older.evaluated_epoch == 2 and not older.evaluation_due(every=1, last_step=60)
+    best_earlier = {k: v for k, v in resumed.state_dict().items() if k not in ("evaluated_epoch", "evaluated_step")}
+    older.load_state_dict({**best_earlier, "best": {"step": 15, "top1": 60.0}})
+    assert older.evaluated_step == 15

@@ -223,6 +223,7 @@ def test_plan_cli_names_a_missing_report(tmp_path):
 
 
 @pytest.mark.alone  # compares a prediction with timings: nothing else may run beside it
+@pytest.mark.timeout(600)  # conftest's quiet_machine may wait 120 s before it starts
 def test_plan_from_bench_step_and_allreduce_predicts_what_bench_scaling_measures(slurm, tmp_path):
     """This machine as one node of 2 ranks, ResNet-50 at 8 images a rank (docs/scaling.md): the plan from the
     node's compute (bench step) and the link (bench allreduce on the node's 2 ranks) against bench scaling's

@@ -40,15 +40,17 @@ class Frozen:
 @dataclasses.dataclass(slots=True)
 class Progress:
     """The train loop's counters: steps and epochs done, training time (that of earlier runs, and this
-    process's since :meth:`start_clock`), the best evaluation, the epochs done at the last evaluation (a
-    checkpoint taken at an epoch's turn, before its evaluation, tells the resume to evaluate first), the time to
-    the target accuracy and the step where the run stopped at it (``loop.stop_at_target``)."""
+    process's since :meth:`start_clock`), the best evaluation, the epochs done and the step at the last
+    evaluation (a checkpoint taken at an epoch's turn, before its evaluation, tells the resume to evaluate first;
+    a finished run is not evaluated again), the time to the target accuracy and the step where the run stopped at
+    it (``loop.stop_at_target``)."""
 
     step: int = 0
     epoch: int = 0
     elapsed_before: float = 0.0
     best: dict | None = None
     evaluated_epoch: int = 0
+    evaluated_step: int | None = None
     time_to_target_s: float | None = None
     target_top1: float | None = 0.0  # the target time_to_target_s was timed for (None: a checkpoint's, unknown)
     stopped_at: int | None = None  # the step whose evaluation reached the target and ended the run
@@ -73,7 +75,7 @@ class Progress:
         Whether this one reached it."""
         if self.best is None or metrics["top1"] > self.best["top1"]:
             self.best = {"step": self.step, **metrics}
-        self.evaluated_epoch, self.evaluations = self.epoch, self.evaluations + 1
+        self.evaluated_epoch, self.evaluated_step, self.evaluations = self.epoch, self.step, self.evaluations + 1
         self.aim(target_top1)
         reached = bool(target_top1) and metrics["top1"] >= target_top1
         if reached and self.time_to_target_s is None:
@@ -83,18 +85,22 @@ class Progress:
     def evaluation_due(self, every: int, last_step: int) -> bool:
         """Whether the epochs done call for an evaluation (``loop.eval_every``) not yet made: at the epoch's turn,
         or first thing on resuming a checkpoint taken there before it (a rank lost during the evaluation). The
-        run's last step has its own, after the loop."""
+        run's last step has its own, after the loop. A resume that turns evaluation on (``data.val`` added,
+        ``loop.eval_every`` changed) mid-epoch evaluates at once where the epochs done call for it."""
         return bool(every) and self.epoch > self.evaluated_epoch and self.epoch % every == 0 and self.step < last_step
 
     def state_dict(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "elapsed_s": self.elapsed(), "best": self.best,
-                "evaluated_epoch": self.evaluated_epoch, "time_to_target_s": self.time_to_target_s,
-                "target_top1": self.target_top1, "stopped_at": self.stopped_at}
+                "evaluated_epoch": self.evaluated_epoch, "evaluated_step": self.evaluated_step,
+                "time_to_target_s": self.time_to_target_s, "target_top1": self.target_top1,
+                "stopped_at": self.stopped_at}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.epoch, self.elapsed_before = state["step"], state["epoch"], state["elapsed_s"]
         self.best, self.time_to_target_s = state["best"], state["time_to_target_s"]
-        self.evaluated_epoch = state.get("evaluated_epoch", self.epoch)  # older checkpoints: as if evaluated
+        # older checkpoints: the epoch as if evaluated, and the best's step as the last evaluated
+        self.evaluated_epoch = state.get("evaluated_epoch", self.epoch)
+        self.evaluated_step = state.get("evaluated_step", (self.best or {}).get("step"))
         # checkpoints before loop.stop_at_target: the target is unknown (time_to_target_s stays as it was)
         self.target_top1, self.stopped_at = state.get("target_top1"), state.get("stopped_at")
 

@@ -184,7 +184,7 @@ class Trainer:
             if outcome in ("stop", "terminate"):  # checkpointed; rank 0 requeues on the requeue signal
                 return self._summary(on_signal(self.cfg, self.ctx, self.stop, self.progress.step,
                                                outcome == "terminate", self.folder.checkpoints))
-            if self.progress.best is None or self.progress.best["step"] != self.progress.step:
+            if self.progress.evaluated_step != self.progress.step:  # the last step's, once
                 self._evaluate(runlog)
             self.replicas = check_replicas(self.parts.model, self.ctx, self.progress.step)
             self._save("end")
