@@ -273,6 +273,18 @@ def test_bad_configs_are_refused_before_submission(data, tmp_path, change, messa
     assert "#SBATCH" not in run.stdout
 
 
+@pytest.mark.slow
+def test_a_run_that_first_reaches_its_target_in_its_last_epoch_is_stopped_there(data, tmp_path):
+    """loop.stop_at_target: the first epoch whose evaluation reaches the target may be the last, evaluated after the
+    loop; the run is stopped there as well (an AMX node's bf16 demo may reach 95% only then)."""
+    run = hpcdl(*args_for(data, tmp_path / "run", "--set", "epochs=1", "--set", "schedule.warmup_epochs=0",
+                          "--set", "loop.stop_at_target=true", "--set", "loop.target_top1=1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 15 and summary["stopped_at_target"], summary  # 240 images, 16 a step
+    assert "the run stopped there (loop.stop_at_target)" in run.stdout + run.stderr
+
+
 def _train_script(data: Path, tmp_path: Path, name: str, run: Path, *extra: str) -> Path:
     script = tmp_path / f"{name}.sbatch"
     made = hpcdl("sbatch", "--profile", "local", "--nodes", 1, "--tasks-per-node", 2, "--time", 5, "--job-name", name,

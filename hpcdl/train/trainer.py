@@ -201,12 +201,7 @@ class Trainer:
             p.stopped_at = None  # a run stopped at its target, resumed without the flag: it trains on
         while True:
             if p.evaluation_due(self.cfg.loop.eval_every, self.last_step):  # also first after a rescue before it
-                reached = self._evaluate(runlog)
-                with self.ckpt.lock:
-                    if reached and self.cfg.loop.stop_at_target:  # the metrics are all-reduced: every rank stops
-                        p.stopped_at = p.step
-                    if self.rescue:  # a rescue from here on holds this evaluation, and the stop
-                        self.rescue.take_boundary()
+                self._evaluate(runlog)
             if p.step >= self.last_step or p.stopped_at is not None:
                 return "done"
             sampler.set_epoch(p.epoch)
@@ -273,17 +268,22 @@ class Trainer:
         due = bool(minutes) and time.monotonic() - self.ckpt.last_time >= 60 * minutes
         return self.stop.wish, due
 
-    def _evaluate(self, runlog: RunLog) -> bool:
-        """Evaluate, log, note the best; whether the evaluation reached loop.target_top1."""
+    def _evaluate(self, runlog: RunLog) -> None:
+        """Evaluate, log, note the best; where it reached loop.target_top1 under loop.stop_at_target, the run stops
+        at this step (the last step's evaluation too: the first epoch that reaches the target may be the last)."""
         if self.data.val_loader is None:
-            return False
+            return
         p = self.progress
         with self.ckpt.parts["model"].evaluating():  # Schedule-Free's x; a rescue meanwhile saves y all the same
             metrics = evaluate(self.wrapped.net, self.data.val_loader, self._prepare, group=self.ctx.group,
                                num_classes=self.cfg.num_classes, progress=runlog.evaluating)
         runlog.evaluation(p.step, self._epochs(), metrics, self.data.classes)
         metrics.pop("confusion", None)
-        return p.evaluated(metrics, self.cfg.loop.target_top1)
+        with self.ckpt.lock:
+            if p.evaluated(metrics, self.cfg.loop.target_top1) and self.cfg.loop.stop_at_target:
+                p.stopped_at = p.step  # the metrics are all-reduced: every rank stops
+            if self.rescue:  # a rescue from here on holds this evaluation, and the stop
+                self.rescue.take_boundary()
 
     def _epochs(self) -> float:
         """Epochs done, fractional: the share of the current epoch trained, counting runs before a cut."""
