@@ -276,9 +276,15 @@ def test_bad_configs_are_refused_before_submission(data, tmp_path, change, messa
 @pytest.mark.slow
 def test_a_run_that_first_reaches_its_target_in_its_last_epoch_is_stopped_there(data, tmp_path):
     """loop.stop_at_target: the first epoch whose evaluation reaches the target may be the last, evaluated after the
-    loop; the run is stopped there as well (an AMX node's bf16 demo may reach 95% only then)."""
-    run = hpcdl(*args_for(data, tmp_path / "run", "--set", "epochs=1", "--set", "schedule.warmup_epochs=0",
-                          "--set", "loop.stop_at_target=true", "--set", "loop.target_top1=1"))
+    loop; the run is stopped there as well (an AMX node's bf16 demo may reach 95% only then). A loop.max_steps cut
+    mid-epoch is no epoch's end: its evaluation reaches the target but does not stop the run, which trains on."""
+    args = args_for(data, tmp_path / "run", "--set", "epochs=1", "--set", "schedule.warmup_epochs=0",
+                    "--set", "loop.stop_at_target=true", "--set", "loop.target_top1=1")
+    cut = hpcdl(*args, "--set", "loop.max_steps=7")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert cut.returncode == 0 and summary["steps"] == 7 and not summary["stopped_at_target"], summary
+    assert summary["best_top1"] >= 1, summary  # it reached the target
+    run = hpcdl(*args)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 15 and summary["stopped_at_target"], summary  # 240 images, 16 a step

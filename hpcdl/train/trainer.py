@@ -185,7 +185,7 @@ class Trainer:
                 return self._summary(on_signal(self.cfg, self.ctx, self.stop, self.progress.step,
                                                outcome == "terminate", self.folder.checkpoints))
             if self.progress.evaluated_step != self.progress.step:  # the last step's, once
-                self._evaluate(runlog)
+                self._evaluate(runlog, may_stop=self.progress.step == self.cfg.schedule.total_steps)
             self.replicas = check_replicas(self.parts.model, self.ctx, self.progress.step)
             self._save("end")
             return self._summary(Outcome.FINISHED)
@@ -268,9 +268,9 @@ class Trainer:
         due = bool(minutes) and time.monotonic() - self.ckpt.last_time >= 60 * minutes
         return self.stop.wish, due
 
-    def _evaluate(self, runlog: RunLog) -> None:
-        """Evaluate, log, note the best; where it reached loop.target_top1 under loop.stop_at_target, the run stops
-        at this step (the last step's evaluation too: the first epoch that reaches the target may be the last)."""
+    def _evaluate(self, runlog: RunLog, may_stop: bool = True) -> None:
+        """Evaluate, log, note the best; where it reached loop.target_top1 under loop.stop_at_target at an epoch's
+        end (``may_stop``: the run's last epoch's too, not a loop.max_steps cut), the run stops at this step."""
         if self.data.val_loader is None:
             return
         p = self.progress
@@ -280,7 +280,7 @@ class Trainer:
         runlog.evaluation(p.step, self._epochs(), metrics, self.data.classes)
         metrics.pop("confusion", None)
         with self.ckpt.lock:
-            if p.evaluated(metrics, self.cfg.loop.target_top1) and self.cfg.loop.stop_at_target:
+            if p.evaluated(metrics, self.cfg.loop.target_top1) and self.cfg.loop.stop_at_target and may_stop:
                 p.stopped_at = p.step  # the metrics are all-reduced: every rank stops
             if self.rescue:  # a rescue from here on holds this evaluation, and the stop
                 self.rescue.take_boundary()
