@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # The CUDA build of torch runs on the CPU; this pair is what the local package index holds.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # libfabric1: oneCCL's transport (backend ccl); the wheels' own libfabric>=2.6 requirement is on no registry.
-# gcc, g++, ninja-build: hpcdl/distributed/fastcomm.c and fastccl.cpp (the oneCCL group's small all-reduce), built
+# gcc, g++, ninja-build: hpcdl/distributed/native/c_comm_thread.c and ccl_backend.cpp (the oneCCL group's small all-reduce), built
 # by `hpcdl ccl install` (run by make venv) with torch's cpp_extension.
 APT_PACKAGES := slurmctld slurmd slurm-client munge libpmix-dev slurmdbd mariadb-server libjemalloc2 libfabric1 gcc g++ ninja-build
 PYTEST_ARGS ?=
@@ -33,7 +33,7 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 # backend ccl: hpcdl's pinned oneCCL runtime (three wheels from PyPI, sha256-checked) in ~/.cache/hpcdl, and
-# Debian's libfabric1, and the group's C and C++ parts (fastcomm, fastccl). A runtime already there is only checked.
+# Debian's libfabric1, and the group's C and C++ parts (c_comm_thread, ccl_backend). A runtime already there is only checked.
 ccl: $(VENV)/.installed system
 	$(PY) -m hpcdl ccl install
 

@@ -8,8 +8,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hpcdl", "hpcdl.*"]),
-    # built on first use (hpcdl.distributed.fastcomm, hpcdl.distributed.fastccl) or by hpcdl ccl install
-    package_data={"hpcdl.distributed": ["fastcomm.c", "fastccl.cpp"]},
+    # built on first use (hpcdl.distributed.native.c_comm_thread, hpcdl.distributed.native.ccl_backend) or by hpcdl ccl install
+    package_data={"hpcdl.distributed.native": ["c_comm_thread.c", "ccl_backend.cpp"]},
     install_requires=[
         "torch>=2.4",
         "torchvision>=0.19",
@@ -35,7 +35,7 @@ setup(
     entry_points={
         "console_scripts": ["hpcdl = hpcdl.cli:console"],
         # torch.distributed finds these by name: init_process_group("oneccl") with no import of hpcdl
-        "torch.distributed.backends": ["oneccl = hpcdl.distributed.plugin:oneccl",
-                                       "mpi4py = hpcdl.distributed.plugin:mpi4py"],
+        "torch.distributed.backends": ["oneccl = hpcdl.distributed.group.plugin:oneccl",
+                                       "mpi4py = hpcdl.distributed.group.plugin:mpi4py"],
     },
 )

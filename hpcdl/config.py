@@ -124,7 +124,7 @@ class LoopConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SyncConfig:
-    """Gradient synchronization (hpcdl.distributed.sync, hpcdl.distributed.hooks)."""
+    """Gradient synchronization (hpcdl.distributed.gradients.ddp, hpcdl.distributed.gradients.hooks)."""
 
     hook: str = "none"  # one of names.HOOKS (docs/communication.md describes each)
     # DDP's buckets: gradients are all-reduced in buckets of bucket_cap_mb MB, the first (the last layers,

@@ -1,5 +1,5 @@
 """One rank of test_accum: epochs whose last optimizer step has fewer micro-batches than loop.accum_steps, on
-real gloo ranks, through hpcdl's DDP (:func:`hpcdl.distributed.sync.data_parallel`), the sampler and the stepper
+real gloo ranks, through hpcdl's DDP (:func:`hpcdl.distributed.gradients.ddp.data_parallel`), the sampler and the stepper
 as the trainer calls it.
 
     accum_ranks.py MODE OUT   (torch's env:// variables)
@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from hpcdl.data.sampler import DistributedShardSampler
-from hpcdl.distributed.process_group import init_distributed, shutdown
-from hpcdl.distributed.sync import data_parallel
+from hpcdl.distributed.group.lifecycle import init_distributed, shutdown
+from hpcdl.distributed.gradients.ddp import data_parallel
 from hpcdl.train.step import Stepper, criterion
 
 MICRO, ACCUM, LR, SHARDS = 3, 4, 0.5, [10, 13, 9, 7]

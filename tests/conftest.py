@@ -175,7 +175,7 @@ def no_shm_left_behind():
     that exits removes its own, and the next rank's first communicator those of dead PIDs): remove what is
     left at the end, as a rank would."""
     yield
-    from hpcdl.distributed.ccl import remove_shm_files
+    from hpcdl.distributed.ccl.group import remove_shm_files
 
     remove_shm_files()
 
@@ -250,7 +250,7 @@ def default_port() -> int:
     """The launchers' default rendezvous port (29500: plain mpiexec, torchrun without --master-port), once free. The
     tests that take it run one after another (held); a process outside them holding it for a minute fails the test
     in CI (skips elsewhere)."""
-    from hpcdl.distributed.env import DEFAULT_PORT
+    from hpcdl.distributed.ranks.env import DEFAULT_PORT
 
     with held("default-port"):
         deadline = time.monotonic() + 60  # the store of the previous test may still be closing
@@ -455,7 +455,7 @@ def data(tmp_path_factory, worker_id) -> Path:
 @pytest.fixture(scope="session")
 def ccl():
     """hpcdl's oneCCL runtime (make venv runs 'hpcdl ccl install'); in CI its absence fails."""
-    from hpcdl.distributed.ccl_runtime import find_runtime
+    from hpcdl.distributed.ccl.library import find_runtime
     from hpcdl.errors import ConfigError
 
     try:

@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 
-import hpcdl.distributed.sync
+import hpcdl.distributed.gradients.ddp
 import hpcdl.train.checkpoint as checkpoint
 import hpcdl.train.build as build
 import hpcdl.train.step
@@ -88,8 +88,8 @@ trainer.evaluate = fault("eval")(trainer.evaluate)
 trainer.Trainer._prepare = fault("data", on_call=5)(trainer.Trainer._prepare)
 step = hpcdl.train.step.Stepper.step
 hpcdl.train.step.Stepper.step = fault("step3", on_call=3)(fault("first_step")(step))
-hpcdl.distributed.sync._timed = fault("allreduce", on_call=9)(hpcdl.distributed.sync._timed)  # a bucket of step 5 (2 a step)
-watch = hpcdl.distributed.sync.CommTimer.watch
+hpcdl.distributed.gradients.ddp._timed = fault("allreduce", on_call=9)(hpcdl.distributed.gradients.ddp._timed)  # a bucket of step 5 (2 a step)
+watch = hpcdl.distributed.gradients.ddp.CommTimer.watch
 
 
 def watch_with_fault(timer, model):
@@ -102,7 +102,7 @@ def watch_with_fault(timer, model):
         p.register_post_accumulate_grad_hook(hit)
 
 
-hpcdl.distributed.sync.CommTimer.watch = watch_with_fault
+hpcdl.distributed.gradients.ddp.CommTimer.watch = watch_with_fault
 criterion = build.make_criterion
 build.make_criterion = lambda smoothing: fault("forward", on_call=5)(criterion(smoothing))
 checkpoint.torch.save = half_written_save(checkpoint.torch.save)

@@ -12,8 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hpcdl.distributed.env import rank_and_world
-from hpcdl.distributed.process_group import init_distributed, shutdown
+from hpcdl.distributed.ranks.env import rank_and_world
+from hpcdl.distributed.group.lifecycle import init_distributed, shutdown
 from hpcdl.log import setup_logging
 
 out, backend = sys.argv[1], sys.argv[2]
@@ -87,7 +87,7 @@ for small in ("all_reduce", "broadcast", "barrier"):
     work.wait()
     mixed.append([big[0].item()] + ([t.item()] if small != "barrier" else []))
 found["mixed paths"] = mixed
-# Small and large all-reduces in flight at once: on oneCCL the small ones go to fastcomm's C thread while nothing
+# Small and large all-reduces in flight at once: on oneCCL the small ones go to c_comm_thread's C thread while nothing
 # is queued on the Python thread, which lets them finish before it starts the large ones; one Work read as a future.
 pending = [torch.full((1 << 20,) if i % 3 == 1 else (3,), float(rank + i)) for i in range(6)]
 if rank == 1:
@@ -98,13 +98,13 @@ for work in works:
     work.wait()
 found["interleaved"] = [t[0].item() for t in pending]
 found["future"] = future.wait()[0].tolist()
-from hpcdl.distributed.threaded import library_group  # noqa: E402
+from hpcdl.distributed.group.python_backend import library_group  # noqa: E402
 
 thread = getattr(library_group(), "thread", None)
-found["fastcomm calls"] = thread.fast.issued() if getattr(thread, "fast", None) is not None else None
-if found["fastcomm calls"] is not None:  # a large all-reduce too is made on the C thread: oneCCL sees one thread
+found["c_comm_thread calls"] = thread.fast.issued() if getattr(thread, "fast", None) is not None else None
+if found["c_comm_thread calls"] is not None:  # a large all-reduce too is made on the C thread: oneCCL sees one thread
     dist.all_reduce(torch.ones(1 << 20))
-    found["large ones there"] = thread.fast.issued() - found["fastcomm calls"]
+    found["large ones there"] = thread.fast.issued() - found["c_comm_thread calls"]
 found["group class"] = [c.__name__ for c in type(library_group()).__mro__]
 # DDP: 20 steps on different data per rank; the replicas must stay bitwise identical.
 torch.manual_seed(rank)  # different initial weights: DDP's broadcast must make them equal

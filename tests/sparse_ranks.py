@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hpcdl.distributed.hooks import ChunkSparse, sparse_allreduce
+from hpcdl.distributed.gradients.hooks import ChunkSparse, sparse_allreduce
 
 out, fp16 = sys.argv[1], sys.argv[2] == "fp16"
 dist.init_process_group("gloo")

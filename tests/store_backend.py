@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdl.distributed.backend import BACKENDS, Backend
-from hpcdl.distributed.threaded import CommThread, ThreadedProcessGroup
+from hpcdl.distributed.group.python_backend import CommThread, ThreadedProcessGroup
 
 _REDUCE = {"SUM": lambda s: s.sum(0), "MAX": lambda s: s.amax(0), "MIN": lambda s: s.amin(0),
            "PRODUCT": lambda s: s.prod(0)}

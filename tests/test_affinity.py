@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from hpcdl.distributed.affinity import allocator_env, plan_cpus
-from hpcdl.distributed.process_group import apply_cpu_plan
+from hpcdl.distributed.group.lifecycle import apply_cpu_plan
 from hpcdl.errors import ConfigError
 
 
@@ -61,7 +61,7 @@ def test_exports_take_effect_in_a_new_python(choice):
 
 @pytest.mark.slow
 def test_apply_sets_threads_and_binds(tmp_path):
-    code = ("import os, torch; from hpcdl.distributed.affinity import plan_cpus; from hpcdl.distributed.process_group import apply_cpu_plan; "
+    code = ("import os, torch; from hpcdl.distributed.affinity import plan_cpus; from hpcdl.distributed.group.lifecycle import apply_cpu_plan; "
             "p = plan_cpus(local_rank=1, local_size=2); apply_cpu_plan(p); "
             "print(torch.get_num_threads(), os.environ['OMP_NUM_THREADS'], sorted(os.sched_getaffinity(0)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(maxsplit=2)

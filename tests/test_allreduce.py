@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON, REPO, free_port, mpi_run, rank_env, start_long_sweep, start_ranks
 
-from hpcdl.bench.reports import SyncReport
+from hpcdl.reports import SyncReport
 
 QUICK = ["bench", "allreduce", "--max-bytes", "64K", "--seconds-per-size", "0.02", "--heartbeat", "0.5"]
 
@@ -85,7 +85,7 @@ def test_bad_arguments_exit_2_with_the_flag_named(tmp_path):
 def test_fail_fast_names_collective_failures_and_lets_other_errors_through(tmp_path, raised, expected):
     """A model's own RuntimeError, with every rank alive, must not be reported as a lost rank."""
     code = ("import torch.distributed\n"
-            "from hpcdl.distributed.process_group import fail_fast, init_distributed\n"
+            "from hpcdl.distributed.group.lifecycle import fail_fast, init_distributed\n"
             "ctx = init_distributed('gloo', heartbeat_s=0.2)\n"
             f"with fail_fast(ctx):\n    raise {raised}\n")
     run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},

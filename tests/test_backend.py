@@ -5,8 +5,8 @@ import pytest
 
 from hpcdl.distributed.affinity import plan_cpus
 from hpcdl.distributed.backend import AUTO_ORDER, BACKENDS, ccl_environment, choose_backend, interface_to
-from hpcdl.distributed.env import discover
-from hpcdl.distributed.mpi_runtime import mpi_environment
+from hpcdl.distributed.ranks.env import discover
+from hpcdl.distributed.mpi.runtime import mpi_environment
 from hpcdl.errors import ConfigError
 
 
@@ -59,7 +59,7 @@ def test_ccl_variables_across_nodes_use_tcp_on_the_rendezvous_interface():
 
 
 def test_sbatch_scripts_carry_the_profiles_fabric_provider():
-    from hpcdl.launch.job import job_request
+    from hpcdl.launch.request import job_request
     from hpcdl.launch.sbatch import render_sbatch
 
     script = render_sbatch(job_request(profile="frontera-clx", nodes=2, tasks_per_node=2), ["train", "x.yaml"])

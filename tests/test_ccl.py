@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import IN_CI, PYTHON, REPO
 
-from hpcdl.distributed import ccl_runtime
+from hpcdl.distributed.ccl import library
 
 
 def hpcdl(*args, env=None):
@@ -40,8 +40,8 @@ def old_oneccl(tmp_path_factory):
 
 def test_the_runtime_is_the_pinned_one_and_its_header_gives_the_enums(ccl):
     root = ccl.library.parent.parent
-    ccl_runtime.verify(root)  # raises on any file whose sha256 differs
-    assert ccl_runtime.enums(root / "include/oneapi/ccl/v2/types.h") == ccl_runtime.ENUMS
+    library.verify(root)  # raises on any file whose sha256 differs
+    assert library.enums(root / "include/oneapi/ccl/v2/types.h") == library.ENUMS
     info = hpcdl("ccl", "info")
     assert info.returncode == 0 and f"oneCCL 2022.2.0 from {ccl.library}" in info.stdout
 
@@ -84,7 +84,7 @@ def test_a_process_that_leaves_without_destroying_its_groups_exits_with_its_stat
     """oneCCL hangs at exit with a live communicator; the communication thread destroys what is left."""
     from conftest import free_port, rank_env
 
-    code = ("import torch, torch.distributed as dist\nfrom hpcdl.distributed.process_group import init_distributed, set_timeout\n"
+    code = ("import torch, torch.distributed as dist\nfrom hpcdl.distributed.group.lifecycle import init_distributed, set_timeout\n"
             "from datetime import timedelta\nctx = init_distributed('ccl')\nset_timeout(ctx, timedelta(seconds=30))\n"
             "t = torch.ones(2)\ndist.all_reduce(t)\nraise SystemExit(3)\n")
     run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
@@ -107,8 +107,8 @@ def _abort_stands_in(code: str) -> None:
     from conftest import free_port, rank_env
 
     code = ("import ctypes, os, torch, torch.distributed as dist\n"
-            "from hpcdl.distributed.process_group import init_distributed\n"
-            "from hpcdl.distributed.threaded import library_group\nctx = init_distributed('ccl')\n"
+            "from hpcdl.distributed.group.lifecycle import init_distributed\n"
+            "from hpcdl.distributed.group.python_backend import library_group\nctx = init_distributed('ccl')\n"
             f"group = library_group()\n{code}raise SystemExit(3)\n")
     run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=60)
@@ -130,7 +130,7 @@ def test_stale_shm_files_do_not_stop_a_rank_and_a_dead_ranks_is_removed(ccl, tmp
     dead_file = Path(f"/dev/shm/{exited.pid}:{os.getuid()}:0")
     live_file = Path(f"/dev/shm/{live.pid}:{os.getuid()}:0")
     code = ("import os, torch, torch.distributed as dist\n"
-            "from hpcdl.distributed.process_group import init_distributed\n"
+            "from hpcdl.distributed.group.lifecycle import init_distributed\n"
             "from hpcdl.log import setup_logging\nsetup_logging(0, verbose=True)\n"
             "stale = f'/dev/shm/{os.getpid()}:{os.getuid()}:0'\n"
             "open(stale, 'wb').write(os.urandom(4096))\n"
@@ -169,7 +169,7 @@ def test_install_assembles_a_runtime_that_loads_and_reuses_it(ccl, tmp_path):
 
 
 def test_an_abort_on_the_c_thread_fails_its_collective_not_the_process(ccl):
-    """The same for a small collective on fastcomm's C thread: os.abort's C function queued there stands in for
+    """The same for a small collective on c_comm_thread's C thread: os.abort's C function queued there stands in for
     oneCCL's abort()."""
     _abort_stands_in("fast = group.thread.fast\nt = torch.ones(3)\ndist.all_reduce(t)\n"
                      "assert fast.issued() > 0 and fast.done(fast.issued() - 1), 'it did not take the C thread'\n"
@@ -188,8 +188,8 @@ def test_an_abort_on_the_c_thread_of_the_python_threads_call_fails_its_collectiv
 
 
 def test_fastcomm_makes_library_calls_and_runs_python_on_its_one_thread(tmp_path):
-    from hpcdl.distributed import fastcomm
-    fast = fastcomm.FastComm(fastcomm.build({"XDG_CACHE_HOME": str(tmp_path)}))
+    from hpcdl.distributed.native import c_comm_thread
+    fast = c_comm_thread.FastComm(c_comm_thread.build({"XDG_CACHE_HOME": str(tmp_path)}))
     libc = ctypes.CDLL(None)
     there = fast.call(ctypes.cast(libc.gettid, ctypes.c_void_p).value)
     assert there != threading.get_native_id()
@@ -200,13 +200,13 @@ def test_fastcomm_makes_library_calls_and_runs_python_on_its_one_thread(tmp_path
 
 
 def test_fastcomm_is_built_once_per_source_and_a_failing_compiler_is_named(tmp_path):
-    from hpcdl.distributed import fastcomm
+    from hpcdl.distributed.native import c_comm_thread
 
     env = {"XDG_CACHE_HOME": str(tmp_path)}
-    path = fastcomm.build(env)
-    assert path.parent == tmp_path / "hpcdl" / "fastcomm" and path.name.startswith("fastcomm-")
+    path = c_comm_thread.build(env)
+    assert path.parent == tmp_path / "hpcdl" / "c_comm_thread" and path.name.startswith("c_comm_thread-")
     built = path.stat().st_mtime_ns
-    assert fastcomm.build(env) == path and path.stat().st_mtime_ns == built  # named by the source: not built again
-    with pytest.raises(OSError, match=r"false could not build .*fastcomm\.c"):
-        fastcomm.build({"XDG_CACHE_HOME": str(tmp_path / "other"), "CC": "false"})
-    assert not list((tmp_path / "other" / "hpcdl" / "fastcomm").iterdir())  # no half-written file left
+    assert c_comm_thread.build(env) == path and path.stat().st_mtime_ns == built  # named by the source: not built again
+    with pytest.raises(OSError, match=r"false could not build .*c_comm_thread\.c"):
+        c_comm_thread.build({"XDG_CACHE_HOME": str(tmp_path / "other"), "CC": "false"})
+    assert not list((tmp_path / "other" / "hpcdl" / "c_comm_thread").iterdir())  # no half-written file left

@@ -167,7 +167,7 @@ def _trained(optimizer: str, steps: int = 3):
 def _rescue_of(tmp_path, model, opt, steps: int):
     """A Rescue on rank 0 of 2 with the start's Checkpointer, its boundary taken after ``steps`` steps."""
     from hpcdl.optim.modes import ModelWeights
-    from hpcdl.run_folder import RunFolder
+    from hpcdl.runs.folder import RunFolder
     from hpcdl.train.checkpoint import Checkpointer
     from hpcdl.train.rescue import Rescue
     from hpcdl.train.state import Frozen, Progress
@@ -247,7 +247,7 @@ def test_a_rescue_written_by_another_rank_leaves_rank_0s_write_in_flight_alone(t
     --kill-on-bad-exit the writer killed). Only rank 0 at a start removes them; the file stands in for rank 0's
     write on another node."""
     from hpcdl.optim.modes import ModelWeights
-    from hpcdl.run_folder import RunFolder
+    from hpcdl.runs.folder import RunFolder
     from hpcdl.train.checkpoint import Checkpointer, CheckpointManager
     from hpcdl.train.state import Frozen, Progress
 
@@ -288,7 +288,7 @@ def test_every_start_gets_its_own_rescue_folder(monkeypatch):
 
 def test_the_run_folder_names_its_paths_without_torch(tmp_path):
     """RunFolder is torch-free: the login node and the supervisor read a run folder with the trainer's names."""
-    code = ("import sys; from hpcdl.run_folder import RunFolder; f = RunFolder(sys.argv[1]); "
+    code = ("import sys; from hpcdl.runs.folder import RunFolder; f = RunFolder(sys.argv[1]); "
             "print(f.checkpoint(7), f.rank_part(7, 3), f.rescue('j-a1'), f.newest_checkpoint()); "
             "assert 'torch' not in sys.modules")
     (tmp_path / "checkpoints").mkdir()

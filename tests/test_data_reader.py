@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
 
-from hpcdl.bench.reports import DataReport
+from hpcdl.reports import DataReport
 from hpcdl.data.dataset import PADDING_LABEL, ShardDataset
 from hpcdl.data.pack import PackConfig, pack
 from hpcdl.data.sampler import DistributedShardSampler, Sample

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from hpcdl.distributed.env import discover, rendezvous_port
+from hpcdl.distributed.ranks.env import discover, rendezvous_port
 from hpcdl.errors import ConfigError
 
 SRUN_TWO_NODES = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",

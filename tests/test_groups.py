@@ -64,7 +64,7 @@ import os, time
 from datetime import timedelta
 if os.environ["SLURM_PROCID"] == "1":
     time.sleep(300)  # never reaches MPI_Init: a stand-in for a rank whose node died at start-up
-from hpcdl.distributed.process_group import init_distributed
+from hpcdl.distributed.group.lifecycle import init_distributed
 init_distributed("mpi", timeout=timedelta(seconds=5))
 """
 
@@ -103,9 +103,9 @@ def test_ccl_group_as_plain_processes(ccl, tmp_path):
     ranks, outs = plain_ranks(tmp_path, "ccl")
     assert f"oneCCL 2022.2.0 from {ccl.library}" in outs[0]
     assert ranks[0]["env"]["FI_PROVIDER"] == "shm" and ranks[0]["env"]["CCL_WORKER_OFFLOAD"] == "0"
-    assert all(r["fastcomm calls"] > 20 for r in ranks), [r["fastcomm calls"] for r in ranks]  # the small ones
+    assert all(r["c_comm_thread calls"] > 20 for r in ranks), [r["c_comm_thread calls"] for r in ranks]  # the small ones
     assert [r["large ones there"] for r in ranks] == [1, 1]  # the 4 MB one through the Python thread too
-    assert "FastBackend" in ranks[0]["group class"], ranks[0]["group class"]  # issued from C++ (fastccl.cpp)
+    assert "FastBackend" in ranks[0]["group class"], ranks[0]["group class"]  # issued from C++ (ccl_backend.cpp)
 
 
 @pytest.mark.parametrize("shape, provider", [(("--nodes=1", "--ntasks=2"), "shm"),

@@ -2,7 +2,7 @@ import subprocess
 
 import pytest
 
-from hpcdl.distributed.hostlist import HostlistError, expand_hostlist
+from hpcdl.distributed.ranks.hostlist import HostlistError, expand_hostlist
 
 CASES = [
     ("n1", ["n1"]),

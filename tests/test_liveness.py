@@ -19,7 +19,7 @@ import pytest
 from conftest import PYTHON, free_port
 from test_spares import check_each_sample_once, job_state, script_for, steps, submit, wait_for_job, wait_for_step
 
-from hpcdl.distributed.env import RankEnv
+from hpcdl.distributed.ranks.env import RankEnv
 
 
 def _store_server(port: int) -> subprocess.Popen:
@@ -43,7 +43,7 @@ def _rank_1(port: int) -> RankEnv:
 def test_a_probe_of_a_stopped_rank_0s_store_says_so_within_its_deadline():
     """Before the bound, the probe's request to the stopped server never returned (the watch thread and the
     oneCCL watchdog waited for ever: issue 44's hang of ten minutes)."""
-    from hpcdl.distributed.heartbeat import Heartbeat
+    from hpcdl.distributed.group.liveness import Heartbeat
 
     port = free_port()
     server = _store_server(port)
@@ -71,7 +71,7 @@ def test_a_probe_of_a_stopped_rank_0s_store_says_so_within_its_deadline():
 def test_the_heartbeat_beats_on_after_a_failed_request():
     """A failed request (the store busy past the client's timeout, once) used to end the heartbeat thread for
     good: the others then named this rank lost at their next stall."""
-    from hpcdl.distributed.heartbeat import Heartbeat
+    from hpcdl.distributed.group.liveness import Heartbeat
 
     port = free_port()
     server = _store_server(port)
@@ -211,7 +211,7 @@ def _mpi_env() -> dict[str, str]:
 
 @pytest.mark.parametrize("flags, warned", [((), True), (("-disable-auto-cleanup",), False)])
 def test_hpcdl_reads_whether_mpiexec_ends_every_rank_at_a_rank_s_death(mpiexec, flags, warned):
-    code = ("from hpcdl.distributed.env import discover, launcher_ends_survivors\n"
+    code = ("from hpcdl.distributed.ranks.env import discover, launcher_ends_survivors\n"
             "print(launcher_ends_survivors(discover()))")
     run = subprocess.run([*_hydra(mpiexec, *flags, n=1), PYTHON, "-c", code], capture_output=True, text=True,
                          env=_mpi_env(), timeout=60)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import hpcdl
 
-from hpcdl.bench.reports import FeedReport
+from hpcdl.reports import FeedReport
 from hpcdl.data.dataset import InMemory, ShardDataset
 from hpcdl.data.transforms import Augment
 from hpcdl.errors import ConfigError

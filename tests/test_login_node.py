@@ -60,7 +60,7 @@ def test_the_implementations_are_the_tables():
 @pytest.mark.slow
 def test_the_planners_model_facts_are_the_counted_ones():
     from hpcdl.bench.flops import count_model_facts
-    from hpcdl.plan.facts import MODEL_FACTS
+    from hpcdl.model_facts import MODEL_FACTS
 
     assert {n: count_model_facts(n) for n in names.MODELS} == MODEL_FACTS
 

@@ -6,7 +6,7 @@ Omni-Path-like link: alpha = 1 us, 12.5 GB/s (beta = 8e-11 s/B); a 100 MB (1e8 B
 import pytest
 
 from hpcdl.errors import ConfigError
-from hpcdl.plan.model import Link, allreduce_cost, hierarchical, rabenseifner, ring
+from hpcdl.plan.cost import Link, allreduce_cost, hierarchical, rabenseifner, ring
 
 OPA = Link(latency_s=1e-6, bandwidth_bytes_s=12.5e9)
 N = 1e8
@@ -76,7 +76,7 @@ def test_published_rows_count_nodes_from_processors():
 
 
 def test_batch_curve_interpolates_and_holds_its_ends():
-    from hpcdl.plan.model import BatchCurve
+    from hpcdl.plan.cost import BatchCurve
 
     curve = BatchCurve(((64, 100.0), (32, 80.0)))
     assert (curve(16), curve(32), curve(48), curve(64), curve(128)) == (80.0, 80.0, 90.0, 100.0, 100.0)
@@ -85,7 +85,7 @@ def test_batch_curve_interpolates_and_holds_its_ends():
 
 
 def test_step_model_terms_by_hand():
-    from hpcdl.plan.model import BatchCurve, StepModel
+    from hpcdl.plan.cost import BatchCurve, StepModel
 
     curve = BatchCurve(((32, 80.0), (64, 100.0)))
     # 4 nodes, batch 256: 64 a node, 0.64 s of compute; the ring all-reduce of 1e8 B over 4 ranks: 12.006 ms

@@ -9,13 +9,13 @@ import subprocess
 import pytest
 from conftest import PYTHON, load_json, sbatch_wait
 
-from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport
+from hpcdl.reports import AllreduceReport, ScalingReport, StepReport
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.launch import job_request
 from hpcdl.launch.profiles import get_profile
 from hpcdl.launch.sbatch import render_sbatch
-from hpcdl.plan.facts import model_facts
-from hpcdl.plan.model import BatchCurve, Link, StepModel
+from hpcdl.model_facts import model_facts
+from hpcdl.plan.cost import BatchCurve, Link, StepModel
 from hpcdl.plan.planner import PlanInputs, calibrate, figure, link_from_allreduce, plan
 from hpcdl.plan.published import PUBLISHED
 from hpcdl.plan.validate import FITTED, carried_compute, validate
@@ -305,7 +305,7 @@ def test_profiles_list_the_machines_users_hold_with_their_sources():
 
 
 def test_startup_terms_follow_the_counts_they_are_made_of():
-    from hpcdl.plan.startup import StartupModel
+    from hpcdl.plan.startup_terms import StartupModel
 
     common = dict(ranks_per_node=2, python_files=2000, local_import_s=5.0, store_requests_per_s=20000,
                   fs_opens_per_s=50000, fs_read_bytes_s=1.5e9, fs_bandwidth_bytes_s=100e9, checkpoint_bytes=200e6,
@@ -326,7 +326,7 @@ def test_plan_cli_prints_startup_and_restart_from_a_startup_report(tmp_path):
     """--startup-json replaces the built-in counts with the report's: 3,000 python files per rank, 10 s of imports
     and model on the smallest job, 2 + 0 N store requests per rank (a flat rendezvous) at 10,000/s. Each row's
     terms follow those counts, and the restart adds the checkpoint read once and broadcast, no more."""
-    from hpcdl.bench.reports import CountFit, StartupReport, StartupRow, StoreCapacity
+    from hpcdl.reports import CountFit, StartupReport, StartupRow, StoreCapacity
     from hpcdl.schema import to_dict
 
     row = StartupRow(2, "start", {"interpreter and imports": 7.5, "model": 2.5}, 12.0, {}, {}, 0, 0, 4, 8, 0, None)

@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 import pytest
 from conftest import PYTHON, REPO, free_port, sbatch_wait
 
-from hpcdl.bench.reports import PluginImports, PluginReport
+from hpcdl.reports import PluginImports, PluginReport
 
 SCRIPT = REPO / "tests" / "plain_ddp.py"
 LIGHTNING = REPO / "tests" / "plain_lightning.py"
@@ -59,8 +59,8 @@ def check_against_gloo(found: dict, gloo: dict, second_init: str) -> None:
 
 def test_pip_install_declares_the_entry_points():
     found = {e.name: e.value for e in entry_points(group="torch.distributed.backends")}
-    assert found["oneccl"] == "hpcdl.distributed.plugin:oneccl"
-    assert found["mpi4py"] == "hpcdl.distributed.plugin:mpi4py"
+    assert found["oneccl"] == "hpcdl.distributed.group.plugin:oneccl"
+    assert found["mpi4py"] == "hpcdl.distributed.group.plugin:mpi4py"
 
 
 def test_a_torch_only_script_under_torchrun(ccl, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 from conftest import HOSTILE, PYTHON, REPO, sbatch_wait
 
 from hpcdl.errors import ConfigError
-from hpcdl.launch.job import job_request
+from hpcdl.launch.request import job_request
 from hpcdl.launch.sbatch import READY_SCRIPTS, render_sbatch
 
 
@@ -347,8 +347,8 @@ def test_the_orphan_wait_for_result_ends_with_the_writers_stale_claim(tmp_path):
     a result.json that never came. Now the wait ends when the writer's claim is stale, as the rescue's own wait."""
     import os
 
-    from hpcdl.train import orphan
-    from hpcdl.train.orphan import CLAIM_STALE_S
+    from hpcdl.runs import orphan
+    from hpcdl.runs.orphan import CLAIM_STALE_S
 
     claim = tmp_path / "writer"
     claim.touch()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import PYTHON, load_json, sbatch_wait
 
-from hpcdl.bench.reports import ScalingReport
+from hpcdl.reports import ScalingReport
 from hpcdl.bench.scaling import Config as ScalingBenchConfig
 from hpcdl.bench.scaling import figure, format_report
 from hpcdl.errors import ConfigError

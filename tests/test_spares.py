@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON, hpcdl, processes_of, same_states, sbatch_wait
 
-from hpcdl.distributed.hostlist import expand_hostlist
+from hpcdl.distributed.ranks.hostlist import expand_hostlist
 
 IMAGES, BATCH = 240, 60  # 4 steps an epoch on 1 to 4 ranks (the 4-node + 2-spare jobs set 48: 8 ranks x 6)
 

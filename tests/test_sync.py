@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from conftest import PYTHON, REPO, mpi_run
 
-from hpcdl.bench.reports import SyncReport
+from hpcdl.reports import SyncReport
 from hpcdl.bench.sync import format_report
 
 FP16_ROUNDING = 2 ** -10  # fp16 keeps 10 fraction bits; bf16 keeps 7
@@ -121,7 +121,7 @@ def test_chunk_sparse_trains_as_well_as_dense(mpiexec, demo_data, tmp_path):
 def test_hold_back_leaves_unsent_positions_to_a_later_step():
     import torch
 
-    from hpcdl.distributed.hooks import ChunkSparse
+    from hpcdl.distributed.gradients.hooks import ChunkSparse
     from hpcdl.optim.lars import LARS
 
     def stepped(hold: bool):
@@ -165,7 +165,7 @@ def test_a_bucket_collective_failure_is_kept_typed_for_fail_fast(monkeypatch, tm
     import torch
     import torch.distributed as dist
 
-    from hpcdl.distributed import sync
+    from hpcdl.distributed.gradients import ddp as sync
 
     failed = torch.futures.Future()
     failed.set_exception(dist.DistBackendError("rank 1: oneCCL allreduce of 9 elements (torch.float32) failed"))
@@ -183,8 +183,8 @@ def test_a_bucket_collective_failure_is_kept_typed_for_fail_fast(monkeypatch, tm
     assert str(timer.failure) == ("gradient bucket 3's collective failed: rank 1: oneCCL allreduce of 9 elements "
                                         "(torch.float32) failed")
 
-    code = ("from hpcdl.distributed import sync\n"
-            "from hpcdl.distributed.process_group import fail_fast, init_distributed\n"
+    code = ("from hpcdl.distributed.gradients import ddp as sync\n"
+            "from hpcdl.distributed.group.lifecycle import fail_fast, init_distributed\n"
             "ctx = init_distributed('gloo', heartbeat_s=0.2)\n"
             "kept = sync.BucketCollectiveError(\"gradient bucket 0's collective failed: gone\")\n"
             "with fail_fast(ctx, lambda: kept):\n"
@@ -207,9 +207,9 @@ def test_a_failed_all_reduce_reaches_fail_fast_through_ddps_own_reduction(tmp_pa
     code = """
 import dataclasses
 import torch, torch.distributed as dist
-from hpcdl.distributed.threaded import CommThread, ThreadedProcessGroup
-from hpcdl.distributed.process_group import fail_fast, init_distributed
-from hpcdl.distributed.sync import data_parallel
+from hpcdl.distributed.group.python_backend import CommThread, ThreadedProcessGroup
+from hpcdl.distributed.group.lifecycle import fail_fast, init_distributed
+from hpcdl.distributed.gradients.ddp import data_parallel
 
 class StandInForOneCCL(ThreadedProcessGroup):
     BACKEND_NAME, LIBRARY, NATIVE = "stand-in", "oneCCL", frozenset({torch.float32})

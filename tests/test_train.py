@@ -360,7 +360,7 @@ def test_the_demo_preset_trains_to_its_target_on_ccl_through_sbatch_stops_there_
 
 def test_submitit_job_checkpoints_through_its_protocol_and_resumes(slurm, data, tmp_path, monkeypatch):
     from hpcdl.launch import submit
-    from hpcdl.train.job import TrainJob
+    from hpcdl.launch.train_job import TrainJob
 
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     run = tmp_path / "run"
@@ -386,7 +386,7 @@ def test_a_submitit_job_whose_rank_0_cannot_serve_its_store_ends_at_once(slurm, 
     import socket
 
     from hpcdl.launch import submit
-    from hpcdl.train.job import TrainJob
+    from hpcdl.launch.train_job import TrainJob
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpcdl.distributed.process_group import init_distributed
+from hpcdl.distributed.group.lifecycle import init_distributed
 
 out, backend = sys.argv[1], sys.argv[2]
 ctx = init_distributed(backend, timeout=timedelta(seconds=2))

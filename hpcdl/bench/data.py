@@ -34,7 +34,7 @@ import torch
 from PIL import Image
 
 from hpcdl.bench.configs import DataBench as Config
-from hpcdl.bench.reports import DataReport, ReaderRow, RecipeRates
+from hpcdl.reports import DataReport, ReaderRow, RecipeRates
 from hpcdl.bench.rounds import alternate, medians
 from hpcdl.config import DataConfig
 from hpcdl.data import recipe

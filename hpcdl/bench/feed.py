@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 from hpcdl.bench.configs import FeedBench as Config
-from hpcdl.bench.reports import FeedReport, FeedRow, FeedRun
+from hpcdl.reports import FeedReport, FeedRow, FeedRun
 from hpcdl.bench.rounds import alternate, medians
 from hpcdl.bench.runner import machine_line
 from hpcdl.data.images import Encoding

@@ -9,7 +9,7 @@ import time
 import torch
 
 from hpcdl.models.count import count, flop_counter_mode
-from hpcdl.plan.facts import ModelFacts, ddp_buckets
+from hpcdl.model_facts import ModelFacts, ddp_buckets
 
 __all__ = ["count_model_facts", "gemm_gflops", "training_flops"]
 
@@ -53,7 +53,7 @@ def training_flops(model, images, labels, criterion) -> float:
 
 
 def count_model_facts(name: str) -> ModelFacts:
-    """The model's facts (:func:`hpcdl.models.count.count`): what :data:`hpcdl.plan.facts.MODEL_FACTS` holds for a
+    """The model's facts (:func:`hpcdl.models.count.count`): what :data:`hpcdl.model_facts.MODEL_FACTS` holds for a
     login node."""
     counted = count(name)
     return ModelFacts(name, **counted, buckets=ddp_buckets(counted["gradient_bytes"]))

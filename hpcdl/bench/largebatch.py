@@ -34,7 +34,7 @@ from PIL import Image
 
 from hpcdl import names
 from hpcdl.bench.configs import LargeBatchBench as Config
-from hpcdl.bench.reports import LargeBatchCell, LargeBatchReport
+from hpcdl.reports import LargeBatchCell, LargeBatchReport
 from hpcdl.data.dataset import ShardDataset
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hpcdl.bench.configs import OptimBench as Config
-from hpcdl.bench.reports import OptimReport
+from hpcdl.reports import OptimReport
 from hpcdl.bench.rounds import alternate, medians, timed_ms
 from hpcdl.models import build_model
 from hpcdl.optim.config import OptimConfig

@@ -9,7 +9,7 @@ not under a launcher: it starts both paths itself, alternated, ``--rounds`` time
 - The plugin path: ``LAUNCHER hpcdl exec python plugin_worker.py``: ``hpcdl exec`` sets torch's env://
   variables and replaces itself by a script that imports only torch, whose ``init_process_group("gloo")``
   and ``new_group(backend="mpi4py" | "oneccl")`` find hpcdl's groups through the entry points
-  (:mod:`hpcdl.distributed.plugin`); the script keeps torch's own thread count, as a user's would.
+  (:mod:`hpcdl.distributed.group.plugin`); the script keeps torch's own thread count, as a user's would.
 
 Both measure with the same code (:func:`hpcdl.bench.allreduce._measure`), so a difference is the start-up's.
 Each row keeps the best of its rounds; the table gives the plugin path's time over hpcdl's per size.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from hpcdl.bench.configs import LAUNCHERS
 from hpcdl.bench.configs import PluginBench as Config
-from hpcdl.bench.reports import AllreduceReport, PluginMeta, PluginReport, PluginRow, PluginWorkerReport
+from hpcdl.reports import AllreduceReport, PluginMeta, PluginReport, PluginRow, PluginWorkerReport
 from hpcdl.distributed.backend import BACKENDS
 from hpcdl.errors import ConfigError, DataError, LaunchError
 from hpcdl.schema import from_dict

@@ -14,9 +14,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from hpcdl import __version__, names
-from hpcdl.bench.reports import Machine, Provenance
+from hpcdl.reports import Machine, Provenance
 from hpcdl.deferred import deferred
-from hpcdl.distributed.env import discover
+from hpcdl.distributed.ranks.env import discover
 from hpcdl.errors import ConfigError
 from hpcdl.flags import meta
 from hpcdl.schema import to_dict
@@ -60,8 +60,8 @@ class Output:
 class Job:
     """What a benchmark's ``run`` gets: this rank, and on a job's ranks its process group."""
 
-    env: object  # hpcdl.distributed.env.RankEnv
-    ctx: object = None  # hpcdl.distributed.process_group.DistContext, for benchmarks that run on ranks
+    env: object  # hpcdl.distributed.ranks.env.RankEnv
+    ctx: object = None  # hpcdl.distributed.group.lifecycle.DistContext, for benchmarks that run on ranks
     groups: dict = dataclasses.field(default_factory=dict)  # backend name -> group (--backends), else the default's
     timeout: timedelta = timedelta(minutes=30)
 
@@ -80,7 +80,7 @@ class Job:
 def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | None = None,
                   argv: list[str] | None = None):
     """Run ``row`` (a :class:`hpcdl.bench.Benchmark`) with ``cfg``; rank 0 prints and writes the report and
-    returns it (its dataclass of :mod:`hpcdl.bench.reports`, with ``config`` and ``provenance`` filled), the
+    returns it (its dataclass of :mod:`hpcdl.reports`, with ``config`` and ``provenance`` filled), the
     other ranks return None."""
     ranks, output = ranks or RankOptions(), output or Output()
     if ranks.backends and not row.compares_backends:
@@ -92,7 +92,7 @@ def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | N
         figures = row.run(cfg, job)
     finally:
         if job.ctx is not None:  # not reached after a RankLostError: a broken group cannot be torn down cleanly
-            deferred("hpcdl.distributed.process_group:shutdown")(job.ctx)
+            deferred("hpcdl.distributed.group.lifecycle:shutdown")(job.ctx)
     if figures is None:
         return None
     # the config as run: a benchmark may resolve what the flags left open (bench step's crop 0, a model's own)
@@ -106,7 +106,7 @@ def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | N
 
 
 def _join(ranks: RankOptions) -> Job:
-    pg = deferred("hpcdl.distributed.process_group")  # torch: only a benchmark that runs on ranks needs it
+    pg = deferred("hpcdl.distributed.group.lifecycle")  # torch: only a benchmark that runs on ranks needs it
     ctx = pg.init_distributed("gloo" if ranks.backends else ranks.backend,
                            timeout=timedelta(seconds=ranks.startup_timeout), heartbeat_s=ranks.heartbeat)
     timeout = timedelta(seconds=ranks.timeout)

@@ -28,16 +28,16 @@ import torch.distributed as dist
 
 from hpcdl.bench.configs import MODES
 from hpcdl.bench.configs import ScalingBench as Config
-from hpcdl.bench.reports import Phases, ScalingMeta, ScalingPoint, ScalingReport, StepTimes
+from hpcdl.reports import Phases, ScalingMeta, ScalingPoint, ScalingReport, StepTimes
 from hpcdl.bench.rounds import alternate
 from hpcdl.bench.step import synthetic_training
 from hpcdl.config import SyncConfig
-from hpcdl.distributed.hooks import ChunkSparse
-from hpcdl.distributed.process_group import fail_fast
-from hpcdl.distributed.sync import data_parallel
+from hpcdl.distributed.gradients.hooks import ChunkSparse
+from hpcdl.distributed.group.lifecycle import fail_fast
+from hpcdl.distributed.gradients.ddp import data_parallel
 from hpcdl.models import model_info
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
-from hpcdl.plan.facts import model_facts
+from hpcdl.model_facts import model_facts
 from hpcdl.plot import counts_axis, pyplot, save_png
 from hpcdl.train.step import PHASES, Stepper
 

@@ -3,7 +3,7 @@
 For each job size it launches ``hpcdl train`` twice on a small packed data set (written to a temporary folder):
 a start, from nothing, to its first step and a checkpoint, and a restart from that checkpoint. Each rank
 records its start-up (``loop.record_startup``, with ``HPCDL_RECORD_STARTUP=1`` so that the interpreter's own
-imports count: :mod:`hpcdl.train.startup`): the time of each phase, the files and bytes it opened under the
+imports count: :mod:`hpcdl.train.startup_record`): the time of each phase, the files and bytes it opened under the
 Python environment, the data and the run folder, its connections to rank 0's rendezvous store and the requests
 it sent there. On an oversubscribed machine the times are inflated; the counts are not, and their fit against
 N (``count = a + b N``) is what extrapolates to thousands of ranks (``hpcdl plan --startup-json``).
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from hpcdl.bench.configs import LAUNCHERS
 from hpcdl.bench.configs import StartupBench as Config
-from hpcdl.bench.reports import CountFit, StartupReport, StartupRow, StoreCapacity
+from hpcdl.reports import CountFit, StartupReport, StartupRow, StoreCapacity
 from hpcdl.data.images import Encoding
 from hpcdl.data.pack import PackConfig, pack
 from hpcdl.data.synthetic import generate

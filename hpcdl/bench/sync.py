@@ -39,14 +39,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpcdl.bench.configs import SyncBench as Config
 from hpcdl.bench.configs import bucket_spec
-from hpcdl.bench.reports import DDPPart, SyncFigures, SyncHook, SyncReport, WeakScaling
+from hpcdl.reports import DDPPart, SyncFigures, SyncHook, SyncReport, WeakScaling
 from hpcdl.bench.rounds import alternate, medians
 from hpcdl.config import SyncConfig
-from hpcdl.distributed.ccl import CCLProcessGroup
-from hpcdl.distributed.hooks import ChunkSparse
-from hpcdl.distributed.mpi import MPIProcessGroup
-from hpcdl.distributed.sync import bucket_caps, data_parallel
-from hpcdl.distributed.threaded import DoneWork, library_group
+from hpcdl.distributed.ccl.group import CCLProcessGroup
+from hpcdl.distributed.gradients.hooks import ChunkSparse
+from hpcdl.distributed.mpi.group import MPIProcessGroup
+from hpcdl.distributed.gradients.ddp import bucket_caps, data_parallel
+from hpcdl.distributed.group.python_backend import DoneWork, library_group
 from hpcdl.models import build_model, model_info
 
 

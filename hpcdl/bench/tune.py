@@ -30,7 +30,7 @@ import time
 
 from hpcdl.bench.configs import TuneConfig
 from hpcdl.bench.rounds import alternate
-from hpcdl.bench.reports import NodeRound
+from hpcdl.reports import NodeRound
 from hpcdl.bench.step import node_round
 from hpcdl.distributed.affinity import ALLOCATORS, allocator_env, find_library
 from hpcdl.errors import ConfigError

@@ -12,7 +12,7 @@ import sys
 from hpcdl import __version__
 from hpcdl.cli import bench, data, jobs, plan, system, train
 from hpcdl.cli.common import Exit, command, exit_code
-from hpcdl.distributed.env import LAUNCHERS
+from hpcdl.distributed.ranks.env import LAUNCHERS
 from hpcdl.errors import HpcdlError, RankLostError
 from hpcdl.log import setup_logging
 from hpcdl.utils import leave_done, leave_now

@@ -8,7 +8,7 @@ import enum
 
 from hpcdl.deferred import deferred
 from hpcdl.flags import add_flags, config_from_args
-from hpcdl.train.outcome import EXIT_PEER_LOST, Outcome
+from hpcdl.runs.outcome import EXIT_PEER_LOST, Outcome
 
 __all__ = ["Exit", "command", "exit_code"]
 

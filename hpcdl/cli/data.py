@@ -18,7 +18,7 @@ from hpcdl.data.stage import stage as staged
 from hpcdl.data.verify import load_manifest
 from hpcdl.data.verify import verify as problems_of
 from hpcdl.deferred import deferred
-from hpcdl.distributed.env import discover
+from hpcdl.distributed.ranks.env import discover
 from hpcdl.errors import HpcdlError
 from hpcdl.flags import meta
 

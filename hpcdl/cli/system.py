@@ -16,10 +16,11 @@ import hpcdl
 from hpcdl.bench.configs import TuneConfig
 from hpcdl.cli.common import command
 from hpcdl.deferred import deferred
-from hpcdl.distributed import ccl_runtime, fastcomm
+from hpcdl.distributed.ccl import library
+from hpcdl.distributed.native import c_comm_thread
 from hpcdl.distributed.affinity import allocator_exports, allocator_in_use, plan_cpus
-from hpcdl.distributed.env import discover
-from hpcdl.distributed.mpi_runtime import mpi_environment
+from hpcdl.distributed.ranks.env import discover
+from hpcdl.distributed.mpi.runtime import mpi_environment
 from hpcdl.errors import ConfigError
 from hpcdl.flags import meta
 from hpcdl.launch.layout import NodeLayout
@@ -148,22 +149,22 @@ def exec_command(argv: list[str]) -> int:
 
 
 def ccl_install(cmd: CclInstall) -> int:
-    root = ccl_runtime.install(Path(cmd.prefix) if cmd.prefix else None,
+    root = library.install(Path(cmd.prefix) if cmd.prefix else None,
                                wheels=Path(cmd.wheels) if cmd.wheels else None, force=cmd.force)
-    print(f"oneCCL {ccl_runtime.VERSION} runtime in {root} (every file matches its pinned sha256)")
+    print(f"oneCCL {library.VERSION} runtime in {root} (every file matches its pinned sha256)")
     try:  # for compute nodes without a compiler: the cache is in the home folder they share
-        print(f"fastcomm (small collectives' C thread) built: {fastcomm.build()}")
+        print(f"c_comm_thread (small collectives' C thread) built: {c_comm_thread.build()}")
     except OSError as exc:
-        print(f"fastcomm not built ({exc}): small oneCCL collectives will use the Python thread")
-    fastccl = deferred("hpcdl.distributed.fastccl")  # torch's cpp_extension builds it
-    if fastccl.load() is not None:  # says why not in the log where it cannot be built
-        print(f"fastccl (the oneCCL group's C++ all-reduce) built in {fastccl.build_folder()}")
-    if cmd.prefix and Path(cmd.prefix) != ccl_runtime.home():
+        print(f"c_comm_thread not built ({exc}): small oneCCL collectives will use the Python thread")
+    ccl_backend = deferred("hpcdl.distributed.native.ccl_backend")  # torch's cpp_extension builds it
+    if ccl_backend.load() is not None:  # says why not in the log where it cannot be built
+        print(f"ccl_backend (the oneCCL group's C++ all-reduce) built in {ccl_backend.build_folder()}")
+    if cmd.prefix and Path(cmd.prefix) != library.home():
         print(f"use it with: export HPCDL_CCL_HOME={root}")
     return 0
 
 
 def ccl_info(_: CclInfo) -> int:
-    ccl = ccl_runtime.load()
+    ccl = library.load()
     print(f"oneCCL {ccl.version} from {ccl.runtime.library} ({ccl.runtime.source})")
     return 0

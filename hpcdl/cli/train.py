@@ -15,10 +15,10 @@ from hpcdl.deferred import deferred
 from hpcdl.errors import HpcdlError
 from hpcdl.flags import add_flags, config_from_args, meta
 from hpcdl.names import MODELS
-from hpcdl.plan.facts import model_facts
-from hpcdl.train.preflight import preflight
-from hpcdl.train.timeline import merge as merged
-from hpcdl.train.timeline import render as rendered
+from hpcdl.model_facts import model_facts
+from hpcdl.runs.preflight import preflight
+from hpcdl.runs.timeline import merge as merged
+from hpcdl.runs.timeline import render as rendered
 
 _SET = "override a field, e.g. --set data.train=$SCRATCH/imagenet1k/train --set optimizer.momentum=0.95 (repeatable)"
 

@@ -39,7 +39,7 @@ from hpcdl.data.images import Encoding, Rejected, prepare
 from hpcdl.data.options import PackConfig
 from hpcdl.data.sources import Item, catalog
 from hpcdl.data.stats import measure
-from hpcdl.distributed.env import rank_and_world
+from hpcdl.distributed.ranks.env import rank_and_world
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.utils import format_duration
 

@@ -5,7 +5,7 @@ Two halves, because of when they must act:
 * :func:`allocator_exports` produces shell ``export`` lines. An allocator is chosen by LD_PRELOAD or
   GLIBC_TUNABLES, which only act if set before Python starts, so the generated sbatch scripts and the
   submitit setup lines ``eval`` the output of ``hpcdl tune --exports`` on the compute node.
-* :func:`plan_cpus` (and :func:`hpcdl.distributed.process_group.apply_cpu_plan`, which needs torch) run inside
+* :func:`plan_cpus` (and :func:`hpcdl.distributed.group.lifecycle.apply_cpu_plan`, which needs torch) run inside
   each rank at start-up: they read the CPUs
   the task may use (``os.sched_getaffinity``), keep some for communication and for the data loader,
   and set the thread count from the rest. The loader's cores are sized from measured rates

@@ -1,7 +1,7 @@
 """The communication backends, as one table: name, availability check, per-rank environment, factory.
 
 A backend is a row of :data:`BACKENDS`. ``auto`` takes the first of :data:`AUTO_ORDER` whose check
-passes. Adding a library is one file (a :class:`hpcdl.distributed.threaded.ThreadedProcessGroup` subclass with
+passes. Adding a library is one file (a :class:`hpcdl.distributed.group.python_backend.ThreadedProcessGroup` subclass with
 a ``register()``) and one row here.
 """
 
@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from hpcdl import names
 from hpcdl.deferred import deferred
 from hpcdl.distributed.affinity import CpuPlan
-from hpcdl.distributed.ccl_runtime import load
-from hpcdl.distributed.env import RankEnv
-from hpcdl.distributed.mpi_runtime import load_mpi
+from hpcdl.distributed.ccl.library import load
+from hpcdl.distributed.ranks.env import RankEnv
+from hpcdl.distributed.mpi.runtime import load_mpi
 from hpcdl.errors import ConfigError
 from hpcdl.names import registry
 
@@ -50,7 +50,7 @@ class Backend:
     def prepare(self, env: RankEnv | None, cpu: CpuPlan | None, liveness=None) -> None:
         """Set this row's variables for the rank (those the user exported stay; ``env`` and ``cpu`` are needed
         only by a row with variables), then register it with torch, its groups' watchdogs asking ``liveness``
-        (a :class:`hpcdl.distributed.threaded.Liveness`) about a long collective: what a rank does before it
+        (a :class:`hpcdl.distributed.group.python_backend.Liveness`) about a long collective: what a rank does before it
         joins."""
         if self.environment:
             os.environ.update(self.environment(env, cpu, os.environ))
@@ -128,8 +128,8 @@ def interface_to(address: str) -> str | None:
 
 BACKENDS: dict[str, Backend] = registry("backends", {b.name: b for b in (
     Backend("gloo", "gloo", _gloo_check),
-    Backend("mpi", "mpi4py", _mpi_check, "hpcdl.distributed.mpi:register"),
-    Backend("ccl", "oneccl", _ccl_check, "hpcdl.distributed.ccl:register", ccl_environment,
+    Backend("mpi", "mpi4py", _mpi_check, "hpcdl.distributed.mpi.group:register"),
+    Backend("ccl", "oneccl", _ccl_check, "hpcdl.distributed.ccl.group:register", ccl_environment,
             lambda environ: 1 if environ.get("CCL_WORKER_OFFLOAD", "0") != "0" else 0),
 )}, names.BACKENDS)
 AUTO_ORDER = ("ccl", "gloo")

@@ -16,7 +16,7 @@ from typing import Any
 import submitit
 
 from hpcdl.errors import ConfigError
-from hpcdl.launch.job import JobRequest, job_request
+from hpcdl.launch.request import JobRequest, job_request
 from hpcdl.launch.profiles import slurm_answers
 
 __all__ = ["hpcdl_command", "make_executor", "submit"]

@@ -3,7 +3,7 @@
 Two quoting rules meet in one file. ``#SBATCH`` lines are read by sbatch's own parser, which groups
 text in double quotes and takes ``\\"`` and ``\\\\`` as escapes; bash sees them as comments. The
 script body is bash, quoted with :func:`shlex.quote`. A value that neither can carry (a newline) is
-rejected by :class:`~hpcdl.launch.job.JobRequest`.
+rejected by :class:`~hpcdl.launch.request.JobRequest`.
 
 ``python -m hpcdl.launch.sbatch DIR`` rewrites the ready scripts committed in ``slurm/``.
 """
@@ -16,7 +16,7 @@ import shlex
 import sys
 
 from hpcdl import __version__
-from hpcdl.launch.job import JobRequest, job_request
+from hpcdl.launch.request import JobRequest, job_request
 from hpcdl.launch.layout import load_layout
 from hpcdl.names import ALLOCATOR_CHOICES, ALLOCATORS
 from hpcdl.utils import atomic_write_text, format_duration

@@ -24,7 +24,7 @@ is ended by a watchdog: a rank that failed in start-up while the others wait for
 ``startup_grace_s``), or no record in ``train.jsonl`` for the bound the ranks' own timeouts give (``_stuck``).
 Each step's rescue folder is named for the job, its start (``SLURM_RESTART_COUNT``: a requeue keeps the job
 id) and the attempt, never one already there. Every 2 s the supervisor rewrites ``RUN/supervisor.alive``
-(:mod:`hpcdl.train.orphan`): when the first node is lost with the supervisor on it, the survivors' rescue finds
+(:mod:`hpcdl.runs.orphan`): when the first node is lost with the supervisor on it, the survivors' rescue finds
 the beat stopped and requeues the job instead of leaving its allocation idle.
 
 Each restart is logged with its cause, the nodes involved and its cost, and appended to
@@ -52,14 +52,14 @@ import sys
 import threading
 import time
 
-from hpcdl.distributed.hostlist import expand_hostlist
+from hpcdl.distributed.ranks.hostlist import expand_hostlist
 from hpcdl.errors import LaunchError
 from hpcdl.launch.probe import python_failures, unanswering
 from hpcdl.launch.progress import StepLog, first_step_after
-from hpcdl.run_folder import RunFolder
-from hpcdl.train.orphan import ENV as BEAT_ENV
-from hpcdl.train.orphan import Beat
-from hpcdl.train.outcome import read_result
+from hpcdl.runs.folder import RunFolder
+from hpcdl.runs.orphan import ENV as BEAT_ENV
+from hpcdl.runs.orphan import Beat
+from hpcdl.runs.outcome import read_result
 from hpcdl.utils import atomic_write_text
 
 __all__ = ["Supervisor", "fit_nodes", "lost_nodes"]
@@ -67,7 +67,7 @@ __all__ = ["Supervisor", "fit_nodes", "lost_nodes"]
 log = logging.getLogger("hpcdl.supervise")
 
 BAD_INPUT = 2  # the trainer refused its config: restarting cannot help
-PEER_LOST = 4  # a rank's rescue (hpcdl.train.outcome.EXIT_PEER_LOST)
+PEER_LOST = 4  # a rank's rescue (hpcdl.runs.outcome.EXIT_PEER_LOST)
 FAILED_STARTS = 2  # a node on which this many starts failed in start-up is not used again
 
 

@@ -1,10 +1,10 @@
 """A model's facts for the planner, counted by torch on the meta device (no memory, no arithmetic): its fp32
 gradient bytes, training FLOPs per image at its crop (forward and backward, a multiply-add is 2), and its
-parameter tensors. How DDP buckets the gradients is the planner's to count (:func:`hpcdl.plan.facts.ddp_buckets`):
+parameter tensors. How DDP buckets the gradients is the planner's to count (:func:`hpcdl.model_facts.ddp_buckets`):
 a model knows nothing of ranks.
 
 ``python -m hpcdl.models.count NAME`` prints them as JSON (exit 2 and the reason when NAME names no model):
-:func:`hpcdl.plan.facts.model_facts` runs it for a model without a row of its own, so that torch stays out of
+:func:`hpcdl.model_facts.model_facts` runs it for a model without a row of its own, so that torch stays out of
 the login node's process.
 """
 
@@ -56,7 +56,7 @@ def flop_counter_mode() -> FlopCounterMode:
 
 
 def count(name: str, num_classes: int = 1000) -> dict:
-    """``name``'s facts: the fields of :class:`hpcdl.plan.facts.ModelFacts` but its name and buckets."""
+    """``name``'s facts: the fields of :class:`hpcdl.model_facts.ModelFacts` but its name and buckets."""
     with torch.device("meta"):
         net = build_model(name, num_classes)
         crop = model_info(name).crop

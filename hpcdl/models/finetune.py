@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from hpcdl.errors import ConfigError
-from hpcdl.run_folder import RunFolder, checkpoints_in
+from hpcdl.runs.folder import RunFolder, checkpoints_in
 
 __all__ = ["fetch_hint", "head_names", "load_weights", "lr_scales", "read_weights"]
 

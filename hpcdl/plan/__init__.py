@@ -1,7 +1,7 @@
 """The performance model and ``hpcdl plan``: what a job's step, epoch and time to train will be at each node count.
 
-- :mod:`hpcdl.plan.model`: the step model (compute, the all-reduce's alpha-beta cost, overlap, data loading);
-- :mod:`hpcdl.plan.facts`: each model's gradient bytes, training FLOPs and buckets, without torch;
+- :mod:`hpcdl.plan.cost`: the step model (compute, the all-reduce's alpha-beta cost, overlap, data loading);
+- :mod:`hpcdl.model_facts`: each model's gradient bytes, training FLOPs and buckets, without torch;
 - :mod:`hpcdl.plan.published`: the published Stampede2 runs; :mod:`hpcdl.plan.validate` checks the model on them;
 - :mod:`hpcdl.plan.planner`: the planner's inputs (flags, benchmark reports), its table and plot.
 

@@ -2,7 +2,7 @@
 
 A job of N nodes whose nodes fail independently, each after ``node_mtbf`` on average, fails after
 ``M = node_mtbf / N``. With ``T0`` the failure-free time to train, ``C`` the time to write one checkpoint,
-``R`` a restart (start-up and the checkpoint read and broadcast: :mod:`hpcdl.plan.startup`), ``tau`` the
+``R`` a restart (start-up and the checkpoint read and broadcast: :mod:`hpcdl.plan.startup_terms`), ``tau`` the
 checkpoint interval and ``Q`` the queue's wait, each failure costs the work since the last checkpoint (tau / 2
 on average) and the way back; to first order (Young 1974; Daly 2006, whose model this is without the
 higher-order terms) the expected time is the failure-free time with its checkpoints, stretched by the share of

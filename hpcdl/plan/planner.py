@@ -1,6 +1,6 @@
 """``hpcdl plan``: a job's step time, epoch time, time to train and efficiency at each node count.
 
-The model is :class:`hpcdl.plan.model.StepModel`. Its inputs, and where each comes from:
+The model is :class:`hpcdl.plan.cost.StepModel`. Its inputs, and where each comes from:
 
 - per-node compute: images/s against the node's batch, given (``--throughput``), from ``hpcdl bench step
   --json`` (its tuned node, and its throughput-vs-batch curve when it measured one), or fitted from
@@ -9,7 +9,7 @@ The model is :class:`hpcdl.plan.model.StepModel`. Its inputs, and where each com
 - the network: the profile's alpha-beta link, or one fitted to ``hpcdl bench allreduce --json``;
 - the all-reduce algorithm, the overlap with backward, and the data-loading capacity per node: flags,
   or (overlap, backward's share of compute) fitted by ``--calibrate``;
-- start-up and restart (:class:`hpcdl.plan.startup.StartupModel`): the counts of ``hpcdl bench startup
+- start-up and restart (:class:`hpcdl.plan.startup_terms.StartupModel`): the counts of ``hpcdl bench startup
   --json`` (``--startup-json``; default: :data:`STARTUP_MEASURED`) over the shared filesystem's and rank 0's
   rates (flags, assumed where the cluster's are unknown).
 
@@ -23,15 +23,15 @@ import math
 import statistics
 
 from hpcdl import names
-from hpcdl.bench.reports import AllreduceReport, ScalingReport, StartupReport, StepReport, SyncReport
+from hpcdl.reports import AllreduceReport, ScalingReport, StartupReport, StepReport, SyncReport
 from hpcdl.config import SyncConfig
 from hpcdl.presets import get_preset
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.flags import meta
 from hpcdl.launch.profiles import get_profile
 from hpcdl.names import IMAGENET_TRAIN
-from hpcdl.plan.facts import ModelFacts, model_facts
-from hpcdl.plan.model import (
+from hpcdl.model_facts import ModelFacts, model_facts
+from hpcdl.plan.cost import (
     ALGORITHM_CHOICES,
     BACKWARD_SHARE,
     BatchCurve,
@@ -41,7 +41,7 @@ from hpcdl.plan.model import (
     fit_ring,
     hook_terms,
 )
-from hpcdl.plan.startup import StartupModel
+from hpcdl.plan.startup_terms import StartupModel
 from hpcdl.plan.validate import FITTED, NodeCompute, carried_compute
 from hpcdl.plot import counts_axis, pyplot, save_png
 
@@ -69,7 +69,7 @@ def memory_note(optimizer: str, weight_bytes: float) -> str:
 def link_from_allreduce(report: AllreduceReport, backend: str | None = None, source: str = "the report") -> Link:
     """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times (``backend``'s rows of a
     ``--backends`` report, default the first backend's), each a ring of its ``world_size`` ranks
-    (:func:`hpcdl.plan.model.fit_ring`)."""
+    (:func:`hpcdl.plan.cost.fit_ring`)."""
     measured = list(dict.fromkeys(r.backend for r in report.rows))
     backend = backend or (measured[0] if measured else None)
     if backend not in measured:

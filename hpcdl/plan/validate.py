@@ -25,8 +25,8 @@ import dataclasses
 from hpcdl.errors import ConfigError
 from hpcdl.launch.profiles import get_profile
 from hpcdl.names import IMAGENET_TRAIN
-from hpcdl.plan.facts import ModelFacts, model_facts
-from hpcdl.plan.model import BatchCurve, Link, StepModel
+from hpcdl.model_facts import ModelFacts, model_facts
+from hpcdl.plan.cost import BatchCurve, Link, StepModel
 from hpcdl.plan.published import PROCESSORS_PER_NODE, PUBLISHED, PublishedRun
 
 __all__ = ["BOUNDS", "CALIBRATION", "FITTED", "NodeCompute", "PROFILE_OF", "carried_compute", "format_validation",

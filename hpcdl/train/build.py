@@ -2,7 +2,7 @@
 weights, the data (manifests, datasets, sampler, loaders, normalization) and the cores kept for the loader.
 
 Each builder takes the config and the job's context and returns a narrow object; the trainer wires them.
-Shared files are read by rank 0 alone and handed to the others (:func:`hpcdl.distributed.share.from_rank0`).
+Shared files are read by rank 0 alone and handed to the others (:func:`hpcdl.distributed.group.share.from_rank0`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from hpcdl.data.recipe import channel_stats, parse
 from hpcdl.data.sampler import DistributedShardSampler
 from hpcdl.data.transforms import Augment, BatchMix, EvalTransform, normalize_batch
 from hpcdl.data.verify import check_dataset, load_manifest
-from hpcdl.distributed.process_group import DistContext
-from hpcdl.distributed.share import from_rank0
+from hpcdl.distributed.group.lifecycle import DistContext
+from hpcdl.distributed.group.share import from_rank0
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.models import build_model, model_info
 from hpcdl.models.finetune import load_weights, lr_scales, read_weights

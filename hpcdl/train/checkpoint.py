@@ -12,11 +12,11 @@ checkpoint that lists them, and removed with it.
 its ``Stateful`` states in one dict) and composes, writes, loads and names them, for the trainer's periodic, signal
 and final checkpoints and for the just-in-time one (:mod:`hpcdl.train.rescue`) alike. Every write runs under its
 lock, the same one the update runs under, so two writes of one process (a rescue and a periodic save) never
-overlap. The file names are :class:`hpcdl.run_folder.RunFolder`'s.
+overlap. The file names are :class:`hpcdl.runs.folder.RunFolder`'s.
 
 A restart reads the checkpoint from the shared filesystem once per job: rank 0 loads it and the job's group
 streams its tensors to the others (:func:`load_latest_shared`, through
-:func:`hpcdl.distributed.share.broadcast_state`: one copy of the state per rank plus a 64 MiB chunk, every
+:func:`hpcdl.distributed.group.share.broadcast_state`: one copy of the state per rank plus a 64 MiB chunk, every
 call under 2 GiB), so the filesystem serves one reader at any number of ranks; each per-rank file is read by
 the one rank that needs it.
 """
@@ -35,9 +35,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from hpcdl.distributed.share import broadcast_state
+from hpcdl.distributed.group.share import broadcast_state
 from hpcdl.errors import CheckpointError, ConfigError
-from hpcdl.run_folder import CHECKPOINT, RunFolder, checkpoint_name, checkpoints_in, rank_part_of
+from hpcdl.runs.folder import CHECKPOINT, RunFolder, checkpoint_name, checkpoints_in, rank_part_of
 
 log = logging.getLogger(__name__)
 NAME = CHECKPOINT

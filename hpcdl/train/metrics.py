@@ -15,7 +15,7 @@ import time
 
 from tqdm import tqdm
 
-from hpcdl.run_folder import RunFolder
+from hpcdl.runs.folder import RunFolder
 from hpcdl.train import confusion as cm
 from hpcdl.train.step import PHASES, StepResult
 

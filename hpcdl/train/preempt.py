@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hpcdl.errors import LaunchError
 from hpcdl.names import signal_number
-from hpcdl.train.preflight import requeue_target
+from hpcdl.runs.preflight import requeue_target
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hpcdl.data.dataset import PADDING_LABEL
-from hpcdl.distributed.sync import CommTimer
+from hpcdl.distributed.gradients.ddp import CommTimer
 
 PHASES = ("data", "forward", "backward", "comm_wait", "optimizer")
 

@@ -1,7 +1,7 @@
 """The trainer: wires data, model, optimizer, gradient sync, checkpoints and signals; owns none of them.
 
 :func:`train` runs one config on the ranks of the job it is started in (srun, mpiexec, torchrun,
-submitit or a single process: :mod:`hpcdl.distributed.env` tells them apart). It resumes from the newest
+submitit or a single process: :mod:`hpcdl.distributed.ranks.env` tells them apart). It resumes from the newest
 readable checkpoint in the run folder, so a requeued job simply runs again.
 
 The parts follow their lifetime: :mod:`~hpcdl.train.build` (model, weights, data, loader sizing),
@@ -19,10 +19,10 @@ import time
 from datetime import timedelta
 
 from hpcdl.config import RunConfig, dump_yaml
-from hpcdl.distributed.process_group import DistContext, fail_fast, init_distributed, set_timeout, shutdown
+from hpcdl.distributed.group.lifecycle import DistContext, fail_fast, init_distributed, set_timeout, shutdown
 from hpcdl.models import with_model_defaults
 from hpcdl.optim.modes import ModelWeights, training_weights
-from hpcdl.run_folder import RunFolder
+from hpcdl.runs.folder import RunFolder
 from hpcdl.schema import to_dict
 from hpcdl.train.build import build_data, build_model_parts, read_manifests, size_loader_for
 from hpcdl.train.checkpoint import Checkpointer
@@ -30,13 +30,13 @@ from hpcdl.train.evaluate import evaluate
 from hpcdl.train.finish import Facts, announce, check_replicas, diverged, on_signal, write_summary
 from hpcdl.train.loader import data_workers_named
 from hpcdl.train.metrics import RunLog
-from hpcdl.train.outcome import Outcome
+from hpcdl.runs.outcome import Outcome
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal
-from hpcdl.train.preflight import make_run_dir, preflight, run_dir
+from hpcdl.runs.preflight import make_run_dir, preflight, run_dir
 from hpcdl.train.rescue import Rescue
 from hpcdl.train.resume import Saved, changed_config, fold_residuals, plan_resume
-from hpcdl.train.startup import StartupRecord
+from hpcdl.train.startup_record import StartupRecord
 from hpcdl.train.state import FORMAT, Progress, RankRng, SamplerPosition, upgrade
 from hpcdl.train.wrap import wrap
 from hpcdl.utils import atomic_write_text

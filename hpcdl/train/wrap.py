@@ -9,12 +9,12 @@ import functools
 import torch
 
 from hpcdl.config import RunConfig
-from hpcdl.distributed.hooks import ChunkSparse
-from hpcdl.distributed.process_group import DistContext, new_subgroup
-from hpcdl.distributed.sync import CommTimer, data_parallel
+from hpcdl.distributed.gradients.hooks import ChunkSparse
+from hpcdl.distributed.group.lifecycle import DistContext, new_subgroup
+from hpcdl.distributed.gradients.ddp import CommTimer, data_parallel
 from hpcdl.train.build import DataParts, ModelParts
 from hpcdl.train.step import Stepper, effects_undone
-from hpcdl.train.timeline import Timeline
+from hpcdl.runs.timeline import Timeline
 
 __all__ = ["Wrapped", "wrap"]
 

@@ -1,0 +1,2 @@
+"""oneCCL through its C API: the process group (:mod:`.group`) and the library's binding and sources
+(:mod:`.library`)."""
