@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from hpcdl.data.sampler import DistributedShardSampler
-from hpcdl.distributed.group.lifecycle import init_distributed, shutdown
 from hpcdl.distributed.gradients.ddp import data_parallel
+from hpcdl.distributed.group.lifecycle import init_distributed, shutdown
 from hpcdl.train.step import Stepper, criterion
 
 MICRO, ACCUM, LR, SHARDS = 3, 4, 0.5, [10, 13, 9, 7]

@@ -8,8 +8,8 @@ import sys
 
 import torch
 
-from hpcdl.distributed.group.lifecycle import init_distributed, shutdown
 from hpcdl.distributed.gradients.ddp import data_parallel
+from hpcdl.distributed.group.lifecycle import init_distributed, shutdown
 
 out = sys.argv[1]
 ctx = init_distributed("gloo")

@@ -24,8 +24,8 @@ import sys
 import time
 
 import hpcdl.distributed.gradients.ddp
-import hpcdl.train.checkpoint as checkpoint
 import hpcdl.train.build as build
+import hpcdl.train.checkpoint as checkpoint
 import hpcdl.train.step
 import hpcdl.train.trainer as trainer
 import hpcdl.train.wrap as wrap

@@ -12,8 +12,8 @@ import re
 import sys
 
 
-from hpcdl.distributed.ranks.env import rank_and_world
 from hpcdl.distributed.group.lifecycle import init_distributed, shutdown
+from hpcdl.distributed.ranks.env import rank_and_world
 from hpcdl.log import setup_logging
 from hpcdl.train.checkpoint import CheckpointManager, load_latest_shared
 

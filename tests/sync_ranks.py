@@ -15,9 +15,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hpcdl.distributed.ranks.env import rank_and_world
-from hpcdl.distributed.group.lifecycle import init_distributed, shutdown
 from hpcdl.distributed.gradients.ddp import data_parallel
+from hpcdl.distributed.group.lifecycle import init_distributed, shutdown
+from hpcdl.distributed.ranks.env import rank_and_world
 from hpcdl.log import setup_logging
 
 out, backend, hooks = sys.argv[1], sys.argv[2], sys.argv[3].split(",")

@@ -85,9 +85,9 @@ def test_bad_arguments_exit_2_with_the_flag_named(tmp_path):
 def test_fail_fast_names_collective_failures_and_lets_other_errors_through(tmp_path, raised, expected):
     """A model's own RuntimeError, with every rank alive, must not be reported as a lost rank."""
     code = ("import torch.distributed\n"
-            "from hpcdl.distributed.group.lifecycle import fail_fast, init_distributed\n"
+            "from hpcdl.distributed.group.lifecycle import init_distributed\nfrom hpcdl.distributed.group.liveness import fail_fast\n"
             "ctx = init_distributed('gloo', heartbeat_s=0.2)\n"
-            f"with fail_fast(ctx):\n    raise {raised}\n")
+            f"with fail_fast(ctx.heartbeat):\n    raise {raised}\n")
     run = subprocess.run([PYTHON, "-c", code], env={**rank_env(0, 1, free_port()), "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and expected in run.stderr, run.stderr

@@ -5,8 +5,8 @@ import pytest
 
 from hpcdl.distributed.affinity import plan_cpus
 from hpcdl.distributed.backend import AUTO_ORDER, BACKENDS, ccl_environment, choose_backend, interface_to
-from hpcdl.distributed.ranks.env import discover
 from hpcdl.distributed.mpi.runtime import mpi_environment
+from hpcdl.distributed.ranks.env import discover
 from hpcdl.errors import ConfigError
 
 

@@ -10,8 +10,8 @@ import torch
 
 from conftest import PYTHON, REPO, same_states, sbatch_wait
 from hpcdl.errors import ConfigError
-from hpcdl.models import build_model, model_info
 from hpcdl.model_facts import MODEL_FACTS, facts_cache, model_facts
+from hpcdl.models import build_model, model_info
 
 OWN = "own_models:small_net"  # tests/own_models.py
 

@@ -97,7 +97,8 @@ def test_spares_allocate_more_nodes_and_the_supervisor_starts_the_training_step(
 
 
 def test_the_supervisor_keeps_the_global_batch_and_finds_the_lost_ranks_nodes():
-    from hpcdl.launch.supervisor import Supervisor, fit_nodes, lost_nodes
+    from hpcdl.launch.nodes import fit_nodes, lost_nodes
+    from hpcdl.launch.supervisor import Supervisor
 
     assert [fit_nodes(n, 2, 60) for n in (6, 5, 4, 3, 1)] == [6, 5, 3, 3, 1]
     assert fit_nodes(4, 2, 7) == 0

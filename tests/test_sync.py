@@ -7,8 +7,8 @@ import subprocess
 import pytest
 from conftest import PYTHON, REPO, mpi_run
 
-from hpcdl.reports import SyncReport
 from hpcdl.bench.sync import format_report
+from hpcdl.reports import SyncReport
 
 FP16_ROUNDING = 2 ** -10  # fp16 keeps 10 fraction bits; bf16 keeps 7
 TOLERANCE = {"none": 0.0, "hierarchical": 1e-6, "fp16": 2 * FP16_ROUNDING, "bf16": 2 * 2 ** -7}
@@ -184,10 +184,10 @@ def test_a_bucket_collective_failure_is_kept_typed_for_fail_fast(monkeypatch, tm
                                         "(torch.float32) failed")
 
     code = ("from hpcdl.distributed.gradients import ddp as sync\n"
-            "from hpcdl.distributed.group.lifecycle import fail_fast, init_distributed\n"
+            "from hpcdl.distributed.group.lifecycle import init_distributed\nfrom hpcdl.distributed.group.liveness import fail_fast\n"
             "ctx = init_distributed('gloo', heartbeat_s=0.2)\n"
             "kept = sync.BucketCollectiveError(\"gradient bucket 0's collective failed: gone\")\n"
-            "with fail_fast(ctx, lambda: kept):\n"
+            "with fail_fast(ctx.heartbeat, lambda: kept):\n"
             "    raise RuntimeError('Got the following error when running the callback: anything')\n")
     from conftest import free_port, rank_env
 
@@ -207,9 +207,10 @@ def test_a_failed_all_reduce_reaches_fail_fast_through_ddps_own_reduction(tmp_pa
     code = """
 import dataclasses
 import torch, torch.distributed as dist
-from hpcdl.distributed.group.python_backend import CommThread, ThreadedProcessGroup
-from hpcdl.distributed.group.lifecycle import fail_fast, init_distributed
 from hpcdl.distributed.gradients.ddp import data_parallel
+from hpcdl.distributed.group.lifecycle import init_distributed
+from hpcdl.distributed.group.liveness import fail_fast
+from hpcdl.distributed.group.python_backend import CommThread, ThreadedProcessGroup
 
 class StandInForOneCCL(ThreadedProcessGroup):
     BACKEND_NAME, LIBRARY, NATIVE = "stand-in", "oneCCL", frozenset({torch.float32})
@@ -230,7 +231,7 @@ dist.Backend.register_backend("stand-in", lambda o, _=None: StandInForOneCCL(o.g
 group = dist.new_group([0], backend="stand-in")
 net, timer = data_parallel(torch.nn.Linear(4, 2), dataclasses.replace(ctx.env, world_size=2), group)
 assert timer.hook is None, "hook none registers no comm hook"
-with fail_fast(ctx, lambda: timer.failure):
+with fail_fast(ctx.heartbeat, lambda: timer.failure):
     net(torch.randn(3, 4)).sum().backward()
 """
     from conftest import free_port, rank_env

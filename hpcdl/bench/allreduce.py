@@ -16,13 +16,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpcdl.bench.configs import ITEMSIZE
 from hpcdl.bench.configs import AllreduceBench as Config
-from hpcdl.reports import AllreduceMeta, AllreduceReport, AllreduceRow, NoFit, Placement, RingFit
+from hpcdl.bench.configs import ITEMSIZE
 from hpcdl.distributed.affinity import allocator_in_use
-from hpcdl.distributed.group.lifecycle import fail_fast
+from hpcdl.distributed.group.liveness import fail_fast
 from hpcdl.errors import DataError
 from hpcdl.plan.cost import fit_ring
+from hpcdl.reports import AllreduceMeta, AllreduceReport, AllreduceRow, NoFit, Placement, RingFit
 from hpcdl.utils import format_bytes
 
 __all__ = ["Config", "format_report", "run"]
@@ -35,7 +35,7 @@ def run(cfg: Config, job) -> AllreduceReport | None:
     side); rank 0 returns the report."""
     ctx = job.ctx
     placement = _placement(ctx)
-    with fail_fast(ctx):
+    with fail_fast(ctx.heartbeat):
         rows = []
         for nbytes in cfg.sizes():
             for name, group in job.groups.items():
@@ -67,7 +67,7 @@ def _placement(ctx) -> tuple[Placement, ...]:
                      launcher=env.launcher, master_addr=env.master_addr, master_port=env.master_port,
                      threads=ctx.cpu.threads, allocator=allocator_in_use())
     gathered: list = [None] * ctx.world_size
-    with fail_fast(ctx):
+    with fail_fast(ctx.heartbeat):
         dist.all_gather_object(gathered, mine, group=ctx.group)
     return tuple(gathered)
 

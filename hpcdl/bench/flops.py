@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from hpcdl.models.count import count, flop_counter_mode
 from hpcdl.model_facts import ModelFacts, ddp_buckets
+from hpcdl.models.count import count, flop_counter_mode
 
 __all__ = ["count_model_facts", "gemm_gflops", "training_flops"]
 

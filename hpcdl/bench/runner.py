@@ -14,11 +14,11 @@ from datetime import timedelta
 from pathlib import Path
 
 from hpcdl import __version__, names
-from hpcdl.reports import Machine, Provenance
 from hpcdl.deferred import deferred
 from hpcdl.distributed.ranks.env import discover
 from hpcdl.errors import ConfigError
 from hpcdl.flags import meta
+from hpcdl.reports import Machine, Provenance
 from hpcdl.schema import to_dict
 from hpcdl.utils import atomic_write_text, cpu_flags, cpu_model
 
@@ -107,11 +107,12 @@ def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | N
 
 def _join(ranks: RankOptions) -> Job:
     pg = deferred("hpcdl.distributed.group.lifecycle")  # torch: only a benchmark that runs on ranks needs it
+    liveness = deferred("hpcdl.distributed.group.liveness")
     ctx = pg.init_distributed("gloo" if ranks.backends else ranks.backend,
                            timeout=timedelta(seconds=ranks.startup_timeout), heartbeat_s=ranks.heartbeat)
     timeout = timedelta(seconds=ranks.timeout)
     pg.set_timeout(ctx, timeout)
-    with pg.fail_fast(ctx):
+    with liveness.fail_fast(ctx.heartbeat):
         groups = pg.backend_groups(ctx, ranks.backends, timeout) if ranks.backends else {ctx.backend.name: ctx.group}
     return Job(env=ctx.env, ctx=ctx, groups=groups, timeout=timeout)
 

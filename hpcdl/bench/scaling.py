@@ -28,17 +28,17 @@ import torch.distributed as dist
 
 from hpcdl.bench.configs import MODES
 from hpcdl.bench.configs import ScalingBench as Config
-from hpcdl.reports import Phases, ScalingMeta, ScalingPoint, ScalingReport, StepTimes
 from hpcdl.bench.rounds import alternate
 from hpcdl.bench.step import synthetic_training
 from hpcdl.config import SyncConfig
-from hpcdl.distributed.gradients.hooks import ChunkSparse
-from hpcdl.distributed.group.lifecycle import fail_fast
 from hpcdl.distributed.gradients.ddp import data_parallel
+from hpcdl.distributed.gradients.hooks import ChunkSparse
+from hpcdl.distributed.group.liveness import fail_fast
+from hpcdl.model_facts import model_facts
 from hpcdl.models import model_info
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
-from hpcdl.model_facts import model_facts
 from hpcdl.plot import counts_axis, pyplot, save_png
+from hpcdl.reports import Phases, ScalingMeta, ScalingPoint, ScalingReport, StepTimes
 from hpcdl.train.step import PHASES, Stepper
 
 __all__ = ["Config", "figure", "format_report", "plot", "run"]
@@ -53,7 +53,7 @@ def run(cfg: Config, job) -> ScalingReport | None:
     points = cfg.points(ctx.world_size)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    with fail_fast(ctx):
+    with fail_fast(ctx.heartbeat):
         nodes = _node_ranks(ctx)
         groups = {k: dist.new_group(ranks=list(range(k)), timeout=job.timeout, backend=ctx.backend.name)
                   for k in sorted({p[1] for p in points}) if k > 1}  # every rank creates every group

@@ -39,15 +39,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpcdl.bench.configs import SyncBench as Config
 from hpcdl.bench.configs import bucket_spec
-from hpcdl.reports import DDPPart, SyncFigures, SyncHook, SyncReport, WeakScaling
+from hpcdl.bench.latency import latency_us, raw_mpi
 from hpcdl.bench.rounds import alternate, medians
 from hpcdl.config import SyncConfig
-from hpcdl.distributed.ccl.group import CCLProcessGroup
-from hpcdl.distributed.gradients.hooks import ChunkSparse
-from hpcdl.distributed.mpi.group import MPIProcessGroup
 from hpcdl.distributed.gradients.ddp import bucket_caps, data_parallel
-from hpcdl.distributed.group.python_backend import DoneWork, library_group
+from hpcdl.distributed.gradients.hooks import ChunkSparse
 from hpcdl.models import build_model, model_info
+from hpcdl.reports import DDPPart, SyncFigures, SyncHook, SyncReport, WeakScaling
 
 
 def _buckets(grads: list, cap_bytes: int) -> list[list]:
@@ -102,14 +100,14 @@ def _bench(cfg: Config, env, group=None) -> SyncFigures:
         "flat": lambda: dist.all_reduce(flat, group=group),
         "fused fp16": lambda: _fused(buckets, torch.float16, group),
     }
-    mpi = _raw_mpi() if dist.get_backend(group) == "mpi4py" else None
+    mpi = raw_mpi() if dist.get_backend(group) == "mpi4py" else None
     if mpi is not None:
         comm, MPI = mpi
         buf = flat.numpy()
         cases["raw mpi4py"] = lambda: comm.Allreduce(MPI.IN_PLACE, buf)
     times = alternate({name: _timed_ms(fn, group) for name, fn in cases.items()}, cfg.rounds)
     median = medians(times)
-    latency = _latency(cfg.latency_iters, group, mpi)
+    latency = latency_us(cfg.latency_iters, group, mpi)
     hooks, parts = hook_rows(cfg, env, group)
     return SyncFigures(model=cfg.model, tensors=len(grads), parameters=flat.numel(), buckets=len(buckets),
                        world_size=dist.get_world_size(group), backend=dist.get_backend(group), ms=median,
@@ -288,77 +286,6 @@ def bucket_sweep(cfg: Config, env, group=None) -> dict[str, float]:
     times = alternate({spec: (lambda net=net, steps=steps: steps(net, cfg.scaling_steps)) for spec, (net, steps)
                        in nets.items()}, cfg.sweep_rounds, before=lambda: dist.barrier(group=group))
     return medians(times)
-
-
-def _raw_mpi():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD, MPI
-
-
-def _bare_group(group):
-    """For the latency floor only: a group of ``group``'s ranks on a Python backend whose all-reduce is
-    nothing but MPI's (no op, dtype or layout checks, no queue, no timeout): what any Python backend
-    pays for torch.distributed's dispatch. Not a backend to train with."""
-
-    class BareMPI(MPIProcessGroup):
-        def allreduce(self, tensors, opts):
-            request = self.comm.Iallreduce(self.MPI.IN_PLACE, tensors[0].numpy())
-            while not request.Test():
-                pass
-            return DoneWork(tensors)
-
-    if "mpi4py-bare" not in dist.Backend.backend_list:
-        dist.Backend.register_backend(
-            "mpi4py-bare", lambda o, _=None: BareMPI(o.group_rank, o.group_size, o.timeout,
-                                                     list(o.global_ranks_in_group) or None),
-            extended_api=True, devices=["cpu"])
-    return dist.new_group(dist.get_process_group_ranks(group), backend="mpi4py-bare")
-
-
-def _latency(iters: int, group, mpi) -> dict:
-    x = torch.zeros(1)
-    out = {}
-    cases = [("torch.distributed", lambda: dist.all_reduce(x, group=group))]
-    if mpi:
-        bare = _bare_group(group)
-        cases += [("bare Python backend", lambda: dist.all_reduce(x, group=bare)),
-                  ("raw mpi4py", lambda: mpi[0].Allreduce(mpi[1].IN_PLACE, x.numpy()))]
-    for name, fn in cases:
-        for _ in range(50):
-            fn()
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        out[name] = (time.perf_counter() - t0) / iters * 1e6
-    raw = _raw_oneccl(group, x)
-    if raw:
-        raw(50)
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        raw(iters)
-        out["raw oneCCL"] = (time.perf_counter() - t0) / iters * 1e6
-    return out
-
-
-def _raw_oneccl(group, x):
-    """For a oneccl group: ``loop(n)`` makes n one-float onecclAllReduce calls in a row on the thread that
-    makes the group's oneCCL calls (the C thread, or the Python one without it), so no hand-off is timed:
-    oneCCL's own latency through ctypes. None for other backends."""
-    pg = library_group(group)
-    if not isinstance(pg, CCLProcessGroup):
-        return None
-    args = (pg.comm, x.data_ptr(), x.data_ptr(), 1, pg.ccl.enums["onecclFloat32"], pg.ccl.enums["onecclSum"])
-
-    def loop(n: int) -> None:
-        def calls():
-            for _ in range(n):
-                pg.ccl.call_here("AllReduce", *args)
-
-        pg.thread.run_here(lambda: pg.ccl.run(calls))
-
-    return loop
 
 
 def format_comparison(reports: dict[str, SyncFigures]) -> str:

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from hpcdl.cli.common import command
 from hpcdl.config import DataConfig
-from hpcdl.presets import resolve
 from hpcdl.data import recipe
 from hpcdl.data.format import summarize
 from hpcdl.data.options import PackConfig
@@ -21,6 +20,7 @@ from hpcdl.deferred import deferred
 from hpcdl.distributed.ranks.env import discover
 from hpcdl.errors import HpcdlError
 from hpcdl.flags import meta
+from hpcdl.presets import resolve
 
 
 @dataclass(kw_only=True, slots=True)

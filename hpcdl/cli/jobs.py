@@ -12,13 +12,13 @@ from hpcdl.errors import HpcdlError
 from hpcdl.flags import meta
 from hpcdl.launch.executor import hpcdl_command
 from hpcdl.launch.executor import submit as submit_job
-from hpcdl.launch.request import JobRequest
 from hpcdl.launch.layout import load_layout, train_overrides
 from hpcdl.launch.profiles import PROFILES
+from hpcdl.launch.request import JobRequest
 from hpcdl.launch.sbatch import render_sbatch
 from hpcdl.launch.supervisor import from_slurm
-from hpcdl.presets import resolve
 from hpcdl.launch.train_job import TrainJob
+from hpcdl.presets import resolve
 from hpcdl.runs.outcome import summary_text
 from hpcdl.runs.preflight import run_dir
 from hpcdl.utils import atomic_write_text, format_duration

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from hpcdl.bench.runner import Job, Output
 from hpcdl.cli.common import command
-from hpcdl.presets import get_preset
 from hpcdl.distributed.ranks.env import discover
 from hpcdl.plan.failures import FailureModel, format_failures
 from hpcdl.plan.planner import PlanInputs, PlanQuestion, format_plan, plot
 from hpcdl.plan.planner import plan as planned
 from hpcdl.plan.validate import format_validation, validate
+from hpcdl.presets import get_preset
 from hpcdl.utils import atomic_write_text
 
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 from hpcdl.cli.common import command, exit_code
 from hpcdl.config import describe, dump_yaml
-from hpcdl.presets import PRESETS, resolve
 from hpcdl.deferred import deferred
 from hpcdl.errors import HpcdlError
 from hpcdl.flags import add_flags, config_from_args, meta
-from hpcdl.names import MODELS
 from hpcdl.model_facts import model_facts
+from hpcdl.names import MODELS
+from hpcdl.presets import PRESETS, resolve
 from hpcdl.runs.preflight import preflight
 from hpcdl.runs.timeline import merge as merged
 from hpcdl.runs.timeline import render as rendered

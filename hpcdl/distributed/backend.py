@@ -19,8 +19,8 @@ from hpcdl import names
 from hpcdl.deferred import deferred
 from hpcdl.distributed.affinity import CpuPlan
 from hpcdl.distributed.ccl.library import load
-from hpcdl.distributed.ranks.env import RankEnv
 from hpcdl.distributed.mpi.runtime import load_mpi
+from hpcdl.distributed.ranks.env import RankEnv
 from hpcdl.errors import ConfigError
 from hpcdl.names import registry
 

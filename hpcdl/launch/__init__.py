@@ -5,8 +5,8 @@ only read profiles or write scripts (every ``hpcdl`` command builds the parser t
 """
 
 from hpcdl.launch.executor import submit
-from hpcdl.launch.request import JobRequest, job_request
 from hpcdl.launch.profiles import PROFILES, ClusterProfile, get_profile
+from hpcdl.launch.request import JobRequest, job_request
 
 __all__ = ["PROFILES", "ClusterProfile", "JobRequest", "get_profile", "job_request", "submit"]
 

@@ -16,8 +16,8 @@ from typing import Any
 import submitit
 
 from hpcdl.errors import ConfigError
-from hpcdl.launch.request import JobRequest, job_request
 from hpcdl.launch.profiles import slurm_answers
+from hpcdl.launch.request import JobRequest, job_request
 
 __all__ = ["hpcdl_command", "make_executor", "submit"]
 

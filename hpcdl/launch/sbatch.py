@@ -16,8 +16,8 @@ import shlex
 import sys
 
 from hpcdl import __version__
-from hpcdl.launch.request import JobRequest, job_request
 from hpcdl.launch.layout import load_layout
+from hpcdl.launch.request import JobRequest, job_request
 from hpcdl.names import ALLOCATOR_CHOICES, ALLOCATORS
 from hpcdl.utils import atomic_write_text, format_duration
 

@@ -54,41 +54,22 @@ import time
 
 from hpcdl.distributed.ranks.hostlist import expand_hostlist
 from hpcdl.errors import LaunchError
+from hpcdl.launch.nodes import TASK_EXIT, fit_nodes, lost_nodes, steps_named
 from hpcdl.launch.probe import python_failures, unanswering
 from hpcdl.launch.progress import StepLog, first_step_after
 from hpcdl.runs.folder import RunFolder
-from hpcdl.runs.orphan import ENV as BEAT_ENV
 from hpcdl.runs.orphan import Beat
+from hpcdl.runs.orphan import ENV as BEAT_ENV
 from hpcdl.runs.outcome import read_result
 from hpcdl.utils import atomic_write_text
 
-__all__ = ["Supervisor", "fit_nodes", "lost_nodes"]
+__all__ = ["Supervisor", "from_slurm"]
 
 log = logging.getLogger("hpcdl.supervise")
 
 BAD_INPUT = 2  # the trainer refused its config: restarting cannot help
 PEER_LOST = 4  # a rank's rescue (hpcdl.runs.outcome.EXIT_PEER_LOST)
 FAILED_STARTS = 2  # a node on which this many starts failed in start-up is not used again
-
-
-def fit_nodes(available: int, tasks_per_node: int, global_batch: int) -> int:
-    """The most nodes, up to ``available``, whose ranks divide ``global_batch`` (0 when none does)."""
-    return next((n for n in range(available, 0, -1) if global_batch % (n * tasks_per_node) == 0), 0)
-
-
-_NODE = re.compile(r"Slurm node (\S+?)\)")
-
-
-def lost_nodes(result: dict, used: list[str], tasks_per_node: int) -> list[str]:
-    """The nodes of the ranks a rescue found lost: the heartbeat's record names each rank's node; rank 0's
-    (whose store is gone when it is lost) follows from srun's block distribution of ranks over ``used``."""
-    found = []
-    for rank in result.get("lost") or []:
-        where = _NODE.search((result.get("lost_where") or {}).get(str(rank), ""))
-        node = where.group(1) if where else used[int(rank) // tasks_per_node]
-        if node not in found:
-            found.append(node)
-    return found
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -239,7 +220,7 @@ class Supervisor:
         for line in iter(stream.readline, b""):
             sys.stderr.buffer.write(line)
             sys.stderr.buffer.flush()
-            said = _TASK_EXIT.match(line.decode(errors="replace").strip())
+            said = TASK_EXIT.match(line.decode(errors="replace").strip())
             if said and said.group(2) not in ("Exited with exit code 0", f"Exited with exit code {PEER_LOST}"):
                 self._task_exits.append((said.group(1), said.group(2), time.monotonic()))
         stream.close()
@@ -271,7 +252,7 @@ class Supervisor:
                 except (OSError, ValueError):
                     pass
         if not steps - {None}:  # no rank reported (a start-up failure, the watchdog): the step by its name
-            steps = set(_steps_named(self.job, f"hpcdl-{name}"))
+            steps = set(steps_named(self.job, f"hpcdl-{name}"))
         for step in steps - {None}:  # not waited for: slurmctld answers only once it gave up on a dead node (11 s)
             subprocess.Popen(["scancel", "--signal=KILL", f"{self.job}.{step}"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
@@ -395,19 +376,6 @@ class Supervisor:
                  "spares_left": self.spare, "spares_skipped": self.skipped, "lost": self.lost,
                  "failed_starts": dict(self.failed_starts), "restarts": self.events, "outcome": final, "why": why}
         atomic_write_text(RunFolder(self.run_dir).supervisor, json.dumps(state, indent=1) + "\n")
-
-
-_TASK_EXIT = re.compile(r"srun: error: (\S+): tasks? [\d,\-]+: (.+)")
-
-
-def _steps_named(job: str, name: str) -> list[str]:
-    """The ids of the job's steps called ``name`` (squeue -s)."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True, text=True,
-                             timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [i.split(".", 1)[1] for i, _, j in (line.partition(" ") for line in out.splitlines()) if j == name and "." in i]
 
 
 def from_slurm(rank_command: list[str], run_dir: str, global_batch: int, **kw) -> Supervisor:

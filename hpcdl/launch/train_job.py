@@ -6,10 +6,10 @@ import logging
 
 import submitit
 
-from hpcdl.presets import resolve
 from hpcdl.deferred import deferred
 from hpcdl.distributed.ranks.env import rank_and_world
 from hpcdl.log import setup_logging
+from hpcdl.presets import resolve
 
 log = logging.getLogger(__name__)
 

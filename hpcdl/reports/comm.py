@@ -6,8 +6,8 @@ import dataclasses
 import typing
 
 from hpcdl.bench.configs import AllreduceBench, PluginBench, SyncBench
-from hpcdl.reports.base import Provenance, Report
 from hpcdl.errors import DataError
+from hpcdl.reports.base import Provenance, Report
 
 __all__ = ["AllreduceMeta", "AllreduceReport", "AllreduceRow", "DDPPart", "NoFit", "Placement", "PluginImports",
            "PluginMeta", "PluginReport", "PluginRow", "PluginWorkerReport", "RingFit", "SyncFigures", "SyncHook",

@@ -16,9 +16,9 @@ from hpcdl.config import RunConfig
 from hpcdl.distributed.affinity import allocator_in_use
 from hpcdl.distributed.group.lifecycle import DistContext
 from hpcdl.errors import TrainingDiverged
-from hpcdl.train.metrics import phase_shares
 from hpcdl.runs.folder import RunFolder
 from hpcdl.runs.outcome import Outcome, summary_text
+from hpcdl.train.metrics import phase_shares
 from hpcdl.train.preempt import hand_to_submitit, requeue, submitit_handles
 from hpcdl.train.state import Progress
 from hpcdl.utils import atomic_write_text

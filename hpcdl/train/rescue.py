@@ -62,9 +62,9 @@ import torch
 
 from hpcdl.errors import CheckpointError
 from hpcdl.runs.folder import RunFolder
-from hpcdl.train.checkpoint import rng_state
 from hpcdl.runs.orphan import CLAIM_STALE_S, CLAIM_WAIT_S, after_rescue
 from hpcdl.runs.outcome import EXIT_PEER_LOST, read_result
+from hpcdl.train.checkpoint import rng_state
 from hpcdl.train.state import Frozen
 from hpcdl.utils import atomic_write_text, leave_now
 

@@ -19,10 +19,13 @@ import time
 from datetime import timedelta
 
 from hpcdl.config import RunConfig, dump_yaml
-from hpcdl.distributed.group.lifecycle import DistContext, fail_fast, init_distributed, set_timeout, shutdown
+from hpcdl.distributed.group.lifecycle import DistContext, init_distributed, set_timeout, shutdown
+from hpcdl.distributed.group.liveness import fail_fast
 from hpcdl.models import with_model_defaults
 from hpcdl.optim.modes import ModelWeights, training_weights
 from hpcdl.runs.folder import RunFolder
+from hpcdl.runs.outcome import Outcome
+from hpcdl.runs.preflight import make_run_dir, preflight, run_dir
 from hpcdl.schema import to_dict
 from hpcdl.train.build import build_data, build_model_parts, read_manifests, size_loader_for
 from hpcdl.train.checkpoint import Checkpointer
@@ -30,10 +33,8 @@ from hpcdl.train.evaluate import evaluate
 from hpcdl.train.finish import Facts, announce, check_replicas, diverged, on_signal, write_summary
 from hpcdl.train.loader import data_workers_named
 from hpcdl.train.metrics import RunLog
-from hpcdl.runs.outcome import Outcome
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal
-from hpcdl.runs.preflight import make_run_dir, preflight, run_dir
 from hpcdl.train.rescue import Rescue
 from hpcdl.train.resume import Saved, changed_config, fold_residuals, plan_resume
 from hpcdl.train.startup_record import StartupRecord
@@ -59,7 +60,7 @@ def train(cfg: RunConfig) -> dict:
         record.mark("rendezvous and backend")
     trainer = None
     rescue = Rescue(ctx, run_dir(cfg)) if cfg.checkpoint.jit and ctx.world_size > 1 else None
-    with fail_fast(ctx, lambda: trainer and trainer.wrapped.comm and trainer.wrapped.comm.failure,
+    with fail_fast(ctx.heartbeat, lambda: trainer and trainer.wrapped.comm and trainer.wrapped.comm.failure,
                    on_lost=rescue.run if rescue else None), data_workers_named(ctx.rank):
         set_timeout(ctx, startup)  # the job's group; the step timeout follows the first completed step
         if rescue:
@@ -190,8 +191,7 @@ class Trainer:
             self._save("end")
             return self._summary(Outcome.FINISHED)
         finally:
-            runlog.close()
-            for closing in filter(None, (self.wrapped.timeline, self.samples)):
+            for closing in filter(None, (runlog, self.wrapped.timeline, self.samples)):
                 closing.close()
 
     def _loop(self, runlog: RunLog) -> str:

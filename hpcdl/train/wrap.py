@@ -9,12 +9,12 @@ import functools
 import torch
 
 from hpcdl.config import RunConfig
+from hpcdl.distributed.gradients.ddp import CommTimer, data_parallel
 from hpcdl.distributed.gradients.hooks import ChunkSparse
 from hpcdl.distributed.group.lifecycle import DistContext, new_subgroup
-from hpcdl.distributed.gradients.ddp import CommTimer, data_parallel
+from hpcdl.runs.timeline import Timeline
 from hpcdl.train.build import DataParts, ModelParts
 from hpcdl.train.step import Stepper, effects_undone
-from hpcdl.runs.timeline import Timeline
 
 __all__ = ["Wrapped", "wrap"]
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hpcdl.distributed.ranks.env import RankEnv
 from hpcdl.distributed.gradients.hooks import make_hook
+from hpcdl.distributed.ranks.env import RankEnv
 
 __all__ = ["BucketCollectiveError", "CommTimer", "bucket_caps", "data_parallel"]
 

@@ -36,8 +36,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from hpcdl.distributed.ranks.env import RankEnv
 from hpcdl.distributed.group.python_backend import unwrapped as _unwrapped
+from hpcdl.distributed.ranks.env import RankEnv
 from hpcdl.names import HOOKS, check
 
 __all__ = ["HOOKS", "ChunkSparse", "Hierarchy", "Plain", "make_hook", "node_groups", "sparse_allreduce"]

@@ -1,24 +1,14 @@
-"""Process groups: ``init_distributed`` and the machinery that names a lost rank.
-
-The heartbeat lives in :mod:`hpcdl.distributed.group.liveness`. Every rank bumps a counter in the rendezvous store every ``heartbeat_s`` seconds from a daemon
-thread. When a collective fails (a peer's socket closed, or the collective timed out), the rank
-reads the counters twice and names the ranks whose counters stood still. If the store itself is
-gone, rank 0, which serves it, is the one lost.
-
-Every request a probe sends is bounded (:attr:`Heartbeat.deadline_s`): a TCPStore client's timeout bounds
-its connection and its waits for a key, not a request to a server that accepted the connection and does
-not answer (:meth:`Heartbeat._bounded`). A stopped rank 0 (SIGSTOP, a node frozen) is such a server: before the bound, a probe that
-asked it waited for ever, and with it the rescue's watch and the oneCCL watchdog (issue 44). A request
-unanswered by its deadline reads as a store that no longer answers, rank 0 lost.
+"""A rank's life in the job's process group: ``init_distributed`` (rank discovery, the CPU plan applied, the
+rendezvous store, the heartbeat, the backend chosen and joined), the timeouts and subgroups, and ``shutdown``.
+What a failed collective means is :mod:`hpcdl.distributed.group.liveness`'s to say; the store is
+:mod:`hpcdl.distributed.group.store`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -26,13 +16,14 @@ import torch.distributed as dist
 
 from hpcdl.distributed.affinity import CpuPlan, allocator_in_use, plan_cpus
 from hpcdl.distributed.backend import BACKENDS, BackendChoice, choose_backend
-from hpcdl.distributed.ranks.env import RankEnv, discover, launcher_ends_survivors
-from hpcdl.distributed.group.liveness import CountingStore, Heartbeat, StoreUse
+from hpcdl.distributed.group.liveness import Heartbeat, group_liveness
 from hpcdl.distributed.group.python_backend import Liveness, library_group
-from hpcdl.errors import ConfigError, LaunchError, RankLostError
+from hpcdl.distributed.group.store import CountingStore, StoreUse, serve_or_join
+from hpcdl.distributed.ranks.env import RankEnv, discover, launcher_ends_survivors
+from hpcdl.errors import ConfigError
 from hpcdl.utils import exit_if_stuck
 
-__all__ = ["STARTUP_TIMEOUT", "DistContext", "apply_cpu_plan", "backend_groups", "fail_fast", "init_distributed", "new_subgroup",
+__all__ = ["STARTUP_TIMEOUT", "DistContext", "apply_cpu_plan", "backend_groups", "init_distributed", "new_subgroup",
            "set_group_timeout", "set_timeout",
            "shutdown"]
 
@@ -107,9 +98,9 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
                     data_cores=data_cores)
     apply_cpu_plan(cpu)
     use = StoreUse(connections=1)
-    store = _server_or_client(env, timeout)
+    store = serve_or_join(env, timeout)
     heartbeat = Heartbeat(env, heartbeat_s, use)
-    liveness = _liveness(heartbeat, heartbeat_s)
+    liveness = group_liveness(heartbeat, heartbeat_s)
     row.prepare(env, cpu, liveness)
     if count_store:
         store = CountingStore(store, use)
@@ -119,35 +110,6 @@ def init_distributed(backend: str = "auto", *, timeout: timedelta = STARTUP_TIME
                       liveness=liveness, store=store, store_use=use)
     _log_startup(ctx)
     return ctx
-
-
-def _liveness(heartbeat: Heartbeat, heartbeat_s: float) -> Liveness:
-    """What lets hpcdl's own groups (MPI, oneCCL) fail a collective whose peer died as soon as its heartbeat has
-    stopped, instead of at the timeout (gloo notices a closed connection itself)."""
-
-    def probe() -> str | None:
-        lost = heartbeat.watch()
-        if lost is None:
-            return "rank 0's rendezvous store no longer answers"
-        return ("heartbeat stopped on " + ", ".join(f"rank {r}" for r in lost)) if lost else None
-
-    return Liveness(probe, max(6.0, 3 * heartbeat_s))
-
-
-def _server_or_client(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
-    # Under torchrun the agent already serves a store on MASTER_PORT: every rank is its client.
-    serve = env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    try:
-        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=serve,
-                             timeout=timeout, wait_for_workers=False)
-    except (RuntimeError, OSError) as exc:
-        where = f"{env.master_addr}:{env.master_port}"
-        if env.rank == 0:
-            raise LaunchError(f"rank 0 cannot serve the rendezvous store on {where} ({exc}); the port may be in use "
-                              "by another job step on this node: set MASTER_PORT to a free port") from exc
-        raise LaunchError(f"rank {env.rank} cannot reach the rendezvous store at {where} within {timeout} ({exc}); "
-                          "check that rank 0 started and that this address is reachable from "
-                          f"{env.hostname} (set MASTER_ADDR to override)") from exc
 
 
 def _log_startup(ctx: DistContext) -> None:
@@ -208,58 +170,6 @@ def set_group_timeout(group, timeout: timedelta) -> None:
         ours.timeout = timeout
     elif dist.get_rank(group) >= 0:  # a member (new_group returns a placeholder to the others)
         dist.set_timeout(timeout, group)
-
-
-@contextlib.contextmanager
-def fail_fast(ctx: DistContext, hook_failure: Callable[[], BaseException | None] = lambda: None,
-              on_lost: Callable[[str], None] | None = None) -> Iterator[None]:
-    """Turn a failed collective into a :class:`RankLostError` that names the lost rank.
-
-    A ``torch.distributed.DistError`` (timeouts, the MPI group's failures) is a collective's. gloo reports
-    a peer that died as a plain RuntimeError, like any bug in the model; that one becomes a RankLostError
-    only when the heartbeats show a rank or the store gone, and otherwise goes on as it was raised.
-    ``hook_failure``: the gradient bucket collective that failed, kept typed by the comm hook's timer
-    (:attr:`hpcdl.distributed.gradients.ddp.CommTimer.failure`; DDP re-raises it as text only), or None.
-    ``on_lost``: called with the message instead of raising (the trainer's just-in-time checkpoint, which
-    ends the process).
-    """
-    try:
-        yield
-    except RuntimeError as exc:
-        failure = hook_failure()
-        message = explain_failure(ctx, failure or exc, collective=failure is not None or is_collective_error(exc))
-        if message is None:
-            raise
-        if on_lost is not None:
-            on_lost(message)
-        raise RankLostError(message) from exc
-
-
-# Collective failures that reach Python as plain RuntimeErrors, by their text: gloo's own outside DDP's hooks (a
-# barrier, a direct all-reduce), and hpcdl's groups' through DDP's own reduction (hook none: the reducer keeps
-# the text of the Work's error, ThreadedProcessGroup.failed or the watchdog's).
-_COLLECTIVE_MARKS = ("gloo/transport", "Timed out waiting", "oneCCL allreduce of", "MPI allreduce of")
-
-
-def is_collective_error(exc: BaseException) -> bool:
-    return isinstance(exc, dist.DistError) or any(mark in str(exc) for mark in _COLLECTIVE_MARKS)
-
-
-def explain_failure(ctx: DistContext, exc: BaseException, collective: bool = True) -> str | None:
-    """What went wrong, from the heartbeats; None when ``exc`` need not be a collective's and no rank is lost."""
-    text = str(exc).strip().removeprefix("Got the following error when running the callback: ")
-    first = text.splitlines()[0] if text else type(exc).__name__
-    lost = ctx.heartbeat.lost_ranks(fresh_s=30.0)
-    if lost is None:
-        return (f"rank 0 was lost (it served the rendezvous store at {ctx.env.master_addr}:{ctx.env.master_port}, "
-                f"which no longer answers); rank {ctx.rank} stops. Collective error: {first}")
-    if lost:
-        names = "; ".join(f"rank {r} ({ctx.heartbeat.who(r)})" for r in lost)
-        return f"lost {names}: heartbeat stopped; rank {ctx.rank} stops. Collective error: {first}"
-    if not collective:
-        return None
-    return (f"a collective failed on rank {ctx.rank} while every rank's heartbeat is alive (a rank stuck, or the "
-            f"network): {first}")
 
 
 def shutdown(ctx: DistContext) -> None:

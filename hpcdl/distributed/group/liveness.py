@@ -1,110 +1,40 @@
-"""The rendezvous store's use beside the process groups: each rank's requests counted, and the heartbeat.
+"""Liveness: the heartbeat, and the naming of a lost rank when a collective fails.
 
 Every rank bumps a counter in rank 0's store every ``heartbeat_s`` seconds from a daemon thread; a probe reads
 the counters twice and names the ranks whose counters stood still, and a store that does not answer within a
-deadline is rank 0 lost (:mod:`hpcdl.distributed.group.lifecycle` explains failures with it, the just-in-time
-checkpoint's watch thread looks with it).
+deadline is rank 0 lost. :func:`fail_fast` turns a failed collective into a :class:`RankLostError` that names the
+lost rank from them (:func:`explain_failure`); hpcdl's own groups' watchdogs ask them through
+:func:`group_liveness`, the just-in-time checkpoint's watch thread through :meth:`Heartbeat.watch`.
+
+Every request a probe sends is bounded (:attr:`Heartbeat.deadline_s`): a TCPStore client's timeout bounds
+its connection and its waits for a key, not a request to a server that accepted the connection and does
+not answer (:meth:`Heartbeat._bounded`). A stopped rank 0 (SIGSTOP, a node frozen) is such a server: before the bound, a probe that
+asked it waited for ever, and with it the rescue's watch and the oneCCL watchdog (issue 44). A request
+unanswered by its deadline reads as a store that no longer answers, rank 0 lost.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from hpcdl.distributed.group.comm_thread import Liveness
+from hpcdl.distributed.group.store import StoreUse, key
 from hpcdl.distributed.ranks.env import RankEnv
+from hpcdl.errors import RankLostError
 
-__all__ = ["CountingStore", "Heartbeat", "StoreUse", "key"]
+__all__ = ["Heartbeat", "explain_failure", "fail_fast", "group_liveness", "is_collective_error"]
 
 log = logging.getLogger(__name__)
-
-_PREFIX = "hpcdl/"
-
-
-def key(kind: str, rank: int) -> str:
-    return f"{_PREFIX}{kind}/{rank}"
-
-
-@dataclasses.dataclass(slots=True)
-class StoreUse:
-    """This rank's use of rank 0's rendezvous store: the connections it opened and its requests by kind
-    (summed over the ranks: what rank 0 serves). The process groups' rendezvous is counted only through a
-    :class:`CountingStore` (``init_distributed(count_store=True)``); the heartbeat always is."""
-
-    connections: int = 0
-    rendezvous: dict[str, int] = dataclasses.field(default_factory=dict)  # store operation -> requests
-    heartbeat: int = 0
-    heartbeat_first: float = 0.0  # time.monotonic() of the first and the last heartbeat sent
-    heartbeat_last: float = 0.0
-
-    def beat(self) -> None:
-        self.heartbeat_last = time.monotonic()
-        if not self.heartbeat:
-            self.heartbeat_first = self.heartbeat_last
-        self.heartbeat += 1
-
-    def as_dict(self) -> dict:
-        span = self.heartbeat_last - self.heartbeat_first
-        return {"connections": self.connections, "rendezvous_requests": sum(self.rendezvous.values()),
-                "rendezvous_by_operation": dict(self.rendezvous), "heartbeat_requests": self.heartbeat,
-                # the interval the thread kept; None until it has sent two
-                "heartbeat_requests_per_s": (self.heartbeat - 1) / span if span > 0 else None}
-
-
-class CountingStore(dist.Store):
-    """A store that counts each request it passes to ``inner`` in ``use.rendezvous`` (torch calls a Python store's
-    methods from C++: gloo's and the groups' rendezvous go through it)."""
-
-    def __init__(self, inner: dist.Store, use: StoreUse):
-        super().__init__()
-        self.inner, self.use = inner, use
-
-    def _count(self, op: str) -> None:
-        self.use.rendezvous[op] = self.use.rendezvous.get(op, 0) + 1
-
-    def set(self, key, value):
-        self._count("set")
-        return self.inner.set(key, value)
-
-    def get(self, key):
-        self._count("get")
-        return self.inner.get(key)
-
-    def add(self, key, value):
-        self._count("add")
-        return self.inner.add(key, value)
-
-    def compare_set(self, key, expected, desired):
-        self._count("compare_set")
-        return self.inner.compare_set(key, expected, desired)
-
-    def deletekey(self, key):
-        self._count("delete_key")
-        return self.inner.deletekey(key)
-
-    def check(self, keys):
-        self._count("check")
-        return self.inner.check(keys)
-
-    def wait(self, keys, timeout=None):
-        self._count("wait")
-        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
-
-    def num_keys(self):
-        self._count("num_keys")
-        return self.inner.num_keys()
-
-    def set_timeout(self, timeout):
-        return self.inner.set_timeout(timeout)
-
 
 class Heartbeat:
     """A counter per rank in the store, bumped by a daemon thread over its own store connection: each rank
@@ -238,3 +168,69 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self._store.timeout.total_seconds())
+
+
+def group_liveness(heartbeat: Heartbeat, heartbeat_s: float) -> Liveness:
+    """What lets hpcdl's own groups (MPI, oneCCL) fail a collective whose peer died as soon as its heartbeat has
+    stopped, instead of at the timeout (gloo notices a closed connection itself)."""
+
+    def probe() -> str | None:
+        lost = heartbeat.watch()
+        if lost is None:
+            return "rank 0's rendezvous store no longer answers"
+        return ("heartbeat stopped on " + ", ".join(f"rank {r}" for r in lost)) if lost else None
+
+    return Liveness(probe, max(6.0, 3 * heartbeat_s))
+
+
+@contextlib.contextmanager
+def fail_fast(heartbeat: Heartbeat, hook_failure: Callable[[], BaseException | None] = lambda: None,
+              on_lost: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Turn a failed collective into a :class:`RankLostError` that names the lost rank.
+
+    A ``torch.distributed.DistError`` (timeouts, the MPI group's failures) is a collective's. gloo reports
+    a peer that died as a plain RuntimeError, like any bug in the model; that one becomes a RankLostError
+    only when the heartbeats show a rank or the store gone, and otherwise goes on as it was raised.
+    ``hook_failure``: the gradient bucket collective that failed, kept typed by the comm hook's timer
+    (:attr:`hpcdl.distributed.gradients.ddp.CommTimer.failure`; DDP re-raises it as text only), or None.
+    ``on_lost``: called with the message instead of raising (the trainer's just-in-time checkpoint, which
+    ends the process).
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        failure = hook_failure()
+        message = explain_failure(heartbeat, failure or exc, collective=failure is not None or is_collective_error(exc))
+        if message is None:
+            raise
+        if on_lost is not None:
+            on_lost(message)
+        raise RankLostError(message) from exc
+
+
+# Collective failures that reach Python as plain RuntimeErrors, by their text: gloo's own outside DDP's hooks (a
+# barrier, a direct all-reduce), and hpcdl's groups' through DDP's own reduction (hook none: the reducer keeps
+# the text of the Work's error, ThreadedProcessGroup.failed or the watchdog's).
+_COLLECTIVE_MARKS = ("gloo/transport", "Timed out waiting", "oneCCL allreduce of", "MPI allreduce of")
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    return isinstance(exc, dist.DistError) or any(mark in str(exc) for mark in _COLLECTIVE_MARKS)
+
+
+def explain_failure(heartbeat: Heartbeat, exc: BaseException, collective: bool = True) -> str | None:
+    """What went wrong, from the heartbeats; None when ``exc`` need not be a collective's and no rank is lost."""
+    text = str(exc).strip().removeprefix("Got the following error when running the callback: ")
+    first = text.splitlines()[0] if text else type(exc).__name__
+    env = heartbeat.env
+    lost = heartbeat.lost_ranks(fresh_s=30.0)
+    if lost is None:
+        return (f"rank 0 was lost (it served the rendezvous store at {env.master_addr}:{env.master_port}, "
+                f"which no longer answers); rank {env.rank} stops. Collective error: {first}")
+    if lost:
+        names = "; ".join(f"rank {r} ({heartbeat.who(r)})" for r in lost)
+        return f"lost {names}: heartbeat stopped; rank {env.rank} stops. Collective error: {first}"
+    if not collective:
+        return None
+    return (f"a collective failed on rank {env.rank} while every rank's heartbeat is alive (a rank stuck, or the "
+            f"network): {first}")

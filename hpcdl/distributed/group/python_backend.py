@@ -11,7 +11,7 @@ group's ``inline_bytes``) issued while nothing is queued may run on the caller's
 two thread hand-offs (the small-message latency); a library that must be called from one thread only
 (oneCCL) sets ``inline_bytes = 0``. A collective that does not complete within its group's timeout fails
 its Work with a message that names this rank, the library and the operation; the caller
-(``hpcdl.distributed.group.lifecycle.fail_fast``) then names the lost rank from the heartbeats.
+(``hpcdl.distributed.group.liveness.fail_fast``) then names the lost rank from the heartbeats.
 
 The base also does what every library needs around its primitives: AVG as a sum divided by the size,
 reductions of dtypes the library lacks in fp32, non-contiguous tensors, the list and ``_single`` forms
@@ -28,60 +28,16 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from hpcdl.distributed.group.comm_thread import CommThread, Liveness, describe
+from hpcdl.distributed.group.work import DoneWork, FutureWork, unwrapped
 from hpcdl.errors import ConfigError
 
-# CommThread, Liveness: for the libraries
+# CommThread, Liveness, DoneWork, unwrapped: for the libraries
 __all__ = ["CommThread", "DoneWork", "Liveness", "ThreadedProcessGroup", "library_group", "unwrapped"]
 
 _SUM, _AVG = dist.ReduceOp.RedOpType.SUM, dist.ReduceOp.RedOpType.AVG
 _PREMUL = dist.ReduceOp.RedOpType.PREMUL_SUM
 _OPS = {"SUM": dist.ReduceOp.RedOpType.SUM, "AVG": _AVG, "MAX": dist.ReduceOp.RedOpType.MAX,
         "MIN": dist.ReduceOp.RedOpType.MIN, "PRODUCT": dist.ReduceOp.RedOpType.PRODUCT}
-
-
-class _Work(dist.Work):
-    def __init__(self, future: Future):
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        self._future.wait()  # raises the collective's error
-        return True
-
-    def get_future(self) -> Future:
-        """The future a C++ caller reads (DDP's reducer, with no comm hook): chained, so that a failure is the
-        future's error rather than a result holding a Python exception, which the reducer cannot read ("Expected
-        TensorList but got PyObject") and would report instead of the collective's own message."""
-        return self._future.then(unwrapped)
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-
-def unwrapped(future: Future):
-    """A future set from Python carries an error as a Python object that DDP's C++ reducer cannot read ("Unable to
-    cast ... to Tensor"); raising it in a ``then`` callback makes it the chained future's error, which DDP raises
-    from backward like a C++ collective's."""
-    return future.value()
-
-
-class DoneWork(dist.Work):
-    """The Work of a collective that already ran on the caller's thread; its future is made on demand."""
-
-    def __init__(self, result):
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        return True
-
-    def get_future(self) -> Future:
-        future: Future = Future()
-        future.set_result(self._result)
-        return future
-
-    def is_completed(self) -> bool:
-        return True
 
 
 def library_group(group=None) -> "ThreadedProcessGroup | None":
@@ -180,11 +136,11 @@ class ThreadedProcessGroup(_python_backend_base()):
                     failed.set_exception(dist.DistBackendError(f"rank {self.rank()}: {self.LIBRARY} {describe(what)} "
                                                                + self.timed_out()) if isinstance(exc, TimeoutError)
                                          else self.failed(what, exc))
-                    return _Work(failed)
+                    return FutureWork(failed)
             thread.count(1)
         future: Future = Future()
         thread.put(fn, future, self, what)
-        return _Work(future)
+        return FutureWork(future)
 
     # -- what every library needs around its primitives -----------------------------------------------------
     @functools.cached_property

@@ -22,8 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpcdl.distributed.mpi.runtime import load_mpi
 from hpcdl.distributed.group.python_backend import CommThread, Liveness, ThreadedProcessGroup
+from hpcdl.distributed.mpi.runtime import load_mpi
 from hpcdl.errors import LaunchError
 
 __all__ = ["BACKEND_NAME", "MPIProcessGroup", "register"]
