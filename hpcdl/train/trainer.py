@@ -19,6 +19,7 @@ import time
 from datetime import timedelta
 
 from hpcdl.config import RunConfig, dump_yaml
+from hpcdl.data.loader import data_workers_named
 from hpcdl.distributed.group.lifecycle import DistContext, init_distributed, set_timeout, shutdown
 from hpcdl.distributed.group.liveness import fail_fast
 from hpcdl.models import with_model_defaults
@@ -31,7 +32,6 @@ from hpcdl.train.build import build_data, build_model_parts, read_manifests, siz
 from hpcdl.train.checkpoint import Checkpointer
 from hpcdl.train.evaluate import evaluate
 from hpcdl.train.finish import Facts, announce, check_replicas, diverged, on_signal, write_summary
-from hpcdl.train.loader import data_workers_named
 from hpcdl.train.metrics import RunLog
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal
