@@ -1,5 +1,6 @@
-"""The loader's cores sized from measured rates (hpcdl.data.loader): the rule, the probes, the workers'
-priority, and the plan hpcdl train prints. Throughput figures are bench feed's (docs/performance.md)."""
+"""The loader's cores sized from measured rates (hpcdl.train.loader_sizing; the workers: hpcdl.data.loader): the
+rule, the probes, the workers' priority, and the plan hpcdl train prints. Throughput figures are bench feed's
+(docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import torch
 from conftest import hpcdl
 
 from hpcdl.data.dataset import InMemory, ShardDataset
-from hpcdl.data.loader import LOADER_NICE, _start_worker, loader_cost, size_loader, step_rate
+from hpcdl.data.loader import LOADER_NICE, _start_worker
 from hpcdl.data.transforms import Augment
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
 from hpcdl.reports import FeedReport
+from hpcdl.train.loader_sizing import loader_cost, size_loader, step_rate
 
 
 @pytest.mark.parametrize("cost, rate, kept", [(0.002, 16.0, 0), (0.002, 499.0, 0), (0.002, 500.0, 1),

@@ -5,7 +5,7 @@ For each layout (``RANKSxTHREADS`` on this node: ``1x2`` is one process with 2 t
 one thread each) and each precision, two runs of ``hpcdl train`` alternate, round by round:
 
 - **jpeg**: the packed shards read, decoded and augmented by ``workers`` DataLoader workers per rank, their
-  cores sized by the rank at start-up (``data.reserve_cores=auto``, :mod:`hpcdl.data.loader`);
+  cores sized by the rank at start-up (``data.reserve_cores=auto``, :mod:`hpcdl.train.loader_sizing`);
 - **memory**: the same config with ``data.in_memory`` (a batch's worth of images decoded once, then trained on
   in turn) and no workers: the step with no loader in it.
 

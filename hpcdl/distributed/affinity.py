@@ -9,7 +9,7 @@ Two halves, because of when they must act:
   each rank at start-up: they read the CPUs
   the task may use (``os.sched_getaffinity``), keep some for communication and for the data loader,
   and set the thread count from the rest. The loader's cores are sized from measured rates
-  (:mod:`hpcdl.data.loader`), not one per worker.
+  (:mod:`hpcdl.train.loader_sizing`), not one per worker.
 """
 
 from __future__ import annotations

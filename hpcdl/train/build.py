@@ -17,7 +17,7 @@ import torch
 from hpcdl.config import RunConfig
 from hpcdl.data.dataset import InMemory, ShardDataset
 from hpcdl.data.format import Manifest
-from hpcdl.data.loader import LoaderSizing, loader_cost, make_loader, size_loader, step_rate
+from hpcdl.data.loader import make_loader
 from hpcdl.data.recipe import channel_stats, parse
 from hpcdl.data.sampler import DistributedShardSampler
 from hpcdl.data.transforms import Augment, BatchMix, EvalTransform, normalize_batch
@@ -31,6 +31,7 @@ from hpcdl.optim.factory import build_optimizer
 from hpcdl.optim.schedule import LRSchedule
 from hpcdl.train.accel import apply_ipex
 from hpcdl.train.checkpoint import rank_seed, seed_rng
+from hpcdl.train.loader_sizing import LoaderSizing, loader_cost, size_loader, step_rate
 from hpcdl.train.precision import choose_memory_format
 from hpcdl.train.step import criterion as make_criterion
 
@@ -163,7 +164,7 @@ def _dataset(cfg: RunConfig, ctx: DistContext, root: str, manifest: Manifest, tr
 def size_loader_for(cfg: RunConfig, ctx: DistContext, data: DataParts, parts: ModelParts,
                     precision: str) -> LoaderSizing:
     """Keep whole cores from compute for the loader only where its measured need fills them (see
-    :mod:`hpcdl.data.loader`), and re-plan the rank's threads around them."""
+    :mod:`hpcdl.train.loader_sizing`), and re-plan the rank's threads around them."""
     def measure() -> tuple[float, float]:
         x, y = data.blank_batch(cfg)
         autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" \
