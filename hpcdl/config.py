@@ -232,7 +232,7 @@ class RunConfig:
                               f"loop.accum_steps={self.loop.accum_steps} micro-batches; choose a divisor of it")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"{self.name}: label_smoothing {self.label_smoothing} must lie in [0, 1)")
-        if self.optimizer.name in names.SCHEDULE_FREE and self.schedule.decay != "constant":
+        if names.OPTIMIZER_TABLE[self.optimizer.name].schedule_free and self.schedule.decay != "constant":
             raise ConfigError(f"{self.name}: optimizer {self.optimizer.name} needs no decay (its average of the weights "
                               f"replaces it): set schedule.decay=constant, not {self.schedule.decay!r}; a warmup "
                               "(schedule.warmup_epochs) is kept")
@@ -268,14 +268,15 @@ def dump_yaml(cfg: RunConfig) -> str:
 def describe(cfg: RunConfig) -> str:
     d = cfg.derived()
     s, o = cfg.schedule, cfg.optimizer
+    takes = names.OPTIMIZER_TABLE[o.name].options
     lines = [
         f"{cfg.name}: {cfg.model.name}, crop {cfg.crop or 'as the model states'}, {cfg.epochs:g} epochs, label smoothing {cfg.label_smoothing:g}",
         f"  global batch {cfg.global_batch:,} = {cfg.ranks:,} ranks x {d['per_rank_batch']} per rank",
         f"  steps per epoch {d['steps_per_epoch']} ({cfg.train_images:,} / {cfg.global_batch:,} = "
         f"{d['exact_steps_per_epoch']}, rounded up: the last batch of an epoch is partial)",
         f"  optimizer {o.name} ({o.semantics} semantics): momentum {o.momentum:g}, weight decay {o.weight_decay:g}"
-        + (f", eta {o.eta:g}" if o.name in ("lars", "larc") else "")
-        + (f", betas {o.betas[0]:g}/{o.betas[1]:g}" if o.name in ("lamb", "adamw", "schedulefree", "muon") else ""),
+        + (f", eta {o.eta:g}" if "eta" in takes else "")
+        + (f", betas {o.betas[0]:g}/{o.betas[1]:g}" if "betas" in takes else ""),
         f"  peak lr {d['peak_lr']:.6g}" + (f" (= {s.base_lr:g} x {s.global_batch} / {s.base_batch})" if s.base_batch else ""),
         f"  warmup {s.warmup_epochs:g} epochs = {d['warmup_steps']} steps, from lr {s.warmup_start_lr:g}",
         f"  decay {s.decay}" + (f" power {s.power:g} to {s.end_lr:g}" if s.decay.startswith("poly") else "")

@@ -2,8 +2,9 @@
 
 A config is checked against these tables when it is built, so a login node (``hpcdl sbatch``,
 ``hpcdl submit``) refuses a misspelt model or backend before the job waits in the queue; the
-implementations take their lists from here, and each registry of implementations (models, optimizers,
-backends, allocators, pack trees) is checked against its table with :func:`registry`.
+implementations take their lists from here, and each registry of implementations (models, backends,
+allocators, pack trees) is checked against its table with :func:`registry`. An optimizer has no registry
+beside its row: :data:`OPTIMIZER_TABLE` names the class that implements it.
 """
 
 from __future__ import annotations
@@ -43,15 +44,87 @@ MODEL_TABLE = {
 }
 MODELS = tuple(MODEL_TABLE)
 MODEL_SOURCES = ("torchvision", "timm")  # model="torchvision:NAME", "timm:NAME"; "package.module:callable" too
-OPTIMIZERS = ("sgd", "nesterov", "lars", "larc", "lamb", "adamw", "schedulefree", "schedulefree_sgd", "muon")
-ADAPTIVE_OPTIMIZERS = ("lars", "larc", "lamb", "muon")  # a per-tensor rule that groups switch with 'adapt'
-TRUST_OPTIMIZERS = ("lars", "larc", "lamb")  # of those, a trust ratio (trust_clip)
-SCHEDULE_FREE = ("schedulefree", "schedulefree_sgd")  # no decay of the lr; evaluation and checkpoints in eval mode
-# Tensors of optimizer state per parameter tensor (momentum, Adam's two moments, Schedule-Free's z): the
-# checkpoint holds the weights and these; a rank's memory adds the gradients. Muon: 1 for the matrices it
-# orthogonalizes, AdamW's 2 for the rest (biases, norms, the input and output layers).
-OPTIMIZER_STATE_COPIES = {"sgd": 1, "nesterov": 1, "lars": 1, "larc": 1, "lamb": 2, "adamw": 2, "schedulefree": 2,
-                          "schedulefree_sgd": 1, "muon": 1}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerRow:
+    """What is known of one optimizer without torch: the one place each fact is written.
+    :func:`hpcdl.optim.factory.build_optimizer` builds it from ``update``; ``OptimConfig`` and ``RunConfig`` check
+    a config against it; ``hpcdl plan`` sizes its state; ``hpcdl bench large-batch`` sweeps around its reference lr."""
+
+    description: str
+    # "module:attribute" (hpcdl.deferred), imported when the optimizer is built: its class (or a function), called
+    # as (param_groups, **keywords)
+    update: str
+    options: tuple[str, ...]  # the OptimConfig fields it takes, passed as keywords of the same names (eps: below)
+    defaults: dict = dataclasses.field(default_factory=dict)  # keywords it is always given (torch's foreach=True)
+    eps: float | None = None  # its eps when optimizer.eps is null, passed as eps=; None: it takes none
+    eps_positive: bool = False  # eps guards a division (Adam's sqrt(v) + eps): optimizer.eps=0 is refused
+    # tensors of state per weight (momentum: 1; Adam's two moments: 2; Schedule-Free AdamW's z and one moment: 2;
+    # an adaptive row's: of the tensors it adapts, those it leaves out keep its plain row's): the checkpoint holds the
+    # weights and these, a rank's memory adds the gradients
+    state_copies: int
+    adaptive: bool = False  # a per-tensor rule that parameter groups switch with 'adapt'
+    plain: str = ""  # adaptive: the optimizer (its row's name) whose update the tensors it does not adapt take
+    hidden_matrices: bool = False  # adaptive: by default only the hidden layers' matrices adapt (Muon), not all
+    trust_ratio: bool = False  # adaptive: a LARS/LAMB trust ratio per tensor, which trust_clip clips
+    schedule_free: bool = False  # no decay of the lr; built in train mode, evaluated and checkpointed in eval mode
+    reference_lr: float  # hpcdl bench large-batch's lr at REFERENCE_BATCH, which its sweep multiplies
+    lr_scaling: str  # how that lr follows the batch: "linear" (Goyal et al.'s rule, the SGD family) or "sqrt"
+    reference_momentum: float = 0.9  # hpcdl bench large-batch's momentum
+
+    def __post_init__(self):
+        if self.lr_scaling not in ("linear", "sqrt"):
+            raise ValueError(f"OptimizerRow lr_scaling={self.lr_scaling!r}: choose linear or sqrt")
+        if self.adaptive != bool(self.plain) or (self.trust_ratio or self.hidden_matrices) and not self.adaptive:
+            raise ValueError("OptimizerRow: an adaptive row names the plain update of the tensors it leaves out "
+                             "(plain='sgd', 'adamw'), and only an adaptive row has trust_ratio or hidden_matrices")
+        if self.eps_positive and not (self.eps or 0.0) > 0:
+            raise ValueError(f"OptimizerRow eps_positive with eps={self.eps}: give the default eps above 0")
+
+
+REFERENCE_BATCH = 64  # hpcdl bench large-batch's batch of each row's reference_lr
+# Every optimizer: hpcdl.optim.factory builds a row, and adding an optimizer is a row here and the class its
+# update names. Read the table when a check runs, never a copy taken at import: a row added later counts.
+OPTIMIZER_TABLE = {
+    "sgd": OptimizerRow(
+        description="torch.optim.SGD with momentum (Goyal et al.'s recipe)", update="torch.optim:SGD",
+        options=("lr", "momentum", "weight_decay"), defaults={"foreach": True}, state_copies=1,
+        reference_lr=0.2, lr_scaling="linear"),
+    "nesterov": OptimizerRow(
+        description="torch.optim.SGD with Nesterov momentum (Nado et al. 2021's large-batch baseline)",
+        update="torch.optim:SGD", options=("lr", "momentum", "weight_decay"),
+        defaults={"foreach": True, "nesterov": True}, state_copies=1, reference_lr=0.2, lr_scaling="linear"),
+    "lars": OptimizerRow(
+        description="LARS, the MLPerf/Intel Caffe update (hpcdl.optim.lars)", update="hpcdl.optim.lars:LARS",
+        options=("lr", "momentum", "weight_decay", "eta"), eps=0.0, state_copies=1, adaptive=True, plain="sgd",
+        trust_ratio=True, reference_lr=1.0, lr_scaling="sqrt"),
+    "larc": OptimizerRow(
+        description="LARS with LARC's clip: local lr = min(trust, lr)", update="hpcdl.optim.lars:LARS",
+        options=("lr", "momentum", "weight_decay", "eta"), defaults={"trust_clip": True}, eps=0.0, state_copies=1,
+        adaptive=True, plain="sgd", trust_ratio=True, reference_lr=1.0, lr_scaling="sqrt"),
+    "lamb": OptimizerRow(
+        description="LAMB with bias correction (You et al. 2019)", update="hpcdl.optim.lamb:LAMB",
+        options=("lr", "betas", "weight_decay"), eps=1e-6, eps_positive=True, state_copies=2, adaptive=True,
+        plain="adamw", trust_ratio=True, reference_lr=0.02, lr_scaling="sqrt"),
+    "adamw": OptimizerRow(
+        description="torch.optim.AdamW", update="torch.optim:AdamW", options=("lr", "betas", "weight_decay"),
+        defaults={"foreach": True}, eps=1e-8, eps_positive=True, state_copies=2, reference_lr=0.01,
+        lr_scaling="sqrt"),
+    "schedulefree": OptimizerRow(
+        description="Schedule-Free AdamW (Defazio et al. 2024; the schedulefree package): constant lr",
+        update="schedulefree:AdamWScheduleFree", options=("lr", "betas", "weight_decay"), defaults={"foreach": True},
+        eps=1e-8, eps_positive=True, state_copies=2, schedule_free=True, reference_lr=0.01, lr_scaling="sqrt"),
+    "schedulefree_sgd": OptimizerRow(
+        description="Schedule-Free SGD (the schedulefree package): constant lr", update="schedulefree:SGDScheduleFree",
+        options=("lr", "momentum", "weight_decay"), defaults={"foreach": True}, state_copies=1, schedule_free=True,
+        reference_lr=0.5, lr_scaling="linear"),
+    "muon": OptimizerRow(
+        description="Muon on the hidden matrices and convolutions, AdamW on the rest (hpcdl.optim.muon)",
+        update="hpcdl.optim.muon:Muon", options=("lr", "momentum", "weight_decay", "betas"), eps=1e-8,
+        eps_positive=True, state_copies=1, adaptive=True, plain="adamw", hidden_matrices=True, reference_lr=0.02,
+        lr_scaling="sqrt", reference_momentum=0.95),  # torch.optim.Muon's momentum; the others take hpcdl's 0.9
+}
 SEMANTICS = ("mlperf", "caffe")
 DECAYS = ("poly", "poly_caffe", "cosine", "multistep", "constant")
 BACKENDS = ("gloo", "mpi", "ccl")  # and "auto"

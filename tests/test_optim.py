@@ -8,9 +8,14 @@ import pytest
 import torch
 import torch.nn as nn
 
+from hpcdl import names
+from hpcdl.cli import build_parser
+from hpcdl.deferred import deferred
 from hpcdl.errors import ConfigError
-from hpcdl.optim.factory import OPTIMIZERS, GroupRule, OptimConfig, build_optimizer, param_groups
+from hpcdl.names import OptimizerRow
+from hpcdl.optim.factory import GroupRule, OptimConfig, build_optimizer, param_groups
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
+from hpcdl.presets import resolve
 
 
 def small_model() -> nn.Module:
@@ -142,7 +147,7 @@ LEARNS = {"sgd": dict(lr=0.5), "nesterov": dict(lr=0.5), "lars": dict(lr=20.0), 
           "schedulefree_sgd": dict(lr=0.5), "muon": dict(lr=0.05)}
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name", sorted(names.OPTIMIZER_TABLE))
 def test_every_registered_optimizer_builds_and_learns(name):
     model = small_model()
     opt = build_optimizer(model, OptimConfig(name=name, **LEARNS[name]))
@@ -158,6 +163,93 @@ def test_every_registered_optimizer_builds_and_learns(name):
     state = opt.state_dict()
     again = build_optimizer(small_model(), OptimConfig(name=name))
     again.load_state_dict(state)
+
+
+class Throwaway(torch.optim.Optimizer):
+    """A test's optimizer: plain gradient descent with train and eval modes (as Schedule-Free's), and a keyword of
+    its own that only its row gives."""
+
+    def __init__(self, params, lr: float, weight_decay: float, flavour: str):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, flavour=flavour, train_mode=False))
+
+    def train(self):
+        for group in self.param_groups:
+            group["train_mode"] = True
+
+    def eval(self):
+        for group in self.param_groups:
+            group["train_mode"] = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad + group["weight_decay"] * p, alpha=-group["lr"])
+
+
+THROWAWAY = OptimizerRow(description="a test's optimizer", update=f"{__name__}:Throwaway",
+                         options=("lr", "weight_decay"), defaults={"flavour": "plain"}, state_copies=3,
+                         schedule_free=True, reference_lr=0.1, lr_scaling="linear")
+PLAN = ["plan", "--model", "resnet50", "--nodes", "2", "--batch", "256", "--profile", "stampede2-skx", "--throughput",
+        "100"]
+
+
+def test_an_optimizer_added_as_one_row_at_run_time_is_planned_built_and_checked(monkeypatch, capsys):
+    """A row added to hpcdl.names.OPTIMIZER_TABLE after every import, naming this module's class: hpcdl plan
+    --optimizer sizes its state, build_optimizer builds it in train mode with its row's keywords, OptimConfig takes
+    the name and RunConfig's schedule-free check reads the row. Each reads the table when it runs: one that took a
+    copy at import refuses the name. An unknown name is still refused, listing the valid ones."""
+    with pytest.raises(SystemExit):  # argparse refuses it before the row exists
+        build_parser().parse_args([*PLAN, "--optimizer", "throwaway"])
+    assert "invalid choice: 'throwaway'" in capsys.readouterr().err
+    monkeypatch.setitem(names.OPTIMIZER_TABLE, "throwaway", THROWAWAY)
+
+    args = build_parser().parse_args([*PLAN, "--optimizer", "throwaway"])
+    assert args.fn(args) == 0
+    weights = names.MODEL_TABLE["resnet50"].gradient_bytes
+    out = capsys.readouterr().out
+    assert f"optimizer throwaway's state {3 * weights / 1e6:.0f} MB (3 tensor per weight)" in out, out
+    assert f"checkpoint {4 * weights / 1e6:.0f} MB" in out
+
+    model = small_model()
+    opt = build_optimizer(model, OptimConfig(name="throwaway", lr=0.5, weight_decay=0.0))
+    assert type(opt) is Throwaway and all(g["train_mode"] and g["flavour"] == "plain" for g in opt.param_groups)
+    before = model[9].weight.detach().clone()
+    x, y = batches(1)[0]
+    grads_of(model, x, y)
+    opt.step()
+    assert torch.equal(model[9].weight, before - 0.5 * model[9].weight.grad)
+
+    with pytest.raises(ConfigError, match="optimizer throwaway needs no decay.*set schedule.decay=constant"):
+        resolve("demo_tiny_lars", ["optimizer.name=throwaway"])
+    cfg = resolve("demo_tiny_lars", ["optimizer.name=throwaway", "schedule.decay=constant"])
+    assert cfg.optimizer.name == "throwaway"
+    with pytest.raises(ConfigError, match="'throwaway' has no trust ratio: trust_clip needs one of lars, larc, lamb$"):
+        OptimConfig(name="throwaway", trust_clip=True)
+    with pytest.raises(ConfigError) as err:
+        OptimConfig(name="throwaway2")
+    assert ("optimizer.name='throwaway2' is unknown; choose one of sgd, nesterov, lars, larc, lamb, adamw, "
+            "schedulefree, schedulefree_sgd, muon, throwaway") in str(err.value)
+
+
+@pytest.mark.parametrize("name", sorted(names.OPTIMIZER_TABLE))
+def test_every_row_names_its_update_and_its_plain_rule(name):
+    row = names.OPTIMIZER_TABLE[name]
+    assert callable(deferred(row.update)), row.update
+    assert not row.adaptive or row.plain in names.OPTIMIZER_TABLE
+
+
+def test_a_row_refuses_rules_that_contradict_each_other():
+    row = dict(description="", update="torch.optim:SGD", options=(), state_copies=1, reference_lr=0.1)
+    with pytest.raises(ValueError, match="lr_scaling='log': choose linear or sqrt"):
+        OptimizerRow(**row, lr_scaling="log")
+    with pytest.raises(ValueError, match="an adaptive row names the plain update"):
+        OptimizerRow(**row, lr_scaling="linear", adaptive=True)
+    with pytest.raises(ValueError, match="only an adaptive row has trust_ratio"):
+        OptimizerRow(**row, lr_scaling="linear", trust_ratio=True)
+    with pytest.raises(ValueError, match="eps_positive with eps=None"):
+        OptimizerRow(**row, lr_scaling="linear", eps_positive=True)
 
 
 def test_group_rules_apply_first_match_and_unmatched_patterns_fail():

@@ -9,16 +9,17 @@ import subprocess
 import pytest
 from conftest import PYTHON, load_json, sbatch_wait
 
-from hpcdl.reports import AllreduceReport, ScalingReport, StepReport
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.launch import job_request
 from hpcdl.launch.profiles import get_profile
 from hpcdl.launch.sbatch import render_sbatch
 from hpcdl.model_facts import model_facts
 from hpcdl.plan.cost import BatchCurve, Link, StepModel
-from hpcdl.plan.planner import PlanInputs, calibrate, figure, link_from_allreduce, plan
+from hpcdl.plan.measured import calibrate, link_from_allreduce
+from hpcdl.plan.planner import PlanInputs, figure, plan
 from hpcdl.plan.published import PUBLISHED
 from hpcdl.plan.validate import FITTED, carried_compute, validate
+from hpcdl.reports import AllreduceReport, ScalingReport, StepReport
 
 # The rows the model misses, and why (docs/scaling.md, "Validation"). Each is a strict xfail: a change that
 # brings one within its bound fails here until the docs and this list are updated.

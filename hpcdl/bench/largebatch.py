@@ -1,12 +1,13 @@
 """``hpcdl bench large-batch``: which optimizer keeps accuracy at which batch, for a model on a dataset.
 
 Every cell of the grid (optimizer x global batch) trains the same epochs from the same initialisation
-seeds, with a small learning-rate sweep: the optimizer's reference lr at that batch (:data:`REFERENCE`,
-scaled by its rule) times each of ``--lr-factors``, each over ``--seeds`` seeds. A cell reports its best lr
-by mean validation accuracy, with that lr's mean and spread over the seeds; an untuned baseline is the classic
-mistake of optimizer comparisons (Nado et al. 2021, arXiv:2102.06356), so no optimizer gets one lr at every
-batch. The schedule is the same for all: linear warmup, then poly 2 to 0 (Schedule-Free: constant after the
-warmup, as it needs), ``mlperf`` semantics, one weight decay.
+seeds, with a small learning-rate sweep: the optimizer's reference lr at that batch (its row's ``reference_lr``
+in :data:`hpcdl.names.OPTIMIZER_TABLE`, scaled by its ``lr_scaling``) times each of ``--lr-factors``, each over
+``--seeds`` seeds, at its row's ``reference_momentum``. A cell reports its best lr by mean validation accuracy,
+with that lr's mean and spread over the seeds; an untuned baseline is the classic mistake of optimizer
+comparisons (Nado et al. 2021, arXiv:2102.06356), so no optimizer gets one lr at every batch. The schedule is
+the same for all: linear warmup, then poly 2 to 0 (Schedule-Free: constant after the warmup, as it needs),
+``mlperf`` semantics, one weight decay.
 
 The data: scikit-learn's digits (1,797 8x8 scans, split 80/20 with a fixed seed), or any dataset ``hpcdl
 pack`` wrote (a folder with ``train/`` and ``val/``; images resized to ``--crop``), decoded once into memory:
@@ -34,7 +35,6 @@ from PIL import Image
 
 from hpcdl import names
 from hpcdl.bench.configs import LargeBatchBench as Config
-from hpcdl.reports import LargeBatchCell, LargeBatchReport
 from hpcdl.data.dataset import ShardDataset
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
@@ -43,14 +43,8 @@ from hpcdl.optim.factory import build_optimizer
 from hpcdl.optim.modes import evaluation_weights, has_modes
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig, steps_per_epoch
 from hpcdl.plot import counts_axis, pyplot, save_png
+from hpcdl.reports import LargeBatchCell, LargeBatchReport
 
-# Each optimizer's reference lr at batch REFERENCE_BATCH and how it scales with the batch: "linear" (Goyal et
-# al.'s rule, for the SGD family) or "sqrt" (the adaptive ones and LARS's global lr). The sweep multiplies it.
-REFERENCE_BATCH = 64
-REFERENCE = {"sgd": (0.2, "linear"), "nesterov": (0.2, "linear"), "schedulefree_sgd": (0.5, "linear"),
-             "lars": (1.0, "sqrt"), "larc": (1.0, "sqrt"), "lamb": (0.02, "sqrt"), "adamw": (0.01, "sqrt"),
-             "schedulefree": (0.01, "sqrt"), "muon": (0.02, "sqrt")}
-MOMENTUM = {"muon": 0.95}  # torch.optim.Muon's default; the others take hpcdl's 0.9
 BN_BATCHES = 8  # Schedule-Free: training batches whose statistics BatchNorm takes at x before evaluating
 
 
@@ -75,7 +69,7 @@ def _list(text: str, flag: str, kind=str) -> list:
 def grid(cfg: Config) -> tuple[list[str], list[int], list[float]]:
     optimizers = _list(cfg.optimizers, "--optimizers")
     for name in optimizers:
-        names.check("--optimizers", name, tuple(REFERENCE))
+        names.check("--optimizers", name, names.OPTIMIZER_TABLE)
     batches = _list(cfg.batches, "--batches", int)
     factors = _list(cfg.lr_factors, "--lr-factors", float)
     if min(batches) < 1 or min(factors) <= 0 or cfg.seeds < 1 or cfg.epochs <= 0:
@@ -85,9 +79,11 @@ def grid(cfg: Config) -> tuple[list[str], list[int], list[float]]:
 
 
 def reference_lr(optimizer: str, batch: int) -> float:
-    lr, rule = REFERENCE[optimizer]
-    ratio = batch / REFERENCE_BATCH
-    return lr * (ratio if rule == "linear" else math.sqrt(ratio))
+    """The optimizer's row's ``reference_lr`` (at :data:`hpcdl.names.REFERENCE_BATCH`) carried to ``batch`` by its
+    ``lr_scaling``."""
+    row = names.OPTIMIZER_TABLE[optimizer]
+    ratio = batch / names.REFERENCE_BATCH
+    return row.reference_lr * (ratio if row.lr_scaling == "linear" else math.sqrt(ratio))
 
 
 def runs_of(cfg: Config) -> list[Run]:
@@ -161,9 +157,9 @@ def train_one(run: Run, cfg: Config, data: Data, model_name: str, steps: int | N
     xt, yt = data.train
     torch.manual_seed(run.seed)
     model = build_model(model_name, data.classes, in_channels=data.channels)
+    momentum = names.OPTIMIZER_TABLE[run.optimizer].reference_momentum
     opt = build_optimizer(model, OptimConfig(name=run.optimizer, lr=run.lr, weight_decay=cfg.weight_decay,
-                                             momentum=MOMENTUM.get(run.optimizer, 0.9), eta=cfg.lars_eta,
-                                             semantics="mlperf"))
+                                             momentum=momentum, eta=cfg.lars_eta, semantics="mlperf"))
     spe = steps_per_epoch(len(yt), run.batch)
     schedule_free = has_modes(opt)
     sched = LRSchedule(opt, ScheduleConfig(base_lr=run.lr, global_batch=run.batch, steps_per_epoch=spe,

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpcdl import names
 from hpcdl.errors import ConfigError
-from hpcdl.names import ADAPTIVE_OPTIMIZERS, OPTIMIZERS, SEMANTICS, TRUST_OPTIMIZERS, check
+from hpcdl.names import SEMANTICS, check
 
 __all__ = ["GroupRule", "OptimConfig", "SEMANTICS"]
 
@@ -25,21 +26,25 @@ class OptimConfig:
     momentum: float = 0.9  # sgd, nesterov, lars, schedulefree_sgd (its interpolation), muon (torch's 0.95)
     weight_decay: float = 1e-4
     eta: float = 0.001
-    eps: float | None = None  # default: 0 for LARS, 1e-6 for LAMB, 1e-8 for AdamW, Schedule-Free and Muon's AdamW
+    eps: float | None = None  # null: the optimizer's own, its row's eps in hpcdl.names.OPTIMIZER_TABLE
     betas: tuple[float, float] = (0.9, 0.999)
     trust_clip: bool = False
     semantics: str = "mlperf"
     groups: tuple[GroupRule, ...] = ()
 
     def __post_init__(self):
-        check("optimizer.name", self.name, OPTIMIZERS)
+        table = names.OPTIMIZER_TABLE  # read now: a row added after import counts
+        check("optimizer.name", self.name, table)
         check("optimizer.semantics", self.semantics, SEMANTICS)
-        if self.eps == 0 and self.name in ("lamb", "adamw", "schedulefree", "muon"):
-            raise ConfigError(f"optimizer.eps=0 with {self.name}: Adam's step divides by sqrt(v) + eps, 0/0 where a "
-                              "gradient element has been 0 (NaN weights). Set optimizer.eps=null (the optimizer's "
-                              "default, 1e-8; 1e-6 for lamb); LARS's eps is 0, and does not carry over")
-        if self.trust_clip and self.name not in TRUST_OPTIMIZERS:
-            raise ConfigError(f"optimizer {self.name!r} has no trust ratio: trust_clip needs lars, larc or lamb")
-        if self.name not in ADAPTIVE_OPTIMIZERS and any(r.adapt is not None for r in self.groups):
-            raise ConfigError(f"optimizer {self.name!r} has no per-tensor rule: group 'adapt' needs lars, larc, lamb "
-                              "(the trust ratio) or muon (the orthogonalized update)")
+        row = table[self.name]
+        if self.eps == 0 and row.eps_positive:
+            raise ConfigError(f"optimizer.eps=0 with {self.name}: its step divides by sqrt(v) + eps, 0/0 where a "
+                              f"gradient element has been 0 (NaN weights). Set optimizer.eps=null (its default, "
+                              f"{row.eps:g}); LARS's eps is 0, and does not carry over")
+        if self.trust_clip and not row.trust_ratio:
+            raise ConfigError(f"optimizer {self.name!r} has no trust ratio: trust_clip needs one of "
+                              f"{', '.join(n for n, r in table.items() if r.trust_ratio)}")
+        if not row.adaptive and any(r.adapt is not None for r in self.groups):
+            raise ConfigError(f"optimizer {self.name!r} has no per-tensor rule: group 'adapt' needs one of "
+                              f"{', '.join(n for n, r in table.items() if r.adaptive)} (a trust ratio, or Muon's "
+                              "orthogonalized update)")

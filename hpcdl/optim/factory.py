@@ -1,5 +1,5 @@
-"""Optimizers as data, and :func:`build_optimizer`, which turns a model and an :class:`OptimConfig`
-into parameter groups and an optimizer.
+""":func:`build_optimizer`, which turns a model and an :class:`OptimConfig` into parameter groups and the
+optimizer its row in :data:`hpcdl.names.OPTIMIZER_TABLE` names.
 
 Semantics decide the default groups:
 
@@ -9,11 +9,11 @@ Semantics decide the default groups:
   (LARS) or AdamW (LAMB, Muon) at the global lr.
 - ``caffe``: every tensor is adapted and decayed, as Intel Caffe's LARS did in the Stampede2 runs.
 
-Muon adapts (orthogonalizes) only the matrices of hidden layers, found by structure (:func:`muon_matrices`): the
-weights of ``nn.Linear`` and of ungrouped ``nn.Conv1d/2d/3d`` modules and ``nn.MultiheadAttention``'s input
-projections, not those of the stem (the first such layer in module order) nor of the head (timm's
-``get_classifier()``, else the last ``nn.Linear``). Tokens, position embeddings, ``nn.Embedding`` weights,
-relative position bias tables, layer scales, grouped and depthwise convolutions, every 1-D tensor and any
+Muon (a row with ``hidden_matrices``) adapts (orthogonalizes) only the matrices of hidden layers, found by structure
+(:func:`muon_matrices`): the weights of ``nn.Linear`` and of ungrouped ``nn.Conv1d/2d/3d`` modules and
+``nn.MultiheadAttention``'s input projections, not those of the stem (the first such layer in module order) nor of
+the head (timm's ``get_classifier()``, else the last ``nn.Linear``). Tokens, position embeddings, ``nn.Embedding``
+weights, relative position bias tables, layer scales, grouped and depthwise convolutions, every 1-D tensor and any
 tensor the semantics exclude take AdamW, under ``caffe`` semantics too.
 
 ``groups`` rules come first: each is a regular expression over parameter names (``model.named_parameters()``)
@@ -24,86 +24,42 @@ that matches nothing is an error.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Callable
 
-import schedulefree
 import torch
 
 from hpcdl import names
+from hpcdl.deferred import deferred
 from hpcdl.errors import ConfigError
-from hpcdl.names import registry
 from hpcdl.optim.config import SEMANTICS, GroupRule, OptimConfig
-from hpcdl.optim.lamb import LAMB
-from hpcdl.optim.lars import LARS
-from hpcdl.optim.muon import Muon
 
-__all__ = ["OPTIMIZERS", "SEMANTICS", "GroupRule", "OptimConfig", "OptimInfo", "build_optimizer", "muon_matrices",
-           "options", "param_groups", "update_rules"]
-
-@dataclass(frozen=True, slots=True)
-class OptimInfo:
-    name: str
-    build: Callable  # (param_groups, **options) -> Optimizer
-    options: tuple[str, ...]  # the OptimConfig fields it takes
-    defaults: dict = field(default_factory=dict)
-    adaptive: bool = False  # has a per-tensor trust ratio (groups may set adapt)
-    description: str = ""
-
-
-OPTIMIZERS: dict[str, OptimInfo] = {i.name: i for i in (
-    OptimInfo("sgd", torch.optim.SGD, ("lr", "momentum", "weight_decay"), {"foreach": True},
-              description="torch.optim.SGD with momentum (Goyal et al.'s recipe)"),
-    OptimInfo("nesterov", torch.optim.SGD, ("lr", "momentum", "weight_decay"), {"foreach": True, "nesterov": True},
-              description="torch.optim.SGD with Nesterov momentum (Nado et al. 2021's large-batch baseline)"),
-    OptimInfo("lars", LARS, ("lr", "momentum", "weight_decay", "eta", "eps"), adaptive=True,
-              description="LARS, the MLPerf/Intel Caffe update (hpcdl.optim.lars)"),
-    OptimInfo("larc", LARS, ("lr", "momentum", "weight_decay", "eta", "eps"), {"trust_clip": True}, adaptive=True,
-              description="LARS with LARC's clip: local lr = min(trust, lr)"),
-    OptimInfo("lamb", LAMB, ("lr", "betas", "eps", "weight_decay"), adaptive=True,
-              description="LAMB with bias correction (You et al. 2019)"),
-    OptimInfo("adamw", torch.optim.AdamW, ("lr", "betas", "eps", "weight_decay"), {"foreach": True},
-              description="torch.optim.AdamW"),
-    OptimInfo("schedulefree", lambda groups, **kw: _schedulefree("AdamWScheduleFree", groups, **kw),
-              ("lr", "betas", "eps", "weight_decay"), {"foreach": True},
-              description="Schedule-Free AdamW (Defazio et al. 2024; the schedulefree package): constant lr"),
-    OptimInfo("schedulefree_sgd", lambda groups, **kw: _schedulefree("SGDScheduleFree", groups, **kw),
-              ("lr", "momentum", "weight_decay"), {"foreach": True},
-              description="Schedule-Free SGD (the schedulefree package): constant lr"),
-    OptimInfo("muon", Muon, ("lr", "momentum", "weight_decay", "betas", "eps"), adaptive=True,
-              description="Muon on the hidden matrices and convolutions, AdamW on the rest (hpcdl.optim.muon)"),
-)}
-
-
-def _schedulefree(name: str, groups: list[dict], **options) -> torch.optim.Optimizer:
-    """Schedule-Free's optimizer ``name`` from the maintained package, in train mode: hpcdl's LRSchedule does
-    the warmup (its ``warmup_steps`` stays 0), and the trainer puts it in eval mode around evaluation and
-    checkpoints (:func:`hpcdl.optim.modes.evaluation_weights`)."""
-    optimizer = getattr(schedulefree, name)(groups, **options)
-    optimizer.train()
-    return optimizer
-
-
-OPTIMIZERS = registry("optimizers", OPTIMIZERS, names.OPTIMIZERS)
+__all__ = ["SEMANTICS", "GroupRule", "OptimConfig", "build_optimizer", "muon_matrices", "options", "param_groups",
+           "update_rules"]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr_scales: dict[str, float] | None = None,
                     body: set[str] | None = None) -> torch.optim.Optimizer:
-    """``cfg``'s optimizer over ``model``'s parameters. Fine-tuning (:func:`hpcdl.models.finetune.lr_scales`)
-    gives ``lr_scales`` (name -> factor of the schedule's lr) and the ``body``'s names (frozen first, when the
-    run says so): each group then carries ``lr_scale`` and ``body``, which :class:`LRSchedule` applies."""
-    info = OPTIMIZERS[cfg.name]
-    return info.build(param_groups(model, cfg, lr_scales, body), **options(cfg))
+    """``cfg``'s optimizer over ``model``'s parameters: its row's ``update`` called with the groups and
+    :func:`options`. Fine-tuning (:func:`hpcdl.models.finetune.lr_scales`) gives ``lr_scales`` (name -> factor of
+    the schedule's lr) and the ``body``'s names (frozen first, when the run says so): each group then carries
+    ``lr_scale`` and ``body``, which :class:`LRSchedule` applies.
+
+    A Schedule-Free optimizer is returned in train mode: hpcdl's LRSchedule does the warmup (the package's
+    ``warmup_steps`` stays 0), and the trainer puts it in eval mode around evaluation and checkpoints
+    (:func:`hpcdl.optim.modes.evaluation_weights`)."""
+    row = names.OPTIMIZER_TABLE[cfg.name]
+    optimizer = deferred(row.update)(param_groups(model, cfg, lr_scales, body), **options(cfg))
+    if row.schedule_free:
+        optimizer.train()
+    return optimizer
 
 
 def options(cfg: OptimConfig) -> dict:
-    """The keyword arguments of ``cfg``'s optimizer class."""
-    info = OPTIMIZERS[cfg.name]
-    eps = cfg.eps if cfg.eps is not None else {"lars": 0.0, "larc": 0.0, "lamb": 1e-6}.get(cfg.name, 1e-8)
-    values = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay, "eta": cfg.eta,
-              "eps": eps, "betas": cfg.betas}
-    out = {k: values[k] for k in info.options} | info.defaults
-    if info.adaptive and cfg.trust_clip:
+    """The keyword arguments of ``cfg``'s optimizer: the fields its row takes, its fixed ones, and its eps."""
+    row = names.OPTIMIZER_TABLE[cfg.name]
+    out = {k: getattr(cfg, k) for k in row.options} | row.defaults
+    if row.eps is not None:
+        out["eps"] = row.eps if cfg.eps is None else cfg.eps
+    if row.trust_ratio and cfg.trust_clip:
         out["trust_clip"] = True
     return out
 
@@ -115,7 +71,7 @@ def param_groups(model: torch.nn.Module, cfg: OptimConfig, lr_scales: dict[str, 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     no_decay = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()  # timm's: pos_embed...
     rules = [(re.compile(r.pattern), r) for r in cfg.groups]
-    hidden = set(muon_matrices(model)) if cfg.name == "muon" else set()
+    hidden = set(muon_matrices(model)) if names.OPTIMIZER_TABLE[cfg.name].hidden_matrices else set()
     used, groups = set(), {}
     for name, p in named:
         options = _default_options(p, cfg, name in no_decay, name in hidden)
@@ -138,10 +94,9 @@ def param_groups(model: torch.nn.Module, cfg: OptimConfig, lr_scales: dict[str, 
 def _default_options(p: torch.Tensor, cfg: OptimConfig, named_no_decay: bool = False, hidden: bool = False) -> dict:
     excluded = cfg.semantics == "mlperf" and (p.ndim <= 1 or named_no_decay)
     options = {"weight_decay": 0.0 if excluded else cfg.weight_decay}
-    if cfg.name == "muon":
-        options["adapt"] = not excluded and hidden
-    elif OPTIMIZERS[cfg.name].adaptive:
-        options["adapt"] = not excluded
+    row = names.OPTIMIZER_TABLE[cfg.name]
+    if row.adaptive:
+        options["adapt"] = not excluded and (hidden or not row.hidden_matrices)
     return options
 
 
@@ -185,10 +140,9 @@ def muon_matrices(model: torch.nn.Module) -> list[str]:
 
 
 def update_rules(model: torch.nn.Module, cfg: OptimConfig) -> dict[str, str]:
-    """Each trainable parameter's update under ``cfg`` (name -> rule): for Muon ``muon`` or ``adamw``; for LARS,
-    LARC and LAMB their name where the trust ratio applies, ``sgd`` (LARS's excluded tensors) or ``adamw`` (LAMB's);
-    otherwise the optimizer's name."""
-    plain = {"muon": "adamw", "lamb": "adamw", "lars": "sgd", "larc": "sgd"}
+    """Each trainable parameter's update under ``cfg`` (name -> rule): an adaptive optimizer's name where it adapts,
+    its row's ``plain`` elsewhere (Muon: ``muon`` or ``adamw``; LARS and LARC: their name or ``sgd``; LAMB: its
+    name or ``adamw``); otherwise the optimizer's name."""
+    plain = names.OPTIMIZER_TABLE[cfg.name].plain or cfg.name
     adapted = {id(p) for g in param_groups(model, cfg) if g.get("adapt", True) for p in g["params"]}
-    return {n: cfg.name if id(p) in adapted else plain.get(cfg.name, cfg.name)
-            for n, p in model.named_parameters() if p.requires_grad}
+    return {n: cfg.name if id(p) in adapted else plain for n, p in model.named_parameters() if p.requires_grad}

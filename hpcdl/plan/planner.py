@@ -11,139 +11,55 @@ The model is :class:`hpcdl.plan.cost.StepModel`. Its inputs, and where each come
   or (overlap, backward's share of compute) fitted by ``--calibrate``;
 - start-up and restart (:class:`hpcdl.plan.startup_terms.StartupModel`): the counts of ``hpcdl bench startup
   --json`` (``--startup-json``; default: :data:`STARTUP_MEASURED`) over the shared filesystem's and rank 0's
-  rates (flags, assumed where the cluster's are unknown).
+  rates (flags, assumed where the cluster's are unknown);
+- the checkpoint's size and a rank's memory: the weights and the optimizer's state (``--optimizer``: its row's
+  ``state_copies`` in :data:`hpcdl.names.OPTIMIZER_TABLE`).
 
-``--validate`` checks the model against published runs (:mod:`hpcdl.plan.published`).
+:mod:`hpcdl.plan.measured` reads and fits the benchmarks' reports. ``--validate`` checks the model against
+published runs (:mod:`hpcdl.plan.published`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 
 from hpcdl import names
-from hpcdl.reports import AllreduceReport, ScalingReport, StartupReport, StepReport, SyncReport
 from hpcdl.config import SyncConfig
-from hpcdl.presets import get_preset
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.flags import meta
 from hpcdl.launch.profiles import get_profile
-from hpcdl.names import IMAGENET_TRAIN
 from hpcdl.model_facts import ModelFacts, model_facts
-from hpcdl.plan.cost import (
-    ALGORITHM_CHOICES,
-    BACKWARD_SHARE,
-    BatchCurve,
-    Link,
-    StepModel,
-    allreduce_cost,
-    fit_ring,
-    hook_terms,
-)
+from hpcdl.names import IMAGENET_TRAIN
+from hpcdl.plan.cost import ALGORITHM_CHOICES, BACKWARD_SHARE, BatchCurve, Link, StepModel, hook_terms
+from hpcdl.plan.measured import calibrate, curve_from_step, link_from_allreduce
 from hpcdl.plan.startup_terms import StartupModel
 from hpcdl.plan.validate import FITTED, NodeCompute, carried_compute
 from hpcdl.plot import counts_axis, pyplot, save_png
+from hpcdl.presets import get_preset
+from hpcdl.reports import AllreduceReport, ScalingReport, StartupReport, StepReport, SyncReport
 
-__all__ = ["Calibration", "PlanInputs", "PlanQuestion", "calibrate", "curve_from_step", "figure", "format_plan", "link_from_allreduce",
-           "plan", "plot"]
+__all__ = ["PlanInputs", "PlanQuestion", "figure", "format_plan", "memory_note", "plan", "plot", "state_bytes"]
+
 
 def state_bytes(optimizer: str, weight_bytes: float) -> float:
-    """The optimizer's state for ``weight_bytes`` of fp32 weights: :data:`hpcdl.names.OPTIMIZER_STATE_COPIES`
-    tensors per weight (momentum: 1; Adam's moments: 2; Schedule-Free AdamW: z and one moment; Muon: its momentum,
-    a lower bound where AdamW's tensors keep 2)."""
-    return names.OPTIMIZER_STATE_COPIES[optimizer] * weight_bytes
+    """The optimizer's state for ``weight_bytes`` of fp32 weights: its row's ``state_copies`` tensors per weight
+    (:data:`hpcdl.names.OPTIMIZER_TABLE`; momentum: 1; Adam's moments: 2; Schedule-Free AdamW: z and one moment;
+    Muon: its momentum, a lower bound where its AdamW tensors keep 2)."""
+    return names.OPTIMIZER_TABLE[optimizer].state_copies * weight_bytes
 
 
 def memory_note(optimizer: str, weight_bytes: float) -> str:
     """A rank's memory for the model's training state: weights, gradients and the optimizer's state."""
     state = state_bytes(optimizer, weight_bytes)
-    bound = " at least (its AdamW tensors keep 2)" if optimizer == "muon" else ""
+    row = names.OPTIMIZER_TABLE[optimizer]
+    plain = names.OPTIMIZER_TABLE[row.plain].state_copies if row.plain else 0  # the tensors it does not adapt
+    bound = f" at least (its {row.plain} tensors keep {plain})" if plain > row.state_copies else ""
     return (f"memory per rank for the training state: weights {weight_bytes / 1e6:.0f} MB + gradients "
             f"{weight_bytes / 1e6:.0f} MB + optimizer {optimizer}'s state {state / 1e6:.0f} MB "
-            f"({names.OPTIMIZER_STATE_COPIES[optimizer]} tensor per weight{bound}) = "
+            f"({row.state_copies} tensor per weight{bound}) = "
             f"{(2 * weight_bytes + state) / 1e6:.0f} MB, activations not counted; the checkpoint holds the weights "
             f"and the state: {(weight_bytes + state) / 1e6:.0f} MB")
-
-
-def link_from_allreduce(report: AllreduceReport, backend: str | None = None, source: str = "the report") -> Link:
-    """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times (``backend``'s rows of a
-    ``--backends`` report, default the first backend's), each a ring of its ``world_size`` ranks
-    (:func:`hpcdl.plan.cost.fit_ring`)."""
-    measured = list(dict.fromkeys(r.backend for r in report.rows))
-    backend = backend or (measured[0] if measured else None)
-    if backend not in measured:
-        raise DataError(f"{source}: no rows of backend {backend!r}; it measured {', '.join(measured)}")
-    alpha, beta = fit_ring(report.meta.world_size, [(r.bytes, r.time_us * 1e-6) for r in report.rows
-                                                    if r.backend == backend])
-    return Link(latency_s=alpha, bandwidth_bytes_s=1 / beta)
-
-
-def curve_from_step(report: StepReport) -> BatchCurve:
-    """A node's images/s against its batch from ``hpcdl bench step --json``: the tuned node of the tuning
-    comparison, and every point of its batch sweep when it ran one."""
-    points = [(float(b), v) for b, v in (report.curve.points if report.curve else ())]
-    if report.tuning:
-        c = report.config
-        points.append((c.tuning_batch * c.ranks_per_node, report.tuning.images_per_s["tuned"]))
-    if not points:
-        raise DataError("the bench step report holds no node throughput; run hpcdl bench step without --only overhead")
-    by_batch: dict[float, list[float]] = {}
-    for b, v in points:
-        by_batch.setdefault(b, []).append(v)
-    return BatchCurve(tuple((b, statistics.median(v)) for b, v in by_batch.items()))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Calibration:
-    throughput: BatchCurve
-    overlap: float
-    backward_share: float
-    ranks_per_node: int
-    points: list[dict]  # each measured point beside what the calibrated model gives for it
-
-
-def calibrate(report: ScalingReport, network: Link, algorithm: str = "ring", messages: int = 1,
-              intra: Link | None = None) -> Calibration:
-    """Fit the per-node compute and the overlap to ``hpcdl bench scaling --json``.
-
-    - compute: a full node's images/s at its batch, from every point whose ranks fill their nodes (step
-      minus the exposed communication);
-    - backward's share of compute: from the one-rank points' phases;
-    - overlap: the hidden part of each multi-rank point's modelled all-reduce (modelled minus measured
-      exposed), over what backward could hide, averaged and held in [0, 1]. A point whose communication
-      was all hidden only bounds the overlap from below: measure where it shows (more ranks, or nodes).
-    """
-    rpn = report.meta.ranks_per_node
-    full = [p for p in report.points if p.ranks == p.nodes * rpn]
-    if not full:
-        raise DataError(f"no point of the scaling report fills its nodes ({rpn} ranks each); run bench scaling "
-                        f"with all of a node's ranks")
-    samples: dict[float, list[float]] = {}
-    for p in full:
-        batch = p.batch_per_rank * rpn
-        compute_s = (p.step_ms.mean - p.phases_ms.comm_wait) / 1e3
-        samples.setdefault(batch, []).append(batch / compute_s)
-    curve = BatchCurve(tuple((b, statistics.median(v)) for b, v in samples.items()))
-    singles = [p for p in report.points if p.ranks == 1]
-    share = statistics.median(p.phases_ms.backward / (p.phases_ms.forward + p.phases_ms.backward + p.phases_ms.optimizer)
-                              for p in singles) if singles else BACKWARD_SHARE
-    overlaps = []
-    for p in full:
-        if p.ranks < 2:
-            continue
-        comm = allreduce_cost(algorithm, report.meta.gradient_bytes, p.nodes, rpn, network, intra)
-        modelled = comm.latency_s * messages + comm.bandwidth_s
-        compute_s = (p.step_ms.mean - p.phases_ms.comm_wait) / 1e3
-        hidden = modelled - p.phases_ms.comm_wait / 1e3
-        overlaps.append(hidden / (share * compute_s))
-    overlap = min(1.0, max(0.0, statistics.fmean(overlaps))) if overlaps else 0.0
-    model = StepModel(gradient_bytes=report.meta.gradient_bytes, throughput=curve, network=network,
-                      ranks_per_node=rpn, algorithm=algorithm, intra=intra, messages=messages, overlap=overlap,
-                      backward_share=share)
-    checked = [{"mode": p.mode, "ranks": p.ranks, "nodes": p.nodes, "measured_images_s": p.images_per_s,
-                "model_images_s": model.terms(p.nodes, p.global_batch)["images_s"]} for p in full]
-    return Calibration(curve, overlap, share, rpn, checked)
 
 
 # hpcdl bench startup on this repository's 2-core EPYC (docs/scaling.md): the counts that --startup-json replaces.
@@ -302,7 +218,7 @@ class PlanInputs:
     # the hook's own work per step, from hpcdl bench sync --hooks none,HOOK --json (default: none counted)
     sync_json: str | None = None
     # the optimizer (optimizer.name; --preset: the preset's): its state per weight enters the checkpoint and memory
-    optimizer: str = dataclasses.field(default="lars", metadata=meta(choices=names.OPTIMIZERS))
+    optimizer: str = dataclasses.field(default="lars", metadata=meta(choices=names.OPTIMIZER_TABLE))
     # the training precision: bf16 carries the compute by the profile's measured bf16 step speed-up
     precision: str = dataclasses.field(default="fp32", metadata=meta(choices=("fp32", "bf16")))
     # start-up's counts (files per rank, store requests, the store's rate) from hpcdl bench startup --json
