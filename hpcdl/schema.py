@@ -1,6 +1,6 @@
 """Dataclasses to and from plain data, with one set of rules: the run config from YAML and ``--set key.sub=value``,
 a command's flags (:func:`hpcdl.flags.config_from_args`), and the benchmarks' JSON reports
-(:mod:`hpcdl.reports`).
+(:mod:`hpcdl.bench.reports`).
 
 Every key is checked against the dataclass fields, and every value against the field's type: a union takes
 the first of its types that the value fits, a tuple takes a list (or ``a,b`` from ``--set``), a dict's values

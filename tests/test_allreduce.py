@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON, REPO, free_port, mpi_run, rank_env, start_long_sweep, start_ranks
 
-from hpcdl.reports import SyncReport
+from hpcdl.bench.reports import SyncReport
 
 QUICK = ["bench", "allreduce", "--max-bytes", "64K", "--seconds-per-size", "0.02", "--heartbeat", "0.5"]
 

@@ -82,7 +82,7 @@ def test_a_named_model_is_measured_at_its_own_size_with_its_counted_flops(tmp_pa
 def test_profile_splits_each_precision_s_step_into_classes_that_add_up(tmp_path):
     """--profile: fp32 and bf16, each class's share of the profiled wall time, the matrix class's rate; the
     table printed is the JSON's. A small model: where bf16 is emulated its one profiled step is slow, not wrong."""
-    from hpcdl.reports import StepReport
+    from hpcdl.bench.reports import StepReport
     from hpcdl.bench.step import format_report
 
     report = tmp_path / "step.json"

@@ -147,11 +147,11 @@ def test_the_contributing_example_benchmark_is_one_module_and_one_row(tmp_path, 
     import sys
 
     import hpcdl.bench as bench
-    import hpcdl.reports as report_module
+    import hpcdl.bench.reports as report_module
 
     text = (REPO / "docs" / "contributing.md").read_text()
     config = re.search(r"```python\n# hpcdl/bench/configs.py\n(.*?)```", text, re.S).group(1)
-    reports = re.search(r"```python\n# hpcdl/reports/train.py\n(.*?)```", text, re.S).group(1)
+    reports = re.search(r"```python\n# hpcdl/bench/reports/train.py\n(.*?)```", text, re.S).group(1)
     source = re.search(r"```python\n# hpcdl/bench/matmul.py\n(.*?)```", text, re.S).group(1)
     row = re.search(r"```python\n\s+(Benchmark\(.*?\)),\n```", text, re.S).group(1)
     configs = tmp_path / "matmul_configs.py"  # files, as in the package: the flags' help is read from the source
@@ -164,7 +164,7 @@ def test_the_contributing_example_benchmark_is_one_module_and_one_row(tmp_path, 
     report_types = {}  # the report's dataclasses, in the typed reports' module for the benchmark's imports
     report_types["MatmulBench"] = config_module.MatmulBench
     exec(compile("from dataclasses import dataclass, field\nfrom typing import ClassVar\n"
-                 "from hpcdl.reports import Provenance, Report\n" + reports, "reports.py", "exec",
+                 "from hpcdl.bench.reports import Provenance, Report\n" + reports, "reports.py", "exec",
                  dont_inherit=True), report_types)  # not this file's annotations future: ClassVar must resolve
     for name in ("MatmulRow", "MatmulReport"):
         monkeypatch.setattr(report_module, name, report_types[name], raising=False)

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
 
+from hpcdl.bench.reports import DataReport
 from hpcdl.data.dataset import PADDING_LABEL, ShardDataset
 from hpcdl.data.pack import PackConfig, pack
 from hpcdl.data.sampler import DistributedShardSampler, Sample
@@ -20,7 +21,6 @@ from hpcdl.data.stage import stage
 from hpcdl.data.synthetic import generate
 from hpcdl.data.transforms import Augment, DecodeOnly, EvalTransform, normalize_batch
 from hpcdl.errors import ConfigError, DataError
-from hpcdl.reports import DataReport
 
 SIZES = [7, 13, 5, 11, 9, 6, 12]  # unequal shards, 63 images: the awkward case
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import subprocess
 from pathlib import Path
 
@@ -191,3 +192,105 @@ def _closure_top(start: str, table) -> list:
                     seen.add(w)
                     todo.append(w)
     return out
+
+
+# The map of the package: docs/contributing.md's "Layout" table, top to bottom. Its first column names top-level
+# entries of hpcdl/; a folder's row names each of its entries in backticks (`name.py`, `name/`, `name.c`).
+LAYOUT = REPO / "docs" / "contributing.md"
+
+
+def layout_map(text: str) -> list[tuple[list[str], list[str]]]:
+    """The Layout table's rows, top to bottom: (the row's top-level entries, the entries of its folder)."""
+    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `") else []
+        if len(cells) >= 2:
+            entries = [e.removeprefix("hpcdl/") for e in re.findall(r"`(hpcdl/[^`]*)`", cells[0])]
+            rows.append((entries, re.findall(r"`([\w.]+(?:\.py|\.c|\.cpp|/))`", cells[1])))
+    return rows
+
+
+def tree_entries(folder: Path) -> set[str]:
+    return {p.name + "/" if p.is_dir() else p.name for p in folder.iterdir()
+            if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix in (".py", ".c", ".cpp")} - {"__init__.py"}
+
+
+def unit(module: str, files: dict[str, Path]) -> str | None:
+    """The top-level entry of hpcdl/ that ``module`` belongs to ("cli/", "names.py", "__init__.py"); None outside
+    hpcdl or for an entry point inside a folder (``python -m hpcdl.train``, which runs the CLI: above everything)."""
+    parts = module.split(".")
+    if parts[0] != "hpcdl" or (len(parts) > 2 and parts[-1] == "__main__"):
+        return None
+    if len(parts) == 1:
+        return "__init__.py"
+    top = "hpcdl." + parts[1]
+    return parts[1] + "/" if files.get(top, Path()).name == "__init__.py" else parts[1] + ".py"
+
+
+def arrows(table, files) -> dict[tuple[str, str], str]:
+    """Imports between top-level entries (module level and in functions; a module named for :mod:`hpcdl.deferred`
+    is a call up by name, not an import), each with one import that makes it."""
+    out = {}
+    for m in sorted(table):
+        for target, line, how in table[m]:
+            a, b = unit(m, files), unit(target, files)
+            if how != "deferred" and a and b and a != b:
+                out.setdefault((a, b), f"{files[m].relative_to(REPO)}:{line} imports {target}")
+    return out
+
+
+def upward(rows, found: dict[tuple[str, str], str]) -> list[str]:
+    level = {e: i for i, (entries, _) in enumerate(rows) for e in entries}
+    return [f"{a} -> {b} points up the map ({why})" for (a, b), why in sorted(found.items())
+            if a in level and b in level and level[b] <= level[a]]
+
+
+def mutual(found: dict[tuple[str, str], str]) -> list[str]:
+    return [f"{a} <-> {b}: {found[a, b]}; {found[b, a]}" for a, b in sorted(found) if a < b and (b, a) in found]
+
+
+def test_the_layout_map_names_every_entry_of_the_package():
+    """docs/contributing.md's map names each top-level entry of hpcdl/ once, and each entry of every folder."""
+    rows = layout_map(LAYOUT.read_text())
+    named, tree = [e for entries, _ in rows for e in entries], tree_entries(PACKAGE) | {"__init__.py"}
+    assert sorted(named) == sorted(tree), (f"in the tree, not the map: {sorted(tree - set(named))}; in the map, not "
+                                           f"the tree: {sorted(set(named) - tree)}; twice: "
+                                           f"{sorted({e for e in named if named.count(e) > 1})}")
+    for entries, children in rows:
+        for folder in (e for e in entries if e.endswith("/")):
+            actual = tree_entries(PACKAGE / folder)
+            assert set(children) == actual, (f"hpcdl/{folder}: in the tree, not the map: {sorted(actual - set(children))};"
+                                             f" in the map, not the tree: {sorted(set(children) - actual)}")
+
+
+def test_imports_point_down_the_layout_map_and_no_folder_imports_one_that_imports_it_back():
+    table, files = graph()
+    found = arrows(table, files)
+    problems = mutual(found) + upward(layout_map(LAYOUT.read_text()), found)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layout_checks_find_what_they_look_for():
+    """A planted upward import and a planted pair of folders importing each other are each found."""
+    text = ("## Layout\n\n| entry | holds |\n| --- | --- |\n| `hpcdl/cli/` | `main.py` |\n| `hpcdl/names.py` | |\n"
+            "\n## Next\n")
+    rows = layout_map(text)
+    assert rows == [(["cli/"], ["main.py"]), (["names.py"], [])]
+    files = {"hpcdl.cli": Path("cli/__init__.py"), "hpcdl.cli.main": Path("cli/main.py"), "hpcdl.names": Path("names.py")}
+    assert unit("hpcdl.cli.main", files) == "cli/" and unit("hpcdl.names", files) == "names.py"
+    assert unit("hpcdl.train.__main__", files) is None and unit("torch", files) is None
+    assert upward(rows, {("cli/", "names.py"): "ok"}) == []
+    assert upward(rows, {("names.py", "cli/"): "here"}) == ["names.py -> cli/ points up the map (here)"]
+    assert mutual({("cli/", "names.py"): "one", ("names.py", "cli/"): "two"}) == ["cli/ <-> names.py: one; two"]
+
+
+def test_modules_stay_readable_and_distributed_stays_grouped():
+    """No module over 400 lines, the trainer (a conductor) under 300, and hpcdl/distributed/ at most 10 entries at
+    its top level (the rest in its folders by concern)."""
+    sources = [p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".c", ".cpp")]
+    long = {f"{p.relative_to(REPO)}: {n}" for p in sources if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+    assert len((PACKAGE / "train" / "trainer.py").read_text().splitlines()) < 300
+    top = tree_entries(PACKAGE / "distributed") | {"__init__.py"}
+    assert len(top) <= 10, sorted(top)

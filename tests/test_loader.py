@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import hpcdl
 
+from hpcdl.bench.reports import FeedReport
 from hpcdl.data.dataset import InMemory, ShardDataset
 from hpcdl.data.loader import LOADER_NICE, _start_worker
 from hpcdl.data.transforms import Augment
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
-from hpcdl.reports import FeedReport
 from hpcdl.train.loader_sizing import loader_cost, size_loader, step_rate
 
 

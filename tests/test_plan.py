@@ -9,6 +9,7 @@ import subprocess
 import pytest
 from conftest import PYTHON, load_json, sbatch_wait
 
+from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.launch import job_request
 from hpcdl.launch.profiles import get_profile
@@ -19,7 +20,6 @@ from hpcdl.plan.measured import calibrate, link_from_allreduce
 from hpcdl.plan.planner import PlanInputs, figure, plan
 from hpcdl.plan.published import PUBLISHED
 from hpcdl.plan.validate import FITTED, carried_compute, validate
-from hpcdl.reports import AllreduceReport, ScalingReport, StepReport
 
 # The rows the model misses, and why (docs/scaling.md, "Validation"). Each is a strict xfail: a change that
 # brings one within its bound fails here until the docs and this list are updated.
@@ -327,7 +327,7 @@ def test_plan_cli_prints_startup_and_restart_from_a_startup_report(tmp_path):
     """--startup-json replaces the built-in counts with the report's: 3,000 python files per rank, 10 s of imports
     and model on the smallest job, 2 + 0 N store requests per rank (a flat rendezvous) at 10,000/s. Each row's
     terms follow those counts, and the restart adds the checkpoint read once and broadcast, no more."""
-    from hpcdl.reports import CountFit, StartupReport, StartupRow, StoreCapacity
+    from hpcdl.bench.reports import CountFit, StartupReport, StartupRow, StoreCapacity
     from hpcdl.schema import to_dict
 
     row = StartupRow(2, "start", {"interpreter and imports": 7.5, "model": 2.5}, 12.0, {}, {}, 0, 0, 4, 8, 0, None)

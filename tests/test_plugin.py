@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 import pytest
 from conftest import PYTHON, REPO, free_port, sbatch_wait
 
-from hpcdl.reports import PluginImports, PluginReport
+from hpcdl.bench.reports import PluginImports, PluginReport
 
 SCRIPT = REPO / "tests" / "plain_ddp.py"
 LIGHTNING = REPO / "tests" / "plain_lightning.py"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from conftest import PYTHON, load_json, sbatch_wait
 
+from hpcdl.bench.reports import ScalingReport
 from hpcdl.bench.scaling import Config as ScalingBenchConfig
 from hpcdl.bench.scaling import figure, format_report
 from hpcdl.errors import ConfigError
 from hpcdl.launch import job_request
 from hpcdl.launch.sbatch import render_sbatch
-from hpcdl.reports import ScalingReport
 
 QUICK = ["--model", "resnet18", "--crop", "32", "--batch", "4", "--steps", "2", "--rounds", "2", "--threads", "1"]
 

@@ -9,9 +9,9 @@ import pytest
 from conftest import PYTHON, REPO, load_json, sbatch_wait
 
 from hpcdl.bench import run as run_benchmark
+from hpcdl.bench.reports import AllreduceReport
 from hpcdl.launch import job_request, submit
 from hpcdl.launch.sbatch import render_sbatch
-from hpcdl.reports import AllreduceReport
 from hpcdl.schema import to_dict
 
 QUICK = dict(max_bytes="64K", seconds_per_size=0.02, heartbeat=0.5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import hpcdl
 
-from hpcdl.reports import StartupReport
+from hpcdl.bench.reports import StartupReport
 
 
 def test_bench_startup_counts_what_grows_with_the_ranks(mpiexec, tmp_path):

@@ -7,8 +7,8 @@ import subprocess
 import pytest
 from conftest import PYTHON, REPO, mpi_run
 
+from hpcdl.bench.reports import SyncReport
 from hpcdl.bench.sync import format_report
-from hpcdl.reports import SyncReport
 
 FP16_ROUNDING = 2 ** -10  # fp16 keeps 10 fraction bits; bf16 keeps 7
 TOLERANCE = {"none": 0.0, "hierarchical": 1e-6, "fp16": 2 * FP16_ROUNDING, "bf16": 2 * 2 ** -7}

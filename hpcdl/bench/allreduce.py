@@ -3,7 +3,7 @@
 Bandwidths follow nccl-tests: ``algbw = bytes / time`` and ``busbw = algbw * 2(n-1)/n``, the data
 each rank's link carries in a ring allreduce, comparable across rank counts and with link speed.
 Every size is also checked: an untimed allreduce of a known pattern must give the exact sum. Each
-backend's times are fitted to a ring's alpha-beta cost (:func:`hpcdl.plan.cost.fit_ring`): the fitted bus bandwidth is
+backend's times are fitted to a ring's alpha-beta cost (:func:`hpcdl.bench.reports.comm.fit_ring`): the fitted bus bandwidth is
 the link's achieved rate, to compare with its nominal one.
 """
 
@@ -18,11 +18,10 @@ import torch.distributed as dist
 
 from hpcdl.bench.configs import AllreduceBench as Config
 from hpcdl.bench.configs import ITEMSIZE
+from hpcdl.bench.reports import AllreduceMeta, AllreduceReport, AllreduceRow, NoFit, Placement, RingFit, fit_ring
 from hpcdl.distributed.affinity import allocator_in_use
 from hpcdl.distributed.group.liveness import fail_fast
 from hpcdl.errors import DataError
-from hpcdl.plan.cost import fit_ring
-from hpcdl.reports import AllreduceMeta, AllreduceReport, AllreduceRow, NoFit, Placement, RingFit
 from hpcdl.utils import format_bytes
 
 __all__ = ["Config", "format_report", "run"]

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 import torch.profiler
 
-from hpcdl.reports import Breakdown, ClassTime, TopOperator
+from hpcdl.bench.reports import Breakdown, ClassTime, TopOperator
 
 __all__ = ["CLASSES", "breakdown", "classify", "format_breakdown", "summarize"]
 

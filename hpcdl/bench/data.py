@@ -34,6 +34,7 @@ import torch
 from PIL import Image
 
 from hpcdl.bench.configs import DataBench as Config
+from hpcdl.bench.reports import DataReport, ReaderRow, RecipeRates
 from hpcdl.bench.rounds import alternate, medians
 from hpcdl.config import DataConfig
 from hpcdl.data import recipe
@@ -44,7 +45,6 @@ from hpcdl.data.sampler import DistributedShardSampler
 from hpcdl.data.synthetic import generate
 from hpcdl.data.transforms import Augment
 from hpcdl.names import DECODERS
-from hpcdl.reports import DataReport, ReaderRow, RecipeRates
 
 _opened = None  # a shared counter of files opened under _roots, set before any process forks
 _roots: tuple[str, ...] = ()

@@ -25,12 +25,12 @@ import sys
 import tempfile
 
 from hpcdl.bench.configs import FeedBench as Config
+from hpcdl.bench.reports import FeedReport, FeedRow, FeedRun
 from hpcdl.bench.rounds import alternate, medians
 from hpcdl.bench.runner import machine_line
 from hpcdl.data.images import Encoding
 from hpcdl.data.pack import PackConfig, pack
 from hpcdl.data.synthetic import generate
-from hpcdl.reports import FeedReport, FeedRow, FeedRun
 
 
 def _packed(cfg: Config, tmp: str) -> str:

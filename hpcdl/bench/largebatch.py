@@ -35,6 +35,7 @@ from PIL import Image
 
 from hpcdl import names
 from hpcdl.bench.configs import LargeBatchBench as Config
+from hpcdl.bench.reports import LargeBatchCell, LargeBatchReport
 from hpcdl.data.dataset import ShardDataset
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
@@ -43,7 +44,6 @@ from hpcdl.optim.factory import build_optimizer
 from hpcdl.optim.modes import evaluation_weights, has_modes
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig, steps_per_epoch
 from hpcdl.plot import counts_axis, pyplot, save_png
-from hpcdl.reports import LargeBatchCell, LargeBatchReport
 
 BN_BATCHES = 8  # Schedule-Free: training batches whose statistics BatchNorm takes at x before evaluating
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from hpcdl.bench.configs import OptimBench as Config
+from hpcdl.bench.reports import OptimReport
 from hpcdl.bench.rounds import alternate, medians, timed_ms
 from hpcdl.models import build_model
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.factory import build_optimizer
-from hpcdl.reports import OptimReport
 
 CASES = {  # name -> optimizer config; "sgd" is the baseline of the ratios
     "sgd": OptimConfig(name="sgd", lr=0.1, weight_decay=1e-4),

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from hpcdl.bench.configs import LAUNCHERS
 from hpcdl.bench.configs import PluginBench as Config
+from hpcdl.bench.reports import AllreduceReport, PluginMeta, PluginReport, PluginRow, PluginWorkerReport
 from hpcdl.distributed.backend import BACKENDS
 from hpcdl.errors import ConfigError, DataError, LaunchError
-from hpcdl.reports import AllreduceReport, PluginMeta, PluginReport, PluginRow, PluginWorkerReport
 from hpcdl.schema import from_dict
 from hpcdl.utils import format_bytes
 

@@ -34,7 +34,7 @@ def main(backends: list[str], config: str, out: str) -> None:
             for name, group in groups.items()]
     if ctx.rank == 0:
         with open(out + ".tmp", "w") as f:
-            # hpcdl.reports.PluginWorkerReport's layout; bench plugin reads it through that type
+            # hpcdl.bench.reports.PluginWorkerReport's layout; bench plugin reads it through that type
             json.dump({"rows": rows, "threads": torch.get_num_threads(),
                        "imports": {"hpcdl_before_init": before, "hpcdl_after_init": after}}, f)
         os.replace(out + ".tmp", out)

@@ -14,11 +14,11 @@ from datetime import timedelta
 from pathlib import Path
 
 from hpcdl import __version__, names
+from hpcdl.bench.reports import Machine, Provenance
 from hpcdl.deferred import deferred
 from hpcdl.distributed.ranks.env import discover
 from hpcdl.errors import ConfigError
 from hpcdl.flags import meta
-from hpcdl.reports import Machine, Provenance
 from hpcdl.schema import to_dict
 from hpcdl.utils import atomic_write_text, cpu_flags, cpu_model
 
@@ -80,7 +80,7 @@ class Job:
 def run_benchmark(row, cfg, ranks: RankOptions | None = None, output: Output | None = None,
                   argv: list[str] | None = None):
     """Run ``row`` (a :class:`hpcdl.bench.Benchmark`) with ``cfg``; rank 0 prints and writes the report and
-    returns it (its dataclass of :mod:`hpcdl.reports`, with ``config`` and ``provenance`` filled), the
+    returns it (its dataclass of :mod:`hpcdl.bench.reports`, with ``config`` and ``provenance`` filled), the
     other ranks return None."""
     ranks, output = ranks or RankOptions(), output or Output()
     if ranks.backends and not row.compares_backends:

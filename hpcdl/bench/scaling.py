@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from hpcdl.bench.configs import MODES
 from hpcdl.bench.configs import ScalingBench as Config
+from hpcdl.bench.reports import Phases, ScalingMeta, ScalingPoint, ScalingReport, StepTimes
 from hpcdl.bench.rounds import alternate
 from hpcdl.bench.step import synthetic_training
 from hpcdl.config import SyncConfig
@@ -38,7 +39,6 @@ from hpcdl.model_facts import model_facts
 from hpcdl.models import model_info
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
 from hpcdl.plot import counts_axis, pyplot, save_png
-from hpcdl.reports import Phases, ScalingMeta, ScalingPoint, ScalingReport, StepTimes
 from hpcdl.train.step import PHASES, Stepper
 
 __all__ = ["Config", "figure", "format_report", "plot", "run"]

@@ -36,11 +36,11 @@ import torch.distributed as dist
 
 from hpcdl.bench.configs import LAUNCHERS
 from hpcdl.bench.configs import StartupBench as Config
+from hpcdl.bench.reports import CountFit, StartupReport, StartupRow, StoreCapacity
 from hpcdl.data.images import Encoding
 from hpcdl.data.pack import PackConfig, pack
 from hpcdl.data.synthetic import generate
 from hpcdl.errors import ConfigError, LaunchError
-from hpcdl.reports import CountFit, StartupReport, StartupRow, StoreCapacity
 
 __all__ = ["Config", "format_report", "run"]
 

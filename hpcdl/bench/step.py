@@ -39,6 +39,8 @@ import torch
 from hpcdl.bench.breakdown import breakdown, format_breakdown
 from hpcdl.bench.configs import StepBench as Config
 from hpcdl.bench.flops import gemm_gflops, training_flops
+from hpcdl.bench.reports import (Breakdown, Compiled, NodeRound, NotCompiled, PrecisionCase, RankSetup, StepCurve,
+                                 StepOverhead, StepPrecision, StepReport, StepTuning)
 from hpcdl.bench.rounds import alternate, medians, timed_ms
 from hpcdl.bench.runner import machine_line
 from hpcdl.distributed.affinity import allocator_env, allocator_in_use, plan_cpus
@@ -46,8 +48,6 @@ from hpcdl.distributed.group.lifecycle import apply_cpu_plan
 from hpcdl.models import build_model, model_info
 from hpcdl.optim.factory import OptimConfig, build_optimizer
 from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
-from hpcdl.reports import (Breakdown, Compiled, NodeRound, NotCompiled, PrecisionCase, RankSetup, StepCurve,
-                                 StepOverhead, StepPrecision, StepReport, StepTuning)
 from hpcdl.train.precision import NATIVE_BF16, choose_memory_format, choose_precision
 from hpcdl.train.step import Stepper
 from hpcdl.utils import cpu_flags

@@ -40,12 +40,12 @@ from torch.nn.parallel import DistributedDataParallel
 from hpcdl.bench.configs import SyncBench as Config
 from hpcdl.bench.configs import bucket_spec
 from hpcdl.bench.latency import latency_us, raw_mpi
+from hpcdl.bench.reports import DDPPart, SyncFigures, SyncHook, SyncReport, WeakScaling
 from hpcdl.bench.rounds import alternate, medians
 from hpcdl.config import SyncConfig
 from hpcdl.distributed.gradients.ddp import bucket_caps, data_parallel
 from hpcdl.distributed.gradients.hooks import ChunkSparse
 from hpcdl.models import build_model, model_info
-from hpcdl.reports import DDPPart, SyncFigures, SyncHook, SyncReport, WeakScaling
 
 
 def _buckets(grads: list, cap_bytes: int) -> list[list]:

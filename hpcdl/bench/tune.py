@@ -29,11 +29,11 @@ import statistics
 import time
 
 from hpcdl.bench.configs import TuneConfig
+from hpcdl.bench.reports import NodeRound
 from hpcdl.bench.rounds import alternate
 from hpcdl.bench.step import node_round
 from hpcdl.distributed.affinity import ALLOCATORS, allocator_env, find_library
 from hpcdl.errors import ConfigError
-from hpcdl.reports import NodeRound
 from hpcdl.train.precision import NATIVE_BF16
 from hpcdl.utils import cpu_flags
 

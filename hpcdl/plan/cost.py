@@ -35,12 +35,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hpcdl.errors import ConfigError, DataError
+from hpcdl.errors import ConfigError
 from hpcdl.launch.profiles import ClusterProfile
 
 BACKWARD_SHARE = 2 / 3  # backward's part of a step's compute (about twice forward's), unless calibrated
 
-__all__ = ["ALGORITHMS", "BatchCurve", "Cost", "Link", "StepModel", "allreduce_cost", "fit_ring", "hierarchical",
+__all__ = ["ALGORITHMS", "BatchCurve", "Cost", "Link", "StepModel", "allreduce_cost", "hierarchical",
            "hook_terms", "rabenseifner", "ring"]
 
 
@@ -207,24 +207,3 @@ class StepModel:
         """Seconds for ``epochs`` passes over ``train_images`` at ``global_batch``, a step per full batch."""
         steps = math.ceil(train_images / global_batch)
         return epochs * steps * self.terms(nodes, global_batch)["step_s"]
-
-
-def fit_ring(world_size: int, points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(alpha, beta) of a ring all-reduce of ``world_size`` ranks that best explain ``points`` (bytes, seconds):
-    ``t = 2(p-1) alpha + 2(p-1)/p n beta``, least squares on the relative error, so that every size counts.
-    ``1 / beta`` is the bus bandwidth: the rate each rank's link achieved."""
-    p = world_size
-    points = [(n, t) for n, t in points if t > 0]
-    if p < 2 or len(points) < 2:
-        raise DataError(f"an all-reduce report of {p} rank(s) and {len(points)} sizes cannot give a link; run "
-                        f"hpcdl bench allreduce on 2 or more ranks")
-    # t / t = 1 = a * x1 + b * x2 with x1 = 2(p-1)/t, x2 = 2(p-1)/p * n / t: solve the 2x2 normal equations
-    x1 = [2 * (p - 1) / t for _, t in points]
-    x2 = [2 * (p - 1) / p * n / t for n, t in points]
-    s11, s12, s22 = sum(a * a for a in x1), sum(a * b for a, b in zip(x1, x2)), sum(b * b for b in x2)
-    det = s11 * s22 - s12 * s12
-    alpha = (s22 * sum(x1) - s12 * sum(x2)) / det
-    beta = (s11 * sum(x2) - s12 * sum(x1)) / det
-    if beta <= 0:
-        raise DataError("the all-reduce report's times do not grow with size; measure up to larger --max-bytes")
-    return max(alpha, 0.0), beta

@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+from hpcdl.bench.reports import AllreduceReport, ScalingReport, StepReport, fit_ring
 from hpcdl.errors import DataError
-from hpcdl.plan.cost import BACKWARD_SHARE, BatchCurve, Link, StepModel, allreduce_cost, fit_ring
-from hpcdl.reports import AllreduceReport, ScalingReport, StepReport
+from hpcdl.plan.cost import BACKWARD_SHARE, BatchCurve, Link, StepModel, allreduce_cost
 
 __all__ = ["Calibration", "calibrate", "curve_from_step", "link_from_allreduce"]
 
@@ -17,7 +17,7 @@ __all__ = ["Calibration", "calibrate", "curve_from_step", "link_from_allreduce"]
 def link_from_allreduce(report: AllreduceReport, backend: str | None = None, source: str = "the report") -> Link:
     """The alpha-beta link that best explains ``hpcdl bench allreduce --json``'s times (``backend``'s rows of a
     ``--backends`` report, default the first backend's), each a ring of its ``world_size`` ranks
-    (:func:`hpcdl.plan.cost.fit_ring`)."""
+    (:func:`hpcdl.bench.reports.comm.fit_ring`)."""
     measured = list(dict.fromkeys(r.backend for r in report.rows))
     backend = backend or (measured[0] if measured else None)
     if backend not in measured:

@@ -25,6 +25,7 @@ import dataclasses
 import math
 
 from hpcdl import names
+from hpcdl.bench.reports import AllreduceReport, ScalingReport, StartupReport, StepReport, SyncReport
 from hpcdl.config import SyncConfig
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.flags import meta
@@ -37,7 +38,6 @@ from hpcdl.plan.startup_terms import StartupModel
 from hpcdl.plan.validate import FITTED, NodeCompute, carried_compute
 from hpcdl.plot import counts_axis, pyplot, save_png
 from hpcdl.presets import get_preset
-from hpcdl.reports import AllreduceReport, ScalingReport, StartupReport, StepReport, SyncReport
 
 __all__ = ["PlanInputs", "PlanQuestion", "figure", "format_plan", "memory_note", "plan", "plot", "state_bytes"]
 

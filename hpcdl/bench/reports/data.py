@@ -6,7 +6,7 @@ import dataclasses
 import typing
 
 from hpcdl.bench.configs import DataBench, FeedBench
-from hpcdl.reports.base import Provenance, Report
+from hpcdl.bench.reports.base import Provenance, Report
 
 __all__ = ["DataReport", "FeedReport", "FeedRow", "FeedRun", "ReaderRow", "RecipeRates"]
 

@@ -6,7 +6,7 @@ import dataclasses
 import typing
 
 from hpcdl.bench.configs import LargeBatchBench, OptimBench, ScalingBench, StepBench
-from hpcdl.reports.base import Provenance, Report
+from hpcdl.bench.reports.base import Provenance, Report
 
 __all__ = ["Breakdown", "ClassTime", "Compiled", "LargeBatchCell", "LargeBatchReport", "NodeRound", "NotCompiled",
            "OptimReport", "Phases", "PrecisionCase", "RankSetup", "ScalingMeta", "ScalingPoint", "ScalingReport",

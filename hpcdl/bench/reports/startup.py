@@ -6,8 +6,8 @@ import dataclasses
 import typing
 
 from hpcdl.bench.configs import StartupBench
+from hpcdl.bench.reports.base import Provenance, Report
 from hpcdl.errors import DataError
-from hpcdl.reports.base import Provenance, Report
 
 __all__ = ["CountFit", "StartupReport", "StartupRow", "StoreCapacity"]
 
