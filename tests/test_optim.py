@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 
 from hpcdl import names
+from hpcdl.bench.largebatch import reference_lr
+from hpcdl.bench.optim import cases
 from hpcdl.cli import build_parser
 from hpcdl.deferred import deferred
 from hpcdl.errors import ConfigError
@@ -199,7 +201,8 @@ def test_an_optimizer_added_as_one_row_at_run_time_is_planned_built_and_checked(
     """A row added to hpcdl.names.OPTIMIZER_TABLE after every import, naming this module's class: hpcdl plan
     --optimizer sizes its state, build_optimizer builds it in train mode with its row's keywords, OptimConfig takes
     the name and RunConfig's schedule-free check reads the row. Each reads the table when it runs: one that took a
-    copy at import refuses the name. An unknown name is still refused, listing the valid ones."""
+    copy at import refuses the name; bench optim times it and bench large-batch carries its lr. An unknown
+    name is still refused, listing the valid ones."""
     with pytest.raises(SystemExit):  # argparse refuses it before the row exists
         build_parser().parse_args([*PLAN, "--optimizer", "throwaway"])
     assert "invalid choice: 'throwaway'" in capsys.readouterr().err
@@ -231,6 +234,8 @@ def test_an_optimizer_added_as_one_row_at_run_time_is_planned_built_and_checked(
         OptimConfig(name="throwaway2")
     assert ("optimizer.name='throwaway2' is unknown; choose one of sgd, nesterov, lars, larc, lamb, adamw, "
             "schedulefree, schedulefree_sgd, muon, throwaway") in str(err.value)
+    assert cases()["throwaway"].lr == THROWAWAY.reference_lr  # bench optim times it with the others
+    assert reference_lr("throwaway", 4 * names.REFERENCE_BATCH) == pytest.approx(0.4)  # bench large-batch's, linear
 
 
 @pytest.mark.parametrize("name", sorted(names.OPTIMIZER_TABLE))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from hpcdl import names
 from hpcdl.bench.configs import OptimBench as Config
 from hpcdl.bench.reports import OptimReport
 from hpcdl.bench.rounds import alternate, medians, timed_ms
@@ -13,23 +14,21 @@ from hpcdl.models import build_model
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.factory import build_optimizer
 
-CASES = {  # name -> optimizer config; "sgd" is the baseline of the ratios
-    "sgd": OptimConfig(name="sgd", lr=0.1, weight_decay=1e-4),
-    "lars": OptimConfig(name="lars", lr=10.0, weight_decay=1e-4, semantics="mlperf"),
-    "lars (caffe)": OptimConfig(name="lars", lr=10.0, weight_decay=1e-4, semantics="caffe"),
-    "lamb": OptimConfig(name="lamb", lr=1e-3, weight_decay=1e-4),
-    "nesterov": OptimConfig(name="nesterov", lr=0.1, weight_decay=1e-4),
-    "adamw": OptimConfig(name="adamw", lr=1e-3, weight_decay=1e-4),
-    "schedulefree": OptimConfig(name="schedulefree", lr=1e-3, weight_decay=1e-4),
-    "schedulefree_sgd": OptimConfig(name="schedulefree_sgd", lr=0.1, weight_decay=1e-4),
-    "muon": OptimConfig(name="muon", lr=1e-3, weight_decay=1e-4),
-}
+def cases() -> dict[str, OptimConfig]:
+    """Every optimizer's row in :data:`hpcdl.names.OPTIMIZER_TABLE` at its reference lr (a step's time does not depend
+    on the lr), and LARS with Caffe's semantics beside MLPerf's; "sgd" is the baseline of the ratios. Read when the
+    benchmark runs: a row added is timed with the others."""
+    out = {name: OptimConfig(name=name, lr=row.reference_lr, weight_decay=1e-4)
+           for name, row in names.OPTIMIZER_TABLE.items()}
+    out["lars (caffe)"] = OptimConfig(name="lars", lr=names.OPTIMIZER_TABLE["lars"].reference_lr, weight_decay=1e-4,
+                                      semantics="caffe")
+    return out
 
 
 def run(cfg: Config, job=None) -> OptimReport:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    times = alternate({name: timed_ms(_stepper(cfg.model, oc), cfg.steps) for name, oc in CASES.items()}, cfg.rounds)
+    times = alternate({name: timed_ms(_stepper(cfg.model, oc), cfg.steps) for name, oc in cases().items()}, cfg.rounds)
     median = medians(times)  # the warm-up step created each optimizer's state outside the timing
     params = sum(p.numel() for p in build_model(cfg.model).parameters())
     return OptimReport(parameters=params, threads=torch.get_num_threads(), ms_per_step=median,
