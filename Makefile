@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 # libfabric1: oneCCL's transport (backend ccl); the wheels' own libfabric>=2.6 requirement is on no registry.
 # gcc, g++, ninja-build: hpcdl/distributed/native/c_comm_thread.c and ccl_backend.cpp (the oneCCL group's small all-reduce), built
-# by `hpcdl ccl install` (run by make venv) with torch's cpp_extension.
+# by `hpcdl ccl install` (run by make venv) through hpcdl/distributed/native/build.py, the C++ one with torch's cpp_extension.
 APT_PACKAGES := slurmctld slurmd slurm-client munge libpmix-dev slurmdbd mariadb-server libjemalloc2 libfabric1 gcc g++ ninja-build
 PYTEST_ARGS ?=
 # make test: tests that wait (Slurm, MPI, start-up) run beside those that compute; 4 workers kept both cores of
@@ -33,7 +33,9 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 # backend ccl: hpcdl's pinned oneCCL runtime (three wheels from PyPI, sha256-checked) in ~/.cache/hpcdl, and
-# Debian's libfabric1, and the group's C and C++ parts (c_comm_thread, ccl_backend). A runtime already there is only checked.
+# Debian's libfabric1, and the group's C and C++ parts (c_comm_thread, ccl_backend: python -m hpcdl.distributed.native.build,
+# which ccl install runs; it starts nothing). A runtime already there is only checked; parts that cannot be built (no
+# compiler) do not fail the venv: their failure is recorded in ~/.cache/hpcdl/native/KEY/ and oneCCL goes through Python.
 ccl: $(VENV)/.installed system
 	$(PY) -m hpcdl ccl install
 

@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hpcdl", "hpcdl.*"]),
-    # built on first use (hpcdl.distributed.native.c_comm_thread, hpcdl.distributed.native.ccl_backend) or by hpcdl ccl install
+    # the native pieces' sources, built by hpcdl.distributed.native.build (hpcdl ccl install, or a rank's first use)
     package_data={"hpcdl.distributed.native": ["c_comm_thread.c", "ccl_backend.cpp"]},
     install_requires=[
         "torch>=2.4",

@@ -16,11 +16,10 @@ import hpcdl
 from hpcdl.bench.configs import TuneConfig
 from hpcdl.cli.common import command
 from hpcdl.deferred import deferred
-from hpcdl.distributed.ccl import library
-from hpcdl.distributed.native import c_comm_thread
 from hpcdl.distributed.affinity import allocator_exports, allocator_in_use, plan_cpus
-from hpcdl.distributed.ranks.env import discover
+from hpcdl.distributed.ccl import install, library
 from hpcdl.distributed.mpi.runtime import mpi_environment
+from hpcdl.distributed.ranks.env import discover
 from hpcdl.errors import ConfigError
 from hpcdl.flags import meta
 from hpcdl.launch.layout import NodeLayout
@@ -68,7 +67,7 @@ def add_commands(sub) -> None:
     run.set_defaults(fn=lambda args: exec_command(args.argv))
     ccl = sub.add_parser("ccl", help="the oneCCL runtime of backend ccl").add_subparsers(dest="action", required=True)
     command(ccl, "install", ccl_install, CclInstall, help="assemble hpcdl's pinned oneCCL runtime from PyPI's wheels "
-            "(sha256-checked); run it on the login node")
+            "(sha256-checked) and build the group's C thread and C++ all-reduce; run it on the login node")
     command(ccl, "info", ccl_info, CclInfo, help="which libccl backend ccl loads, from which source, and its version")
 
 
@@ -149,17 +148,13 @@ def exec_command(argv: list[str]) -> int:
 
 
 def ccl_install(cmd: CclInstall) -> int:
-    root = library.install(Path(cmd.prefix) if cmd.prefix else None,
-                               wheels=Path(cmd.wheels) if cmd.wheels else None, force=cmd.force)
-    print(f"oneCCL {library.VERSION} runtime in {root} (every file matches its pinned sha256)")
-    try:  # for compute nodes without a compiler: the cache is in the home folder they share
-        print(f"c_comm_thread (small collectives' C thread) built: {c_comm_thread.build()}")
-    except OSError as exc:
-        print(f"c_comm_thread not built ({exc}): small oneCCL collectives will use the Python thread")
-    ccl_backend = deferred("hpcdl.distributed.native.ccl_backend")  # torch's cpp_extension builds it
-    if ccl_backend.load() is not None:  # says why not in the log where it cannot be built
-        print(f"ccl_backend (the oneCCL group's C++ all-reduce) built in {ccl_backend.build_folder()}")
-    if cmd.prefix and Path(cmd.prefix) != library.home():
+    root = install.install(Path(cmd.prefix) if cmd.prefix else None,
+                           wheels=Path(cmd.wheels) if cmd.wheels else None, force=cmd.force)
+    print(f"oneCCL {install.VERSION} runtime in {root} (every file matches its pinned sha256)")
+    # The group's C thread and C++ all-reduce, for compute nodes without a compiler that share this cache: built (a
+    # failure recorded before is tried again), nothing started; without them oneCCL works through Python.
+    deferred("hpcdl.distributed.native.build:main")()
+    if cmd.prefix and Path(cmd.prefix) != install.home():
         print(f"use it with: export HPCDL_CCL_HOME={root}")
     return 0
 

@@ -42,9 +42,9 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from hpcdl.distributed.ccl import library
-from hpcdl.distributed.native import c_comm_thread, ccl_backend
 from hpcdl.distributed.group.comm_thread import describe
 from hpcdl.distributed.group.python_backend import CommThread, Liveness, ThreadedProcessGroup, unwrapped
+from hpcdl.distributed.native import c_comm_thread, ccl_backend
 from hpcdl.utils import before_leaving
 
 __all__ = ["BACKEND_NAME", "CCLProcessGroup", "register"]
@@ -56,7 +56,6 @@ _TYPES = {torch.float32: "onecclFloat32", torch.float64: "onecclFloat64", torch.
 _OPS = {"SUM": "onecclSum", "PRODUCT": "onecclProd", "MAX": "onecclMax", "MIN": "onecclMin"}
 _thread: CommThread | None = None
 _thread_lock = threading.Lock()
-
 
 SHM_DIR = Path("/dev/shm")
 log = logging.getLogger(__name__)
@@ -78,8 +77,7 @@ def comm_thread(liveness: Liveness | None = None) -> CommThread:
         return _thread
 
 
-_ABORTED = ("aborted inside oneCCL (a C++ exception through its C API: its transport failed, usually a peer "
-            "gone)")
+_ABORTED = "aborted inside oneCCL (a C++ exception through its C API: its transport failed, usually a peer gone)"
 _ON_SIGNAL = ctypes.CFUNCTYPE(None, ctypes.c_int)
 _abort_guard = None  # the C handler, kept alive for the process
 
@@ -200,7 +198,7 @@ class _FastWork(dist.Work):
             except Exception as exc:
                 future.set_exception(exc)
             return future
-        return self.group._fast_future(self.ticket, self.tensors).then(self._after)
+        return self.group.ticket_future(self.ticket, self.tensors).then(self._after)
 
     def _after(self, future: Future) -> list[torch.Tensor]:
         self._collected, tensors = True, future.value()  # raises the collective's error
@@ -213,8 +211,9 @@ class CCLProcessGroup(ThreadedProcessGroup):
     """A torch process group over a oneCCL communicator of its ranks.
 
     An all-reduce of one tensor of at most ``fast_bytes`` (a control flag, a metric, a loss) issued while the
-    Python thread has nothing queued goes to the C thread instead (:mod:`hpcdl.distributed.native.c_comm_thread`); its Work's
-    ``wait`` applies the group's timeout and asks the heartbeats about a long wait, as the watchdog does.
+    Python thread has nothing queued goes to the C thread instead (:mod:`hpcdl.distributed.native.c_comm_thread`); its
+    Work's ``wait`` applies the group's timeout and asks the heartbeats about a long wait, as the watchdog does. Its
+    ``ticket_*`` methods are what ccl_backend.cpp calls (:class:`ccl_backend.BackendCallbacks`).
     """
 
     BACKEND_NAME = BACKEND_NAME
@@ -266,13 +265,13 @@ class CCLProcessGroup(ThreadedProcessGroup):
         group's timeout, a lost peer named by the heartbeats, oneCCL's own error, an abort inside oneCCL)."""
         fast, start = self.thread.fast, time.monotonic()
         while (rc := fast.wait(ticket, 200)) is None:
-            why = self._overdue(ticket, time.monotonic() - start, what)
+            why = self.ticket_overdue(ticket, time.monotonic() - start, what)
             if why:
                 return dist.DistBackendError(why)
-        return dist.DistBackendError(self._fast_error(ticket, rc, what)) if rc else None
+        return dist.DistBackendError(self.ticket_error(ticket, rc, what)) if rc else None
 
-    # -- asked by the wait of a C thread's call, here and from ccl_backend.cpp (off the fast path only) -----------
-    def _overdue(self, ticket: int, waited_s: float, what) -> str | None:
+    # -- BackendCallbacks: asked by the wait of a C thread's call, here and from ccl_backend.cpp (off the fast path)
+    def ticket_overdue(self, ticket: int, waited_s: float, what) -> str | None:
         """The error of a wait for ``ticket`` that has run ``waited_s``: past the group's timeout, or a peer whose
         heartbeat stopped (asked every ``after_s``, as the watchdog does); None to go on waiting."""
         why, liveness, limit = None, self.thread.liveness, self.timeout.total_seconds()
@@ -289,7 +288,7 @@ class CCLProcessGroup(ThreadedProcessGroup):
         self.thread.fast.given_up = ticket  # at exit, the process leaves without finalizing oneCCL
         return f"rank {self.rank()}: {self.LIBRARY} {describe(_what(what))} {why}"
 
-    def _fast_error(self, ticket: int, rc, what) -> str:
+    def ticket_error(self, ticket: int, rc, what) -> str:
         """The error of a C thread's call that returned ``rc``: oneCCL's own words, or the abort inside it."""
         if int(rc) == c_comm_thread.ABORTED:
             return f"rank {self.rank()}: {self.LIBRARY} {describe(_what(what))} {_ABORTED}"
@@ -299,7 +298,7 @@ class CCLProcessGroup(ThreadedProcessGroup):
             return str(self.failed(_what(what), exc))
         return f"rank {self.rank()}: {self.LIBRARY} {describe(_what(what))} failed: return code {int(rc)}"
 
-    def _fast_future(self, ticket: int, tensors: list[torch.Tensor]) -> Future:
+    def ticket_future(self, ticket: int, tensors: list[torch.Tensor]) -> Future:
         """A future of the C thread's all-reduce ``ticket``, completed by the Python thread (which runs an item
         only once the C thread's calls have finished)."""
         future: Future = Future()
@@ -377,6 +376,7 @@ def group_class() -> type:
     ext = ccl_backend.load()
     if ext is None:
         return CCLProcessGroup
+    ccl_backend.check_callbacks(CCLProcessGroup)  # a TypeError naming what differs: a bug, not a setting
     try:
         return type("CCLProcessGroup", (CCLProcessGroup, ext.FastBackend), {"__module__": __name__,
                                                                              "__doc__": CCLProcessGroup.__doc__})

@@ -8,28 +8,23 @@ and its arguments for a thread in C, which spins a while before it sleeps, and w
 interpreter lock released; neither side runs Python between the two. The Python comm thread hands it the
 library's other calls too (:meth:`FastComm.call`, :meth:`FastComm.run`), so that one thread makes them all.
 
-The C file is built with the C compiler on first use (``cc``, or ``$CC``; a fraction of a second) into the
-user's cache, named by its content, written under a temporary name and renamed; ``hpcdl ccl install`` builds
-it too (on a login node, for compute nodes without a compiler that share the home folder). Without it the
-group keeps its Python hand-off and says so once.
+The C file is built by :mod:`hpcdl.distributed.native.build` (``hpcdl ccl install``, or on first use where a
+compiler is; a fraction of a second) into the user's cache; :func:`load` binds it and starts its thread. Where it
+is not built (no compiler: the failure is recorded, and no rank retries it), the group keeps its Python hand-off
+and says so once per process.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
-from hpcdl.utils import cache_dir
+from hpcdl.distributed.native import build
 
-__all__ = ["Aborted", "FastComm", "build", "load"]
+__all__ = ["Aborted", "FastComm", "load"]
 
-SOURCE = Path(__file__).with_name("c_comm_thread.c")
 SPIN_US = 50  # each side polls this long before it sleeps: a one-float oneCCL all-reduce takes 7-9 us
 ABORTED = -(2**62)  # the return code of a call that aborted inside the library (fc_park)
 log = logging.getLogger(__name__)
@@ -38,36 +33,6 @@ _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_ssize_t)
 
 class Aborted(RuntimeError):
     """A library call that :meth:`FastComm.run` made on the C thread aborted there (the thread is parked)."""
-
-
-def library_path(environ=os.environ) -> Path:
-    """Where the built library is kept: named by the source's content, so an edited source builds anew."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    return cache_dir(environ) / "c_comm_thread" / f"c_comm_thread-{digest}.so"
-
-
-def build(environ=os.environ) -> Path:
-    """The built library, compiled now unless a build of this source is there. Raises OSError (no compiler,
-    or the compiler's own message)."""
-    target = library_path(environ)
-    if target.exists():
-        return target
-    compiler = environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise OSError("no C compiler (cc, gcc or $CC) to build hpcdl/distributed/native/c_comm_thread.c")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(fd)
-    try:
-        run = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", "-o", tmp, str(SOURCE)],
-                             capture_output=True, text=True)
-        if run.returncode != 0:
-            raise OSError(f"{compiler} could not build {SOURCE}: {(run.stderr or run.stdout).strip()[-800:]}")
-        os.replace(tmp, target)  # ranks of a node that build at once each rename a whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 class FastComm:
@@ -167,7 +132,8 @@ _TRIED = False
 
 
 def load(environ=os.environ) -> FastComm | None:
-    """The process's :class:`FastComm`, built and started once; None (said once) where it cannot be, or where
+    """The process's :class:`FastComm`, bound and started once (built first where it is neither built nor recorded as
+    failed: :func:`hpcdl.distributed.native.build.ensure`); None, said once, where it is not there, or where
     ``HPCDL_FASTCOMM=0`` turns it off."""
     global _LOADED, _TRIED
     if _TRIED:
@@ -176,9 +142,14 @@ def load(environ=os.environ) -> FastComm | None:
     if environ.get("HPCDL_FASTCOMM", "1") == "0":
         log.info("c_comm_thread: off (HPCDL_FASTCOMM=0); small oneCCL collectives go through the Python thread")
         return None
-    try:
-        _LOADED = FastComm(build(environ))
-    except OSError as exc:
-        log.warning("c_comm_thread: %s; small oneCCL collectives go through the Python thread (about 30 us more each)",
-                    exc)
-    return _LOADED
+    built = build.ensure("c_comm_thread", environ)
+    why = built.describe()
+    if built.path is not None:
+        try:
+            _LOADED = FastComm(built.path)
+            return _LOADED
+        except OSError as exc:
+            why = f"{built.path} does not load or start: {exc}"
+    log.warning("c_comm_thread: not used (%s); small oneCCL collectives go through the Python thread (about 30 us more "
+                "each); %s", why, build.RETRY)
+    return None

@@ -1,15 +1,19 @@
 // The oneCCL group's small all-reduce without a call into Python: a c10d Backend in C++ whose allreduce queues
 // onecclAllReduce on c_comm_thread's C thread and returns a Work that waits in C.
 //
-// hpcdl/distributed/native/ccl_backend.py builds this file with torch's own tooling (torch.utils.cpp_extension) against the
-// torch it runs with. FastBackend derives from torch's trampoline for Python backends (c10d::PyBackend, a header
-// since torch 2.14), so the Python group (hpcdl.distributed.ccl.group.CCLProcessGroup, which subclasses it) keeps every
-// other collective: only an all-reduce that fits the fast path stays here, and any other one goes on to the
-// Python group's allreduce. What needs judgement stays in Python and is asked only off the fast path: whether a
-// long wait has outlived the group's timeout or lost a peer (_overdue), the words for a oneCCL error
-// (_fast_error), and a future for a caller that asks for one (_fast_future).
+// hpcdl/distributed/native/build.py builds this file with torch's own tooling (torch.utils.cpp_extension) against the
+// torch it runs with; hpcdl/distributed/native/ccl_backend.py imports it. FastBackend derives from torch's trampoline
+// for Python backends (c10d::PyBackend, a header since torch 2.14), so the Python group
+// (hpcdl.distributed.ccl.group.CCLProcessGroup, which subclasses it) keeps every other collective: only an
+// all-reduce that fits the fast path stays here, and any other one goes on to the Python group's allreduce. What
+// needs judgement stays in Python and is asked only off the fast path, by the names of ccl_backend.py's
+// BackendCallbacks (a test reads them from the ask("...") and attr("...") calls below): whether a long wait has
+// outlived the group's timeout or lost a peer (ticket_overdue), the words for a oneCCL error (ticket_error), and a
+// future for a caller that asks for one (ticket_future).
 //
-// The c_comm_thread functions come from c_comm_thread.c's library, which Python loads first with RTLD_GLOBAL.
+// The fc_* functions come from c_comm_thread.c's library (libhpcdl_c_comm_thread.so), which this extension is linked
+// against (build.py: its path on the link line and its folder as rpath): whichever of the two is loaded first, the
+// process holds one copy of it.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
@@ -87,8 +91,8 @@ class FastBackend : public c10d::PyBackend {
     return c10d::PyBackend::allreduce(tensors, opts);  // the Python group's, through torch's trampoline
   }
 
-  // The Python group's answer about ``ticket`` (_overdue: waited ``value`` seconds; _fast_error: returned code
-  // ``value``): an error message, or empty to go on waiting.
+  // The Python group's answer about ``ticket`` (ticket_overdue: waited ``value`` seconds; ticket_error: returned
+  // code ``value``): an error message, or empty to go on waiting.
   std::string ask(const char* method, int64_t ticket, double value, const std::vector<at::Tensor>& tensors) {
     pybind11::gil_scoped_acquire gil;
     pybind11::object self = pybind11::cast(static_cast<c10d::Backend*>(this));
@@ -99,7 +103,7 @@ class FastBackend : public c10d::PyBackend {
   c10::intrusive_ptr<c10::ivalue::Future> future(int64_t ticket, const std::vector<at::Tensor>& tensors) {
     pybind11::gil_scoped_acquire gil;
     pybind11::object self = pybind11::cast(static_cast<c10d::Backend*>(this));
-    pybind11::object fut = self.attr("_fast_future")(ticket, tensors);
+    pybind11::object fut = self.attr("ticket_future")(ticket, tensors);
     return pybind11::cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>(fut)->fut;
   }
 
@@ -118,13 +122,13 @@ bool FastWork::wait(std::chrono::milliseconds) {
   auto start = std::chrono::steady_clock::now();
   while (!fc_wait(ticket_, kSliceMs, &rc)) {
     double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::string why = group_->ask("_overdue", ticket_, elapsed, tensors_);
+    std::string why = group_->ask("ticket_overdue", ticket_, elapsed, tensors_);
     if (!why.empty()) {
       C10_THROW_ERROR(DistBackendError, why);
     }
   }
   if (rc != 0) {
-    C10_THROW_ERROR(DistBackendError, group_->ask("_fast_error", ticket_, static_cast<double>(rc), tensors_));
+    C10_THROW_ERROR(DistBackendError, group_->ask("ticket_error", ticket_, static_cast<double>(rc), tensors_));
   }
   collected_ = true;
   return true;
