@@ -61,4 +61,8 @@ def register(liveness=None):
             o.group_rank, o.group_size, o.timeout, o.store, liveness), extended_api=True, devices=["cpu"])
 
 
-BACKENDS["store"] = Backend("store", "hpcdl-store", lambda lib: "the rendezvous store", "store_backend:register")
+def describe(lib=None) -> str:
+    return "the rendezvous store"
+
+
+BACKENDS["store"] = Backend("store", "hpcdl-store", "store_backend:describe", "store_backend:register")

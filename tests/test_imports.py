@@ -1,8 +1,9 @@
 """The import graph of hpcdl/, read from the source (imports at module level and inside functions alike):
 no cycle, torch out of reach of what a login node runs, and no import inside a function but an optional
-extra's. A module that needs torch is reached from the login node's modules only by name, through the three
-tables that say so: the CLI's commands (hpcdl.cli), the benchmarks (hpcdl.bench) and the backends
-(hpcdl.distributed.backend)."""
+extra's. A module that needs torch is reached from the login node's modules only by name, through the tables
+that say so: the CLI's commands (hpcdl.cli), the benchmarks (hpcdl.bench), the backends (hpcdl.distributed.backend)
+and the optimizers (hpcdl.names.OPTIMIZER_TABLE). And the package's map (docs/contributing.md, "Layout") matches
+the tree, with imports pointing down it and no entries of a folder in a cycle."""
 
 from __future__ import annotations
 
@@ -200,41 +201,48 @@ LAYOUT = REPO / "docs" / "contributing.md"
 
 
 def layout_map(text: str) -> list[tuple[list[str], list[str]]]:
-    """The Layout table's rows, top to bottom: (the row's top-level entries, the entries of its folder)."""
+    """The Layout table's rows, top to bottom: (the row's top-level entries, the entries its folder's row names,
+    relative to the folder: ``x.py``, ``x/``, and ``x/y.py`` for an entry of a folder inside it)."""
     section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `") else []
         if len(cells) >= 2:
             entries = [e.removeprefix("hpcdl/") for e in re.findall(r"`(hpcdl/[^`]*)`", cells[0])]
-            rows.append((entries, re.findall(r"`([\w.]+(?:\.py|\.c|\.cpp|/))`", cells[1])))
+            rows.append((entries, re.findall(r"`(?!hpcdl/)((?:\w+/)?[\w.]+(?:\.py|\.c|\.cpp|/))`", cells[1])))
     return rows
 
 
 def tree_entries(folder: Path) -> set[str]:
+    """A folder's modules, native sources and folders of modules (with an __init__.py or not), but __init__.py."""
     return {p.name + "/" if p.is_dir() else p.name for p in folder.iterdir()
-            if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix in (".py", ".c", ".cpp")} - {"__init__.py"}
+            if (p.is_dir() and p.name != "__pycache__" and any(p.rglob("*.py"))) or p.suffix in (".py", ".c", ".cpp")} \
+        - {"__init__.py"}
 
 
-def unit(module: str, files: dict[str, Path]) -> str | None:
-    """The top-level entry of hpcdl/ that ``module`` belongs to ("cli/", "names.py", "__init__.py"); None outside
-    hpcdl or for an entry point inside a folder (``python -m hpcdl.train``, which runs the CLI: above everything)."""
+def entry(module: str, depth: int = 1) -> str | None:
+    """The entry of hpcdl/ (``depth`` 1: "cli/", "names.py", "__init__.py") or of its folder (2: "distributed/group/",
+    "distributed/backend.py") that ``module`` belongs to; None outside hpcdl, above ``depth`` (a folder's own
+    __init__ at depth 2), or for an entry point inside a folder (``python -m hpcdl.train``, which runs the CLI: above
+    everything)."""
     parts = module.split(".")
     if parts[0] != "hpcdl" or (len(parts) > 2 and parts[-1] == "__main__"):
         return None
     if len(parts) == 1:
-        return "__init__.py"
-    top = "hpcdl." + parts[1]
-    return parts[1] + "/" if files.get(top, Path()).name == "__init__.py" else parts[1] + ".py"
+        return "__init__.py" if depth == 1 else None
+    if len(parts) <= depth:
+        return None
+    path = "/".join(parts[1:depth + 1])
+    return path + "/" if (PACKAGE / path).is_dir() else path + ".py"
 
 
-def arrows(table, files) -> dict[tuple[str, str], str]:
-    """Imports between top-level entries (module level and in functions; a module named for :mod:`hpcdl.deferred`
+def arrows(table, files, depth: int = 1) -> dict[tuple[str, str], str]:
+    """Imports between entries at ``depth`` (module level and in functions; a module named for :mod:`hpcdl.deferred`
     is a call up by name, not an import), each with one import that makes it."""
     out = {}
     for m in sorted(table):
         for target, line, how in table[m]:
-            a, b = unit(m, files), unit(target, files)
+            a, b = entry(m, depth), entry(target, depth)
             if how != "deferred" and a and b and a != b:
                 out.setdefault((a, b), f"{files[m].relative_to(REPO)}:{line} imports {target}")
     return out
@@ -246,12 +254,19 @@ def upward(rows, found: dict[tuple[str, str], str]) -> list[str]:
             if a in level and b in level and level[b] <= level[a]]
 
 
-def mutual(found: dict[tuple[str, str], str]) -> list[str]:
-    return [f"{a} <-> {b}: {found[a, b]}; {found[b, a]}" for a, b in sorted(found) if a < b and (b, a) in found]
+def entry_cycles(found: dict[tuple[str, str], str]) -> list[str]:
+    """Entries that import each other, around a cycle of any length, with the imports that close it."""
+    table = {}
+    for a, b in found:
+        table.setdefault(a, []).append((b, 0, "top"))
+        table.setdefault(b, [])
+    return [" -> ".join(c) + ": " + "; ".join(found[a, b] for a in c for b in c if (a, b) in found)
+            for c in cycles(table)]
 
 
 def test_the_layout_map_names_every_entry_of_the_package():
-    """docs/contributing.md's map names each top-level entry of hpcdl/ once, and each entry of every folder."""
+    """docs/contributing.md's map names each top-level entry of hpcdl/ once, each entry of every folder, and each entry
+    of a folder inside one where it names any."""
     rows = layout_map(LAYOUT.read_text())
     named, tree = [e for entries, _ in rows for e in entries], tree_entries(PACKAGE) | {"__init__.py"}
     assert sorted(named) == sorted(tree), (f"in the tree, not the map: {sorted(tree - set(named))}; in the map, not "
@@ -259,30 +274,39 @@ def test_the_layout_map_names_every_entry_of_the_package():
                                            f"{sorted({e for e in named if named.count(e) > 1})}")
     for entries, children in rows:
         for folder in (e for e in entries if e.endswith("/")):
-            actual = tree_entries(PACKAGE / folder)
-            assert set(children) == actual, (f"hpcdl/{folder}: in the tree, not the map: {sorted(actual - set(children))};"
-                                             f" in the map, not the tree: {sorted(set(children) - actual)}")
+            firsts = {c if "/" not in c[:-1] else c.split("/")[0] + "/" for c in children}
+            inner = {c.split("/")[0] + "/" for c in children if "/" in c[:-1]}
+            for where, named_here, actual in [(folder, firsts, tree_entries(PACKAGE / folder))] + [
+                    (folder + s, {c.removeprefix(s) for c in children if c.startswith(s) and c != s},
+                     tree_entries(PACKAGE / folder / s)) for s in sorted(inner)]:
+                assert named_here == actual, (f"hpcdl/{where}: in the tree, not the map: {sorted(actual - named_here)};"
+                                              f" in the map, not the tree: {sorted(named_here - actual)}")
 
 
 def test_imports_point_down_the_layout_map_and_no_folder_imports_one_that_imports_it_back():
+    """Between the top-level entries, down the map only; inside a folder, no entries in a cycle of imports."""
     table, files = graph()
-    found = arrows(table, files)
-    problems = mutual(found) + upward(layout_map(LAYOUT.read_text()), found)
+    problems = upward(layout_map(LAYOUT.read_text()), arrows(table, files))
+    problems += entry_cycles(arrows(table, files)) + entry_cycles(arrows(table, files, depth=2))
     assert not problems, "\n".join(problems)
 
 
 def test_the_layout_checks_find_what_they_look_for():
-    """A planted upward import and a planted pair of folders importing each other are each found."""
-    text = ("## Layout\n\n| entry | holds |\n| --- | --- |\n| `hpcdl/cli/` | `main.py` |\n| `hpcdl/names.py` | |\n"
-            "\n## Next\n")
+    """A planted upward import, a planted pair of folders importing each other and a planted cycle of three entries
+    inside a folder are each found."""
+    text = ("## Layout\n\n| entry | holds |\n| --- | --- |\n| `hpcdl/cli/` | `main.py`, `inner/a.py` |\n"
+            "| `hpcdl/names.py` | |\n\n## Next\n")
     rows = layout_map(text)
-    assert rows == [(["cli/"], ["main.py"]), (["names.py"], [])]
-    files = {"hpcdl.cli": Path("cli/__init__.py"), "hpcdl.cli.main": Path("cli/main.py"), "hpcdl.names": Path("names.py")}
-    assert unit("hpcdl.cli.main", files) == "cli/" and unit("hpcdl.names", files) == "names.py"
-    assert unit("hpcdl.train.__main__", files) is None and unit("torch", files) is None
+    assert rows == [(["cli/"], ["main.py", "inner/a.py"]), (["names.py"], [])]
+    assert entry("hpcdl.cli.train") == "cli/" and entry("hpcdl.names") == "names.py" and entry("hpcdl") == "__init__.py"
+    assert entry("hpcdl.distributed.group.store", 2) == "distributed/group/"
+    assert entry("hpcdl.distributed.backend", 2) == "distributed/backend.py" and entry("hpcdl.distributed", 2) is None
+    assert entry("hpcdl.train.__main__") is None and entry("torch") is None
     assert upward(rows, {("cli/", "names.py"): "ok"}) == []
     assert upward(rows, {("names.py", "cli/"): "here"}) == ["names.py -> cli/ points up the map (here)"]
-    assert mutual({("cli/", "names.py"): "one", ("names.py", "cli/"): "two"}) == ["cli/ <-> names.py: one; two"]
+    assert entry_cycles({("cli/", "names.py"): "one", ("names.py", "cli/"): "two"}) == ["cli/ -> names.py: one; two"]
+    three = {("d/g/", "d/b.py"): "1", ("d/b.py", "d/c/"): "2", ("d/c/", "d/g/"): "3", ("d/c/", "d/x.py"): "4"}
+    assert entry_cycles(three) == ["d/b.py -> d/c/ -> d/g/: 2; 3; 1"]
 
 
 def test_modules_stay_readable_and_distributed_stays_grouped():

@@ -18,13 +18,11 @@ from collections.abc import Callable, Mapping
 from hpcdl import names
 from hpcdl.deferred import deferred
 from hpcdl.distributed.affinity import CpuPlan
-from hpcdl.distributed.ccl.library import load
-from hpcdl.distributed.mpi.runtime import load_mpi
 from hpcdl.distributed.ranks.env import RankEnv
 from hpcdl.errors import ConfigError
 from hpcdl.names import registry
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "BackendChoice", "ccl_environment", "choose_backend",
+__all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "BackendChoice", "ccl_environment", "choose_backend", "gloo_check",
            "interface_to"]
 
 
@@ -41,11 +39,17 @@ class Backend:
 
     name: str  # what users write: --backend NAME, loop.backend
     torch_name: str  # what it registers as in torch.distributed
-    check: Callable[[str | None], str]  # what runs (for the log); ConfigError saying how to fix it when unavailable
+    # "module:function" called with the user's libccl (or None): what runs, for the log; a ConfigError saying how to
+    # fix it when unavailable. Named, not imported: the libraries' modules import the group core, which reads this table
+    check: str
     # "module:function" that registers the torch backend (the module imports torch); None: built into torch
     register: str | None = None
     environment: Callable[[RankEnv, CpuPlan, Mapping[str, str]], dict[str, str]] | None = None  # variables to set
     comm_threads: Callable[[Mapping[str, str]], int] = lambda environ: 0
+
+    def available(self, lib: str | None = None) -> str:
+        """What runs for this row (its ``check``); a ConfigError when it cannot run here."""
+        return deferred(self.check)(lib)
 
     def prepare(self, env: RankEnv | None, cpu: CpuPlan | None, liveness=None) -> None:
         """Set this row's variables for the rank (those the user exported stay; ``env`` and ``cpu`` are needed
@@ -58,18 +62,8 @@ class Backend:
             deferred(self.register)(liveness)
 
 
-def _gloo_check(lib: str | None) -> str:
+def gloo_check(lib: str | None = None) -> str:
     return f"torch {importlib.metadata.version('torch')}'s gloo"
-
-
-def _mpi_check(lib: str | None) -> str:
-    MPI = load_mpi()
-    return f"mpi4py {importlib.metadata.version('mpi4py')} on {MPI.Get_library_version().splitlines()[0].strip()}"
-
-
-def _ccl_check(lib: str | None) -> str:
-    ccl = load(lib)
-    return f"oneCCL {ccl.version} from {ccl.runtime.library} ({ccl.runtime.source})"
 
 
 def ccl_environment(env: RankEnv, plan: CpuPlan, environ: Mapping[str, str]) -> dict[str, str]:
@@ -127,9 +121,10 @@ def interface_to(address: str) -> str | None:
 
 
 BACKENDS: dict[str, Backend] = registry("backends", {b.name: b for b in (
-    Backend("gloo", "gloo", _gloo_check),
-    Backend("mpi", "mpi4py", _mpi_check, "hpcdl.distributed.mpi.group:register"),
-    Backend("ccl", "oneccl", _ccl_check, "hpcdl.distributed.ccl.group:register", ccl_environment,
+    Backend("gloo", "gloo", "hpcdl.distributed.backend:gloo_check"),
+    Backend("mpi", "mpi4py", "hpcdl.distributed.mpi.runtime:describe", "hpcdl.distributed.mpi.group:register"),
+    Backend("ccl", "oneccl", "hpcdl.distributed.ccl.library:describe", "hpcdl.distributed.ccl.group:register",
+            ccl_environment,
             lambda environ: 1 if environ.get("CCL_WORKER_OFFLOAD", "0") != "0" else 0),
 )}, names.BACKENDS)
 AUTO_ORDER = ("ccl", "gloo")
@@ -143,12 +138,12 @@ def choose_backend(requested: str, *, ccl_lib: str | None = None,
     names.check("backend", requested, ("auto", *BACKENDS))
     if requested != "auto":
         row = BACKENDS[requested]
-        return row, BackendChoice(row.torch_name, f"requested: {row.check(ccl_lib)}", row.comm_threads(environ))
+        return row, BackendChoice(row.torch_name, f"requested: {row.available(ccl_lib)}", row.comm_threads(environ))
     skipped = []
     for name in AUTO_ORDER:
         row = BACKENDS[name]
         try:
-            what = row.check(ccl_lib)
+            what = row.available(ccl_lib)
         except ConfigError as exc:
             skipped.append(f"not {name}: {exc}")
             continue

@@ -28,7 +28,7 @@ from pathlib import Path
 from hpcdl.distributed.ccl import install
 from hpcdl.errors import ConfigError
 
-__all__ = ["ENUMS", "OneCCL", "OneCCLError", "Runtime", "enums", "find_runtime", "load"]
+__all__ = ["ENUMS", "OneCCL", "OneCCLError", "Runtime", "describe", "enums", "find_runtime", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -217,3 +217,10 @@ def load(user_path: str | None = None) -> OneCCL:
         raise ConfigError(f"oneCCL: this process loaded {_LOADED.runtime.library} already; it cannot also load "
                           f"{runtime.library} ({runtime.source})")
     return _LOADED
+
+
+def describe(user_path: str | None = None) -> str:
+    """The oneCCL backend's check (:data:`hpcdl.distributed.backend.BACKENDS`): the library loaded and where it came
+    from, for the log; a ConfigError saying how to fix it when it cannot load."""
+    ccl = load(user_path)
+    return f"oneCCL {ccl.version} from {ccl.runtime.library} ({ccl.runtime.source})"

