@@ -33,9 +33,10 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 # backend ccl: hpcdl's pinned oneCCL runtime (three wheels from PyPI, sha256-checked) in ~/.cache/hpcdl, and
-# Debian's libfabric1, and the group's C and C++ parts (c_comm_thread, ccl_backend: python -m hpcdl.distributed.native.build,
-# which ccl install runs; it starts nothing). A runtime already there is only checked; parts that cannot be built (no
-# compiler) do not fail the venv: their failure is recorded in ~/.cache/hpcdl/native/KEY/ and oneCCL goes through Python.
+# Debian's libfabric1, and the group's C and C++ parts (c_comm_thread, ccl_backend: ccl install calls
+# hpcdl.distributed.native.build's main() in-process, not through python -m; it starts nothing). A runtime already
+# there is only checked; parts that cannot be built (no compiler) do not fail the venv: their failure is recorded in
+# ~/.cache/hpcdl/native/KEY/ and oneCCL goes through Python.
 ccl: $(VENV)/.installed system
 	$(PY) -m hpcdl ccl install
 

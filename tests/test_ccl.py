@@ -3,12 +3,16 @@ that leaves with its groups alive, and the group's native pieces (their build, i
 the C++ side's callbacks). A rank lost in a oneCCL all-reduce: test_allreduce."""
 
 import ctypes
+import errno
+import fcntl
 import json
+import logging
 import os
 import platform
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import zipfile
 from pathlib import Path
@@ -224,6 +228,129 @@ def test_c_comm_thread_is_built_once_per_key_and_a_failed_build_is_recorded_not_
     assert sorted(p.name for p in failed.record.parent.iterdir()) == [".lock", "c_comm_thread.failed.json"]  # no half file
     retried = build.build({**failing, "CC": "cc"}, pieces=("c_comm_thread",))  # hpcdl ccl install's: it does
     assert retried[0].path is not None and retried[0].path.exists() and not failed.record.exists()
+
+
+@pytest.mark.parametrize("code", ["ENOSYS", "ENOLCK", "EOPNOTSUPP"])
+def test_a_cache_whose_filesystem_does_not_lock_builds_under_a_lock_of_this_node(tmp_path, monkeypatch, caplog, code):
+    """Lustre mounted without flock (ENOSYS), NFS without lockd (ENOLCK): flock on the cache's .lock fails. No
+    filesystem here refuses flock on demand, so a fake flock refuses it on that one path (and only there)."""
+    from hpcdl.distributed.native import build
+
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    cache_lock, real_flock = build.folder(env) / ".lock", fcntl.flock
+
+    def fake_flock_of_a_filesystem_without_locks(file, operation):
+        if Path(file.name) == cache_lock:
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        return real_flock(file, operation)
+
+    monkeypatch.setattr(fcntl, "flock", fake_flock_of_a_filesystem_without_locks)
+    (tmp_path / "node").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node"))
+    caplog.set_level(logging.INFO, logger=build.__name__)
+    built = build.ensure("c_comm_thread", env)
+    assert built.path is not None and built.path.exists(), built.describe()
+    assert not build.record_path("c_comm_thread", env).exists()
+    assert "the cache's filesystem does not lock; locked on this node instead" in caplog.text
+    assert "cannot" not in caplog.text
+    assert [p.name for p in (tmp_path / "node").iterdir()] == [f"hpcdl-native-{os.getuid()}-{build.key()}.lock"]
+    (installed,) = build.build(env, pieces=("c_comm_thread",))  # hpcdl ccl install's way: the same lock
+    assert installed.path == built.path
+
+
+@pytest.mark.parametrize("owner, name, other", [
+    ("torch", "compiled_with_cxx11_abi", lambda abi: lambda: not abi()),
+    ("torch.version", "git_version", lambda _: "0" * 40),
+    ("platform", "libc_ver", lambda _: lambda *args, **kwargs: ("glibc", "2.17")),
+])
+def test_the_cache_key_tells_apart_torch_builds_cxx_abis_and_libcs(monkeypatch, owner, name, other):
+    """Two environments with one torch version but another C++ ABI or build, or nodes with another glibc, sharing a
+    home: each has its own folder, so none loads the other's library."""
+    import importlib
+
+    from hpcdl.distributed.native import build
+
+    module = importlib.import_module(owner)
+    before = build.key()
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(module, name, other(getattr(module, name)))
+            build.key_parts.cache_clear()
+            build.key.cache_clear()
+            changed = build.key()
+    finally:
+        build.key_parts.cache_clear()
+        build.key.cache_clear()
+    assert changed != before and build.key() == before
+
+
+def test_install_builds_again_a_built_library_that_does_not_load(tmp_path, caplog):
+    """A library built on a login node with a newer glibc than the compute nodes' (here: garbage where it was)."""
+    from hpcdl.distributed.native import build
+
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    path = build.ensure("c_comm_thread", env).path
+    path.write_bytes(b"not a library that loads here")
+    with pytest.raises(OSError):
+        ctypes.CDLL(str(path))
+    caplog.set_level(logging.WARNING, logger=build.__name__)
+    (rebuilt,) = build.build(env, pieces=("c_comm_thread",))
+    assert rebuilt.path == path and ctypes.CDLL(str(path)).fc_issued  # the rebuilt library, loaded
+    assert f"{path} does not load" in caplog.text
+    assert sorted(p.name for p in path.parent.iterdir()) == [".lock", build.C_LIBRARY]
+
+
+def test_a_library_that_does_not_load_names_its_folder_and_the_install(tmp_path, monkeypatch, caplog):
+    """Each loader's warning names the folder to remove as well as hpcdl ccl install. Nothing is compiled: garbage
+    stands for both libraries, and for ccl_backend a fake c_comm_thread.load stands for a C thread that loaded."""
+    from hpcdl.distributed.native import build, c_comm_thread, ccl_backend
+
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    for piece in build.PIECES:
+        build.artifact(piece, env).parent.mkdir(parents=True, exist_ok=True)
+        build.artifact(piece, env).write_bytes(b"built for another glibc")
+    for module in (c_comm_thread, ccl_backend):
+        monkeypatch.setattr(module, "_TRIED", False)
+        monkeypatch.setattr(module, "_LOADED", None)
+    caplog.set_level(logging.WARNING)
+    assert c_comm_thread.load(env) is None
+    monkeypatch.setattr(c_comm_thread, "load", lambda environ: "fake: a C thread that loaded")
+    assert ccl_backend.load(env) is None
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 2 and "does not load or start" in said[0] and "does not import" in said[1], said
+    for message in said:
+        assert "hpcdl ccl install on this node" in message and f"remove {build.folder(env)}" in message, message
+
+
+FAKE_CXX_BUILD = """
+import json, pathlib, sys
+args = json.loads(sys.argv[1])
+staging = pathlib.Path(args["build_directory"])
+assert not (staging.parent / (args["name"] + ".so")).exists(), "the final path exists while it is being built"
+(staging / (args["name"] + ".so")).write_bytes(b"whole, from a stand-in for cpp_extension")
+"""
+
+
+def test_the_cpp_extension_is_built_apart_and_renamed_into_place_whole(tmp_path, monkeypatch):
+    """A rank that finds the extension must not read it while the linker writes it: it is built in a folder of its
+    own and renamed into place. A stand-in for cpp_extension's child (FAKE_CXX_BUILD) writes it, so that nothing is
+    compiled but the C library; one that does not import (garbage) is removed by hpcdl ccl install and built again."""
+    from hpcdl.distributed.native import build
+
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    target = build.artifact("ccl_backend", env)
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"built for another C++ ABI")
+    monkeypatch.setattr(build, "CXX_BUILD", FAKE_CXX_BUILD)
+    monkeypatch.setattr(build, "PY_BACKEND_HEADER", build.SOURCES["ccl_backend"])  # any file: a torch 2.14's header
+    (built,) = build.build(env, pieces=("ccl_backend",))
+    assert built.path == target and target.read_bytes().startswith(b"whole"), built.describe()
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no build folder left
+    monkeypatch.setattr(build, "CXX_BUILD", "print('ninja: build stopped: a stand-in failure')\nraise SystemExit(1)")
+    failing = {"XDG_CACHE_HOME": str(tmp_path / "other")}
+    failed = build.ensure("ccl_backend", failing)
+    assert failed.path is None and failed.why == "ninja: build stopped: a stand-in failure", failed.describe()
+    assert list(build.artifact("ccl_backend", failing).parent.iterdir()) == []
 
 
 def test_the_cpp_calls_back_exactly_the_protocols_methods_and_the_group_has_them():

@@ -143,13 +143,13 @@ def load(environ=os.environ) -> FastComm | None:
         log.info("c_comm_thread: off (HPCDL_FASTCOMM=0); small oneCCL collectives go through the Python thread")
         return None
     built = build.ensure("c_comm_thread", environ)
-    why = built.describe()
+    why, remedy = built.describe(), build.RETRY
     if built.path is not None:
         try:
             _LOADED = FastComm(built.path)
             return _LOADED
-        except OSError as exc:
-            why = f"{built.path} does not load or start: {exc}"
+        except OSError as exc:  # built for another glibc, or a thread that cannot start
+            why, remedy = f"{built.path} does not load or start: {exc}", build.rebuild_advice(environ)
     log.warning("c_comm_thread: not used (%s); small oneCCL collectives go through the Python thread (about 30 us more "
-                "each); %s", why, build.RETRY)
+                "each); %s", why, remedy)
     return None

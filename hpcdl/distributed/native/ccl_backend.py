@@ -1,9 +1,10 @@
 """The C++ part of the oneCCL group (``ccl_backend.cpp``): its small all-reduce without a call into Python.
 
-Built by :mod:`hpcdl.distributed.native.build` with torch's own tooling (``torch.utils.cpp_extension``, 25 s to 2 min,
-once per key: the sources, torch, Python and the machine) into ``~/.cache/hpcdl/native/KEY/ccl_backend/``;
-``hpcdl ccl install`` builds it, and so does the first rank that finds neither it nor a recorded failure. It needs a
-C++ compiler, ninja and torch's headers for c10d's Python trampoline (``c10d/py/PyBackend.hpp``, shipped since torch
+Built by :mod:`hpcdl.distributed.native.build` with torch's own tooling (``torch.utils.cpp_extension``, in a child
+process; 25 s to 2 min, once per key: the sources, torch's version, build and C++ ABI, the C library, Python and the
+machine) into ``~/.cache/hpcdl/native/KEY/ccl_backend/``; ``hpcdl ccl install`` builds it (and builds again one
+that does not import here), and so does the first rank that finds neither it nor a recorded failure. It needs a C++
+compiler, ninja and torch's headers for c10d's Python trampoline (``c10d/py/PyBackend.hpp``, shipped since torch
 2.14). It is linked against the C thread's library (``c_comm_thread.c``), whose calls it makes. Where it is not
 there, the group stays all Python (with the C thread of :mod:`hpcdl.distributed.native.c_comm_thread`) and says so
 once; ``HPCDL_FASTCOMM=0`` turns both off.
@@ -97,15 +98,15 @@ def load(environ=os.environ):
                         "here (above); small all-reduces go through Python")
         return None
     built = build.ensure("ccl_backend", environ)
-    why = built.describe()
+    why, remedy = built.describe(), build.RETRY
     if built.path is not None:
         try:
             _LOADED = _import(built.path)
             return _LOADED
-        except ImportError as exc:
-            why = f"{built.path} does not import: {exc}"
+        except ImportError as exc:  # built for another libstdc++ or torch C++ ABI
+            why, remedy = f"{built.path} does not import: {exc}", build.rebuild_advice(environ)
     log.warning("ccl_backend: not used (%s); small all-reduces go through Python (about 14 us more each); %s", why,
-                build.RETRY)
+                remedy)
     return None
 
 
