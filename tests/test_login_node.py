@@ -1,5 +1,6 @@
 """What a login node checks, without torch: every name field, and the commands that submit or plan."""
 
+import pickle
 import subprocess
 
 import pytest
@@ -90,3 +91,14 @@ def test_submit_refuses_a_bad_config_before_submitting(data, tmp_path):
                                "demo_tiny_lars", "--set", "loop.backend=nccl", "--set", f"data.train={data / 'train'}")
     assert "loop.backend='nccl' is unknown; choose one of auto, gloo, mpi, ccl" in run.stderr, run.stderr
     assert "no torch 2" in run.stderr and not (tmp_path / "jobs").exists()
+
+
+def test_a_job_pickled_before_trainjob_moved_still_unpickles():
+    """submitit unpickles the job it runs when the job starts and after each requeue: one pickled under TrainJob's
+    old module (hpcdl.train.job, before issue 45) loads as the class it is now."""
+    from hpcdl.launch.train_job import TrainJob
+
+    new = pickle.dumps(TrainJob("demo_tiny_lars", ["loop.max_steps=3"]), protocol=0)
+    assert b"hpcdl.launch.train_job" in new
+    job = pickle.loads(new.replace(b"hpcdl.launch.train_job", b"hpcdl.train.job"))
+    assert type(job) is TrainJob and (job.config, job.overrides) == ("demo_tiny_lars", ["loop.max_steps=3"])
