@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from hpcdl.distributed.affinity import plan_cpus
-from hpcdl.distributed.backend import AUTO_ORDER, BACKENDS, ccl_environment, choose_backend, interface_to
+from hpcdl.distributed.backend import AUTO_ORDER, BACKENDS, Backend, ccl_environment, choose_backend, interface_to
 from hpcdl.distributed.mpi.runtime import mpi_environment
 from hpcdl.distributed.ranks.env import discover
 from hpcdl.errors import ConfigError
@@ -86,3 +86,17 @@ def test_pypis_mpich_under_srun_takes_the_netmod_whose_address_fits_slurms_pmi_l
     assert mpi_environment({**srun, "MPIR_CVAR_CH4_NETMOD": "ucx"}) == {}
     assert mpi_environment({"PMI_FD": "11"}) == {}  # mpiexec's own PMI server reads long lines
     assert mpi_environment({"SLURM_STEP_ID": "0"}) == {}  # srun without --mpi=pmi2
+
+
+def test_a_row_names_its_check_and_a_check_that_does_not_import_is_that_rows_error(monkeypatch):
+    """A row's check and register are "module:function" (a callable is refused when the row is made); a check whose
+    module does not import is a ConfigError naming the row, which auto passes over as it does an absent library."""
+    with pytest.raises(TypeError, match='backend foo: its check is named as "module:function"'):
+        Backend("foo", "foo", lambda lib: "foo")
+    broken = Backend("ccl", "oneccl", "hpcdl.distributed.no_such_module:describe")
+    with pytest.raises(ConfigError, match="backend ccl: its check hpcdl.distributed.no_such_module:describe does not "
+                                          "import: No module named 'hpcdl.distributed.no_such_module'"):
+        broken.available()
+    monkeypatch.setitem(BACKENDS, "ccl", broken)
+    row, choice = choose_backend("auto", environ={})
+    assert row.name == "gloo" and "not ccl: backend ccl: its check" in choice.reason, choice.reason

@@ -47,9 +47,19 @@ class Backend:
     environment: Callable[[RankEnv, CpuPlan, Mapping[str, str]], dict[str, str]] | None = None  # variables to set
     comm_threads: Callable[[Mapping[str, str]], int] = lambda environ: 0
 
+    def __post_init__(self):
+        for field, value in (("check", self.check), ("register", self.register)):
+            if value is not None and (not isinstance(value, str) or ":" not in value):
+                raise TypeError(f"backend {self.name}: its {field} is named as \"module:function\", not {value!r}")
+
     def available(self, lib: str | None = None) -> str:
-        """What runs for this row (its ``check``); a ConfigError when it cannot run here."""
-        return deferred(self.check)(lib)
+        """What runs for this row (its ``check``); a ConfigError when it cannot run here, its check's module that does
+        not import included (naming the row)."""
+        try:
+            check = deferred(self.check)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"backend {self.name}: its check {self.check} does not import: {exc}") from exc
+        return check(lib)
 
     def prepare(self, env: RankEnv | None, cpu: CpuPlan | None, liveness=None) -> None:
         """Set this row's variables for the rank (those the user exported stay; ``env`` and ``cpu`` are needed
