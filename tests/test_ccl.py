@@ -1,6 +1,7 @@
 """Backend ccl's runtime and exit: the pinned runtime as installed, each way a runtime can be wrong, a process
-that leaves with its groups alive, and the group's native pieces (their build, its record of a failure, their link,
-the C++ side's callbacks). A rank lost in a oneCCL all-reduce: test_allreduce."""
+that leaves with its groups alive, and the group's native pieces (their build, its record of a failure or not of a
+transient one, its bounds, its publishing that never replaces a library, their link, the C++ side's callbacks). A rank
+lost in a oneCCL all-reduce: test_allreduce."""
 
 import ctypes
 import errno
@@ -45,6 +46,16 @@ def old_oneccl(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="session")
+def native_pieces():
+    """Both native pieces, built once (or found) in the real cache the ranks of these tests use, before the first of
+    them starts: their timeouts then time oneCCL, not a cold C++ compile (50 s on the 2-core VM, minutes under load),
+    and no rank killed at its timeout leaves a compile behind."""
+    from hpcdl.distributed.native import build
+
+    return [build.ensure(piece) for piece in build.PIECES]
+
+
 def test_the_runtime_is_the_pinned_one_and_its_header_gives_the_enums(ccl):
     root = ccl.library.parent.parent
     install.verify(root)  # raises on any file whose sha256 differs
@@ -87,7 +98,7 @@ def test_a_oneccl_without_the_c_api_is_named(ccl, old_oneccl):
     assert bench.returncode == 2 and "older than 2021.17" in bench.stderr
 
 
-def test_a_process_that_leaves_without_destroying_its_groups_exits_with_its_status(ccl, tmp_path):
+def test_a_process_that_leaves_without_destroying_its_groups_exits_with_its_status(ccl, native_pieces, tmp_path):
     """oneCCL hangs at exit with a live communicator; the communication thread destroys what is left."""
     from conftest import free_port, rank_env
 
@@ -99,7 +110,7 @@ def test_a_process_that_leaves_without_destroying_its_groups_exits_with_its_stat
     assert run.returncode == 3, run.stderr[-2000:]
 
 
-def test_an_abort_on_the_oneccl_thread_fails_the_collective_not_the_process(ccl):
+def test_an_abort_on_the_oneccl_thread_fails_the_collective_not_the_process(ccl, native_pieces):
     """oneCCL throws a C++ exception through its C API when its transport fails (a peer gone mid-message), and
     that ends in abort() on its thread. os.abort() on that thread stands in for it here: the real one needs a
     rank killed at the wrong moment, which test_allreduce's lost-rank tests meet only now and then."""
@@ -123,7 +134,7 @@ def _abort_stands_in(code: str) -> None:
     assert run.returncode == 1 and "a collective never completed" in run.stderr, run.stderr[-2000:]
 
 
-def test_stale_shm_files_do_not_stop_a_rank_and_a_dead_ranks_is_removed(ccl, tmp_path):
+def test_stale_shm_files_do_not_stop_a_rank_and_a_dead_ranks_is_removed(ccl, native_pieces, tmp_path):
     """A rank killed outright leaves libfabric's /dev/shm/PID:UID:N behind; a later process with that PID
     failed with 'fi_enable(endpoint) fails with ret: -16' (libfabric takes it for a live one's), and each one
     holds 64 MB of the node's memory until the epilog. The stale files here are planted by a stand-in (junk
@@ -175,7 +186,7 @@ def test_install_assembles_a_runtime_that_loads_and_reuses_it(ccl, tmp_path):
     assert info.returncode == 0 and f"oneCCL 2022.2.0 from {prefix}/lib/libccl.so.2" in info.stdout, info.stderr
 
 
-def test_an_abort_on_the_c_thread_fails_its_collective_not_the_process(ccl):
+def test_an_abort_on_the_c_thread_fails_its_collective_not_the_process(ccl, native_pieces):
     """The same for a small collective on c_comm_thread's C thread: os.abort's C function queued there stands in for
     oneCCL's abort()."""
     _abort_stands_in("fast = group.thread.fast\nt = torch.ones(3)\ndist.all_reduce(t)\n"
@@ -185,7 +196,7 @@ def test_an_abort_on_the_c_thread_fails_its_collective_not_the_process(ccl):
                      "print('failed:', group._collect(ticket, 'stand-in call'), flush=True)\n")
 
 
-def test_an_abort_on_the_c_thread_of_the_python_threads_call_fails_its_collective(ccl):
+def test_an_abort_on_the_c_thread_of_the_python_threads_call_fails_its_collective(ccl, native_pieces):
     """A call the Python comm thread hands to the C thread (a large collective, a communicator's creation or
     destruction: every oneCCL call is made there) aborts there: its item fails as if it had aborted on it."""
     _abort_stands_in("abort = ctypes.cast(ctypes.CDLL(None).abort, ctypes.c_void_p).value\n"
@@ -215,6 +226,7 @@ def test_c_comm_thread_is_built_once_per_key_and_a_failed_build_is_recorded_not_
     assert path.parent == tmp_path / "hpcdl" / "native" / build.key() and path.name == "libhpcdl_c_comm_thread.so"
     assert build.key().startswith(f"{platform.machine()}-torch{build.key_parts()['torch']}-")
     built = path.stat().st_mtime_ns
+    assert path.stat().st_mode & 0o777 == 0o755  # others sharing the cache can load it (mkstemp makes 0600)
     assert build.ensure("c_comm_thread", env).path == path and path.stat().st_mtime_ns == built  # not built again
     failing = {"XDG_CACHE_HOME": str(tmp_path / "other"), "CC": "false"}
     failed = build.ensure("c_comm_thread", failing)
@@ -226,8 +238,10 @@ def test_c_comm_thread_is_built_once_per_key_and_a_failed_build_is_recorded_not_
     assert again.path is None and failed.why in again.why and str(failed.record) in again.describe()
     assert failed.record.stat().st_mtime_ns == stamp
     assert sorted(p.name for p in failed.record.parent.iterdir()) == [".lock", "c_comm_thread.failed.json"]  # no half file
-    retried = build.build({**failing, "CC": "cc"}, pieces=("c_comm_thread",))  # hpcdl ccl install's: it does
-    assert retried[0].path is not None and retried[0].path.exists() and not failed.record.exists()
+    retried = build.build({**failing, "CC": "env cc"}, pieces=("c_comm_thread",))  # hpcdl ccl install's: it does
+    assert retried[0].path is not None and retried[0].path.exists() and not failed.record.exists()  # $CC of 2 words
+    inode = path.stat().st_ino
+    assert build.build(env, pieces=("c_comm_thread",))[0].path == path and path.stat().st_ino == inode  # kept
 
 
 @pytest.mark.parametrize("code", ["ENOSYS", "ENOLCK", "EOPNOTSUPP"])
@@ -247,7 +261,7 @@ def test_a_cache_whose_filesystem_does_not_lock_builds_under_a_lock_of_this_node
     monkeypatch.setattr(fcntl, "flock", fake_flock_of_a_filesystem_without_locks)
     (tmp_path / "node").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node"))
-    caplog.set_level(logging.INFO, logger=build.__name__)
+    caplog.set_level(logging.INFO, logger="hpcdl.distributed.native")
     built = build.ensure("c_comm_thread", env)
     assert built.path is not None and built.path.exists(), built.describe()
     assert not build.record_path("c_comm_thread", env).exists()
@@ -284,20 +298,34 @@ def test_the_cache_key_tells_apart_torch_builds_cxx_abis_and_libcs(monkeypatch, 
     assert changed != before and build.key() == before
 
 
-def test_install_builds_again_a_built_library_that_does_not_load(tmp_path, caplog):
-    """A library built on a login node with a newer glibc than the compute nodes' (here: garbage where it was)."""
+def test_install_keeps_a_built_library_that_does_not_load_and_names_the_folder_to_remove(tmp_path, monkeypatch,
+                                                                                          caplog):
+    """A library built on a login node with a newer glibc than the compute nodes' (here: garbage where it was) is kept:
+    ranks of another node may have it mapped, and on NFSv3 unlinking or replacing it would kill them (SIGBUS). hpcdl
+    ccl install names the folder to remove by hand. A C++ load check that does not finish (a stand-in that sleeps)
+    is not a library that does not load: it is kept too, as not known."""
     from hpcdl.distributed.native import build
 
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     path = build.ensure("c_comm_thread", env).path
     path.write_bytes(b"not a library that loads here")
+    inode = path.stat().st_ino
     with pytest.raises(OSError):
         ctypes.CDLL(str(path))
     caplog.set_level(logging.WARNING, logger=build.__name__)
-    (rebuilt,) = build.build(env, pieces=("c_comm_thread",))
-    assert rebuilt.path == path and ctypes.CDLL(str(path)).fc_issued  # the rebuilt library, loaded
-    assert f"{path} does not load" in caplog.text
+    (kept,) = build.build(env, pieces=("c_comm_thread",))
+    assert kept.path == path and path.stat().st_ino == inode and path.read_bytes().startswith(b"not a library")
+    assert "does not load here" in kept.why and f"remove {build.folder(env)} by hand" in kept.describe(), kept
+    assert f"{path}: it does not load here" in caplog.text
     assert sorted(p.name for p in path.parent.iterdir()) == [".lock", build.C_LIBRARY]
+    target = build.artifact("ccl_backend", env)
+    target.parent.mkdir()
+    target.write_bytes(b"an extension whose import hangs")
+    monkeypatch.setattr(build, "CXX_IMPORT", "import time\ntime.sleep(60)")  # a stand-in for a hung load check
+    monkeypatch.setattr(build, "IMPORT_TIMEOUT_S", 1)
+    (unknown,) = build.build(env, pieces=("ccl_backend",))
+    assert unknown.path == target and target.read_bytes() == b"an extension whose import hangs"
+    assert "whether it loads here is not known; kept" in unknown.describe(), unknown
 
 
 def test_a_library_that_does_not_load_names_its_folder_and_the_install(tmp_path, monkeypatch, caplog):
@@ -323,34 +351,189 @@ def test_a_library_that_does_not_load_names_its_folder_and_the_install(tmp_path,
 
 
 FAKE_CXX_BUILD = """
-import json, pathlib, sys
+import json, os, pathlib, sys
 args = json.loads(sys.argv[1])
 staging = pathlib.Path(args["build_directory"])
 assert not (staging.parent / (args["name"] + ".so")).exists(), "the final path exists while it is being built"
+assert os.getcwd() == str(staging), "the child runs in the rank's folder, where a torch/ or json.py would shadow"
 (staging / (args["name"] + ".so")).write_bytes(b"whole, from a stand-in for cpp_extension")
+"""
+FAKE_NINJA_FAILURE = """
+print("Error building extension 'hpcdl_ccl_backend_x': [1/2] c++ -MMD -MF ccl_backend.o.d -O2 -c ccl_backend.cpp")
+print("FAILED: ccl_backend.o")
+print("ccl_backend.cpp:12:5: error: 'fc_wait' was not declared in this scope")
+print("    fc_wait(ticket, 200, &rc);\\n" * 40, end="")
+print("ninja: build stopped: subcommand failed.")
+raise SystemExit(1)
 """
 
 
-def test_the_cpp_extension_is_built_apart_and_renamed_into_place_whole(tmp_path, monkeypatch):
+def test_the_cpp_extension_is_built_apart_and_linked_into_place_whole(tmp_path, monkeypatch):
     """A rank that finds the extension must not read it while the linker writes it: it is built in a folder of its
-    own and renamed into place. A stand-in for cpp_extension's child (FAKE_CXX_BUILD) writes it, so that nothing is
-    compiled but the C library; one that does not import (garbage) is removed by hpcdl ccl install and built again."""
+    own (the child's working folder too) and hard-linked into place, readable by all. A stand-in for cpp_extension's
+    child (FAKE_CXX_BUILD) writes it, so that nothing is compiled but the C library. What killed builds left is removed
+    once an hour old. A failed build records the compiler's error, not only ninja's last line (FAKE_NINJA_FAILURE)."""
     from hpcdl.distributed.native import build
 
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     target = build.artifact("ccl_backend", env)
-    target.parent.mkdir(parents=True)
-    target.write_bytes(b"built for another C++ ABI")
+    old, young = target.parent / ".build-killed", target.parent / ".build-running"
+    for leftover in (old, young):
+        leftover.mkdir(parents=True)
+        (leftover / target.name).write_bytes(b"whole, from a build that was killed")
+    old_tmp = build.folder(env) / f".{build.C_LIBRARY}.killed"
+    old_tmp.write_bytes(b"half")
+    for leftover in (old, old_tmp):
+        os.utime(leftover, (0, os.stat(leftover).st_mtime - 7200))
     monkeypatch.setattr(build, "CXX_BUILD", FAKE_CXX_BUILD)
     monkeypatch.setattr(build, "PY_BACKEND_HEADER", build.SOURCES["ccl_backend"])  # any file: a torch 2.14's header
     (built,) = build.build(env, pieces=("ccl_backend",))
-    assert built.path == target and target.read_bytes().startswith(b"whole"), built.describe()
-    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no build folder left
-    monkeypatch.setattr(build, "CXX_BUILD", "print('ninja: build stopped: a stand-in failure')\nraise SystemExit(1)")
+    assert built.path == target and target.read_bytes().startswith(b"whole, from a stand-in"), built.describe()
+    assert target.stat().st_mode & 0o777 == 0o755 and target.stat().st_nlink == 1  # the staging name is gone
+    assert sorted(p.name for p in target.parent.iterdir()) == [young.name, target.name]  # the young one may run
+    assert not old_tmp.exists()
+    monkeypatch.setattr(build, "CXX_BUILD", FAKE_NINJA_FAILURE)
     failing = {"XDG_CACHE_HOME": str(tmp_path / "other")}
     failed = build.ensure("ccl_backend", failing)
-    assert failed.path is None and failed.why == "ninja: build stopped: a stand-in failure", failed.describe()
+    assert failed.path is None and failed.record is not None, failed.describe()
+    assert "ccl_backend.cpp:12:5: error: 'fc_wait' was not declared in this scope" in failed.why, failed.why
+    assert failed.why.endswith("ninja: build stopped: subcommand failed.") and len(failed.why) < 1300, failed.why
+    assert json.loads(failed.record.read_text())["why"] == failed.why
     assert list(build.artifact("ccl_backend", failing).parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("child, words", [
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "killed by signal 9"),
+    ("print('ld: final link failed: No space left on device')\nraise SystemExit(1)", "No space left on device"),
+    ("print('cc1plus: fatal error: ccl_backend.o: Disk quota exceeded')\nraise SystemExit(1)", "Disk quota exceeded"),
+], ids=["a signal", "a full disk", "a full quota"])
+def test_a_build_that_another_try_may_mend_is_not_recorded(tmp_path, monkeypatch, child, words):
+    """A compile killed by a signal (the OOM killer, a rank's launcher), a full disk or quota: said as not built this
+    time, not recorded, and the next process builds it. Stand-ins for cpp_extension's child fail so, then succeed."""
+    from hpcdl.distributed.native import build
+
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    monkeypatch.setattr(build, "PY_BACKEND_HEADER", build.SOURCES["ccl_backend"])
+    monkeypatch.setattr(build, "CXX_BUILD", child)
+    failed = build.ensure("ccl_backend", env)
+    assert failed.path is None and failed.transient and failed.record is None, failed.describe()
+    assert failed.describe().startswith("not built this time (transient): ") and words in failed.why, failed.why
+    assert "not recorded" in failed.retry() and not build.record_path("ccl_backend", env).exists()
+    monkeypatch.setattr(build, "CXX_BUILD", FAKE_CXX_BUILD)
+    assert build.ensure("ccl_backend", env).path == build.artifact("ccl_backend", env)  # the next one builds it
+
+
+FAKE_CC_THAT_HANGS = """#!/bin/sh
+sleep 300 &
+echo $! > "{pid_file}"
+wait
+"""
+
+
+def test_a_compile_past_its_timeout_is_ended_with_what_it_started_and_not_recorded(tmp_path, monkeypatch):
+    """A compile that never finishes (FAKE_CC_THAT_HANGS, $CC of two words, which starts a process of its own) is
+    ended at the C build's timeout, with the process it started, and is not recorded: another try may pass."""
+    from hpcdl.distributed.native import build
+
+    script, pid_file = tmp_path / "fake_cc_that_hangs.sh", tmp_path / "started.pid"
+    script.write_text(FAKE_CC_THAT_HANGS.format(pid_file=pid_file))
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": f"sh {script}"}
+    monkeypatch.setattr(build, "C_TIMEOUT_S", 1)
+    failed = build.ensure("c_comm_thread", env)
+    assert failed.transient and f"sh {script} did not build" in failed.why and "within 1 s" in failed.why, failed
+    assert _gone(int(pid_file.read_text())), "the compiler's own child outlived the build"
+    assert sorted(p.name for p in build.folder(env).iterdir()) == [".lock"]  # no record, no temporary file
+
+
+def test_a_lock_held_past_the_wait_is_not_used_this_time_and_not_recorded(tmp_path, monkeypatch):
+    """Another process builds (here: this one holds the key's lock on another open file): a rank waits as long as
+    that build may take, then goes on without the piece, and records nothing."""
+    from hpcdl.distributed.native import build
+
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    monkeypatch.setitem(build.TIMEOUT_S, "c_comm_thread", 1)
+    build.folder(env).mkdir(parents=True)
+    with open(build.folder(env) / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waited = build.ensure("c_comm_thread", env)
+    assert waited.transient and re.fullmatch(r"another process has been building .+ for 1 s; not used this time",
+                                             waited.why), waited.why
+    assert sorted(p.name for p in build.folder(env).iterdir()) == [".lock"]
+    assert build.ensure("c_comm_thread", env).path is not None  # the lock free: built
+
+
+def test_a_cache_that_cannot_be_read_is_not_used_and_does_not_raise(tmp_path, monkeypatch):
+    """The lock-free look for a built library meets an NFS handle gone stale (or EACCES): the piece is not used, and
+    nothing escapes into the rank's init_process_group. A fake path refuses stat as such a handle does."""
+    from hpcdl.distributed.native import build
+
+    class FakePathOnAStaleNfsHandle(type(Path())):
+        def exists(self, **kwargs):
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), str(self))
+
+    real = build.artifact
+    monkeypatch.setattr(build, "artifact", lambda piece, environ: FakePathOnAStaleNfsHandle(real(piece, environ)))
+    built = build.ensure("c_comm_thread", {"XDG_CACHE_HOME": str(tmp_path)})
+    assert built.path is None and os.strerror(errno.ESTALE) in built.why, built
+
+
+def test_a_published_library_is_never_replaced(tmp_path):
+    """Two nodes that each build (their caches' filesystem does not lock) publish by hard link: the second finds the
+    first one's whole file and keeps it, so that the inode ranks of the first node mapped stays (on NFSv3 a rename
+    onto it would delete it, and they would die of SIGBUS)."""
+    from hpcdl.distributed.native import cache
+
+    target, first, second = tmp_path / "lib.so", tmp_path / ".lib.so.first", tmp_path / ".lib.so.second"
+    first.write_bytes(b"the first node's")
+    second.write_bytes(b"the second node's")
+    first.chmod(0o600)
+    cache.publish(first, target)
+    inode = target.stat().st_ino
+    cache.publish(second, target)
+    assert target.stat().st_ino == inode and target.read_bytes() == b"the first node's"
+    assert target.stat().st_mode & 0o777 == 0o755
+
+
+DIES_WITH_ITS_PARENT = """
+import os, subprocess, sys
+child = sys.argv[1] + "import subprocess, time\\n" \\
+    "compiler = subprocess.Popen(['sleep', '300'])\\nprint(os.getpid(), compiler.pid, flush=True)\\ntime.sleep(300)\\n"
+subprocess.Popen([sys.executable, "-c", child, str(os.getpid())], start_new_session=True)
+import time
+time.sleep(300)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_cpp_child_and_what_it_started_end_with_the_process_that_started_it():
+    """A rank killed by its launcher during a C++ build: its child (build.DIE_WITH_PARENT first, as in CXX_BUILD)
+    ends, and the processes it started with it (a sleep stands in for ninja), so that no compile runs on unowned."""
+    from hpcdl.distributed.native import build
+
+    parent = subprocess.Popen([sys.executable, "-c", DIES_WITH_ITS_PARENT, build.DIE_WITH_PARENT],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in parent.stdout.readline().split()]
+    finally:
+        parent.kill()
+        parent.wait()
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids), pids
+
+
+def _gone(pid: int, within_s: float = 10) -> bool:
+    """Whether process ``pid`` has ended (or is a zombie nobody reaps yet) within ``within_s``."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_the_cpp_calls_back_exactly_the_protocols_methods_and_the_group_has_them():
@@ -383,7 +566,7 @@ print(len({(device, inode) for _, device, inode in files}), module.FastBackend._
 """
 
 
-def test_the_cpp_extension_links_the_c_thread_so_load_order_does_not_matter(ccl):
+def test_the_cpp_extension_links_the_c_thread_so_load_order_does_not_matter(ccl, native_pieces):
     """ccl_backend.cpp's fc_* calls are a link dependency of the extension: imported before c_comm_thread's loader
     opened the C library, it still loads (Python opens extensions with RTLD_NOW: an unresolved fc_* would fail
     here), and the process maps that library once, so that both sides share its one queue and thread."""

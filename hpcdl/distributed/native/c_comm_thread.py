@@ -10,8 +10,8 @@ library's other calls too (:meth:`FastComm.call`, :meth:`FastComm.run`), so that
 
 The C file is built by :mod:`hpcdl.distributed.native.build` (``hpcdl ccl install``, or on first use where a
 compiler is; a fraction of a second) into the user's cache; :func:`load` binds it and starts its thread. Where it
-is not built (no compiler: the failure is recorded, and no rank retries it), the group keeps its Python hand-off
-and says so once per process.
+is not built (no compiler: the failure is recorded, and no rank retries it; a timeout or a full disk: not recorded,
+the next process tries again), the group keeps its Python hand-off and says so once per process.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def load(environ=os.environ) -> FastComm | None:
         log.info("c_comm_thread: off (HPCDL_FASTCOMM=0); small oneCCL collectives go through the Python thread")
         return None
     built = build.ensure("c_comm_thread", environ)
-    why, remedy = built.describe(), build.RETRY
+    why, remedy = built.describe(), built.retry()
     if built.path is not None:
         try:
             _LOADED = FastComm(built.path)

@@ -2,12 +2,12 @@
 
 Built by :mod:`hpcdl.distributed.native.build` with torch's own tooling (``torch.utils.cpp_extension``, in a child
 process; 25 s to 2 min, once per key: the sources, torch's version, build and C++ ABI, the C library, Python and the
-machine) into ``~/.cache/hpcdl/native/KEY/ccl_backend/``; ``hpcdl ccl install`` builds it (and builds again one
-that does not import here), and so does the first rank that finds neither it nor a recorded failure. It needs a C++
-compiler, ninja and torch's headers for c10d's Python trampoline (``c10d/py/PyBackend.hpp``, shipped since torch
-2.14). It is linked against the C thread's library (``c_comm_thread.c``), whose calls it makes. Where it is not
-there, the group stays all Python (with the C thread of :mod:`hpcdl.distributed.native.c_comm_thread`) and says so
-once; ``HPCDL_FASTCOMM=0`` turns both off.
+machine) into ``~/.cache/hpcdl/native/KEY/ccl_backend/``; ``hpcdl ccl install`` builds it (and, of one that does
+not import here, names the folder to remove), and so does the first rank that finds neither it nor a recorded failure
+(within 15 min, or "not built this time"). It needs a C++ compiler, ninja and torch's headers for c10d's Python
+trampoline (``c10d/py/PyBackend.hpp``, shipped since torch 2.14). It is linked against the C thread's library
+(``c_comm_thread.c``), whose calls it makes. Where it is not there, the group stays all Python (with the C thread of
+:mod:`hpcdl.distributed.native.c_comm_thread`) and says so once; ``HPCDL_FASTCOMM=0`` turns both off.
 
 The contract between the two languages: the extension gives ``FastBackend(rank, size)``, a c10d Backend that the
 Python group's class derives from (:func:`hpcdl.distributed.ccl.group.group_class`), and its
@@ -98,7 +98,7 @@ def load(environ=os.environ):
                         "here (above); small all-reduces go through Python")
         return None
     built = build.ensure("ccl_backend", environ)
-    why, remedy = built.describe(), build.RETRY
+    why, remedy = built.describe(), built.retry()
     if built.path is not None:
         try:
             _LOADED = _import(built.path)
