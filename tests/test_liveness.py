@@ -112,18 +112,26 @@ def _freeze(pid: int, sig: int) -> list[int]:
 
 
 def _rank_0_pid(job: str) -> int:
-    """Rank 0 of the job's training step (the batch script and the supervisor have SLURM_PROCID=0 too)."""
+    """Rank 0 of the job's newest training step (the batch script and the supervisor have SLURM_PROCID=0 too; rank
+    0's loader workers have its command line and environment, and where pids wrap around a worker can come first in
+    /proc: rank 0 is the one whose parent is none of them)."""
+    found = {}
     for proc in Path("/proc").iterdir():
         try:
             args = (proc / "cmdline").read_bytes() if proc.name.isdigit() else b""
             if b"hpcdl\0train" not in args or b"python" not in args.split(b"\0")[0]:  # not srun, which has both
                 continue
             env = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
+            status = (proc / "status").read_text()
+            started = int((proc / "stat").read_text().rpartition(")")[2].split()[19])
+        except (OSError, ValueError, IndexError):
             continue
         if f"SLURM_JOB_ID={job}".encode() in env and b"SLURM_PROCID=0" in env and \
                 any(e.startswith(b"HPCDL_ATTEMPT=") for e in env):
-            return int(proc.name)
+            found[int(proc.name)] = (int(status.split("PPid:")[1].split()[0]), started)
+    ranks = [pid for pid, (parent, _) in found.items() if parent not in found]
+    if ranks:
+        return max(ranks, key=lambda pid: found[pid][1])
     raise AssertionError(f"rank 0 of job {job} not found")
 
 
