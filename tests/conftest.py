@@ -26,7 +26,7 @@ HOSTILE = ["a 0", 'a"=0"', "a'; echo foo", "$HOME `x` $(id)"]
 
 # The tiers: what a test needs, read off the fixtures it asks for (pytest.ini declares the marks). A test
 # that starts ranks of its own without one of these fixtures carries @pytest.mark.ranks in its file.
-NEEDS = {"slurm": "slurm", "two_nodes": "slurm", "fabric": "slurm", "wide": "scale", "mpiexec": "mpi", "ccl": "ccl"}
+NEEDS = {"slurm": "slurm", "two_nodes": "slurm", "fabric": "slurm", "shared_fs": "slurm", "wide": "scale", "mpiexec": "mpi", "ccl": "ccl"}
 # Tests that share a finite resource run one after another on one xdist worker (--dist loadgroup): the
 # local Slurm's nodes n1 n2 (partition debug) and n3 n4 (the shaped partition fabric, whose rate a test
 # measures), and the launchers' default rendezvous port (default_port). The rest spread over the workers.
@@ -497,6 +497,24 @@ def fabric(slurm) -> float:
     text = rate.read_text().strip()
     number, unit = text[:-3].rstrip("kmgt"), text[:-3][len(text[:-3].rstrip("kmgt")):]
     return float(number) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit] / 8
+
+
+@pytest.fixture(scope="session")
+def shared_fs(fabric) -> Path:
+    """The local cluster's shared filesystem (slurm/local/pfs.sh): MooseFS mounted at $STATE/scratch on the host,
+    and on n3 and n4 by a client in each node's network namespace (so that their reads cross their own links)."""
+    mount = FABRIC_STATE / "scratch"
+    mounts = Path("/proc/self/mounts").read_text()
+    clients = {node: [p for p in subprocess.run(["ip", "netns", "pids", f"h{node[1:]}"], capture_output=True,
+                                                text=True).stdout.split()
+                      if Path(f"/proc/{p}/comm").exists() and Path(f"/proc/{p}/comm").read_text().strip() == "mfsmount"]
+               for node in ("n3", "n4")}
+    if not (FABRIC_STATE / "pfs" / "up").exists() or f" {mount} fuse " not in mounts or not all(clients.values()):
+        missing("the shared filesystem", f"{FABRIC_STATE / 'pfs' / 'up'} "
+                f"{'exists' if (FABRIC_STATE / 'pfs' / 'up').exists() else 'is missing'}, {mount} is "
+                f"{'' if f' {mount} fuse ' in mounts else 'not '}mounted here, the nodes' clients: {clients}; "
+                "slurm/local/up.sh starts it as root")
+    return mount
 
 
 @pytest.fixture

@@ -10,5 +10,8 @@ for f in "$STATE"/slurmd-n1.pid "$STATE"/slurmd-n2.pid "$STATE"/slurmd-n1[0-9].p
     for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     echo "local-slurm: stopped $(basename "$f" .pid)"
 done
-if [ "$(id -u)" = 0 ]; then bash "$(dirname "$0")/fabric.sh" down; fi
+if [ "$(id -u)" = 0 ]; then
+    bash "$(dirname "$0")/fabric.sh" down  # the nodes first: their mounts of the shared filesystem go with them
+    bash "$(dirname "$0")/pfs.sh" down
+fi
 exit 0

@@ -107,8 +107,12 @@ slurmd() {
         local ncpu i; ncpu=$(nproc); i=$(( x - ${NODES%% *} ))
         local cores="$(( i * ncpu / 2 ))-$(( (i + 1) * ncpu / 2 - 1 ))"
         [ "$ncpu" -ge 2 ] || cores=0
+        # The shared filesystem's client (slurm/local/pfs.sh), when it is up, mounts in the node's namespaces,
+        # so that the node's reads of it cross the node's link.
+        local pfs=true
+        [ ! -e "$STATE/pfs/up" ] || pfs="bash $(cd "$(dirname "$0")" && pwd)/pfs.sh node-mount"
         taskset -c "$cores" nsenter --net="/run/netns/h$x" unshare --uts --mount --propagation private sh -c \
-            "mount --bind /etc/netns/h$x/hosts /etc/hosts && hostname n$x && exec /usr/sbin/slurmd -N n$x" \
+            "mount --bind /etc/netns/h$x/hosts /etc/hosts && hostname n$x && $pfs && exec /usr/sbin/slurmd -N n$x" \
             || die "slurmd n$x did not start in namespace h$x; its log is $STATE/log/slurmd-n$x.log"
     done
 }
@@ -143,6 +147,7 @@ case "${1:-}" in
     up) RATE=${2:-$RATE}; up ;;
     rate) [ -n "${2:-}" ] || die "give a rate, e.g. 'fabric.sh rate 10gbit'"; ip link show "$BRIDGE" >/dev/null 2>&1 || die "the fabric is down; run 'fabric.sh up' first"; shape "$2"; say "links shaped to $2" ;;
     slurmd) slurmd ;;
+    bits) rate_bits "${2:-}" ;;
     status) status ;;
     down) down ;;
     *) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;

@@ -5,6 +5,9 @@
 #   partition fabric: n3 and n4, each in its own network namespace on a bridge, links shaped by tc tbf to
 #   FABRIC_RATE (default 1gbit; slurm/local/fabric.sh). FABRIC=0 leaves the fabric out; where the machine
 #   cannot host it, up.sh says what is missing and starts the debug partition alone (in CI: an error);
+#   a shared filesystem (MooseFS, slurm/local/pfs.sh) at $STATE/scratch, as a cluster's /scratch: its servers in
+#   namespaces on the fabric's bridge, mounted on the host and on n3 and n4 through their own links (PFS=0
+#   leaves it out; it needs the fabric; in CI, a machine that cannot host it is an error);
 #   partition wide: n11 to n26 (WIDE_NODES of them, default 16), on loopback, for many-rank rehearsals.
 #   Every simulated node claims all of the host's CPUs (at least 2, so that it takes 2 tasks): they share
 #   the same cores, so a 32-rank job here runs 16-fold oversubscribed on a 2-core host. Times are
@@ -29,15 +32,17 @@ FABRIC=${FABRIC:-1}
 WIDE_NODES=${WIDE_NODES:-16}
 wide_last=$(( 10 + WIDE_NODES ))
 HERE=$(cd "$(dirname "$0")" && pwd)
+PFS=${PFS:-1}; [ "$FABRIC" != 0 ] || PFS=0
+pfs_ready() { [ "$PFS" = 0 ] || { [ -e "$STATE/pfs/up" ] && grep -qs "^mfs.* $STATE/scratch fuse " /proc/self/mounts; }; }
 up_nodes() { timeout 10 sinfo -h -N ${1:+-p "$1"} -o %T 2>/dev/null | grep -c -E '^(idle|mixed|allocated)$' || true; }
 
 if slurm_answers && [ "$(up_nodes)" -gt 0 ]; then
     if ! grep -qF "$MARK" "$CONF" 2>/dev/null || { { [ "$FABRIC" = 0 ] || [ "$(up_nodes fabric)" -ge 2 ]; } \
-            && [ "$(up_nodes wide)" -ge "$WIDE_NODES" ]; }; then
+            && [ "$(up_nodes wide)" -ge "$WIDE_NODES" ] && pfs_ready; }; then
         say "a Slurm already answers ($(sinfo -h -o '%P %D %T' | tr '\n' ';')); nothing to start"
         exit 0
     fi
-    say "the local Slurm answers without its fabric or wide partition; restarting it with both"
+    say "the local Slurm answers without its fabric, its wide partition or its shared filesystem; restarting it with them"
     bash "$HERE/down.sh"
 fi
 [ "$(id -u)" = 0 ] || die "no Slurm answers, and starting a local one needs root (run 'sudo $0')"
@@ -50,6 +55,13 @@ if [ "$FABRIC" != 0 ]; then
         die "CI needs the shaped fabric (partition fabric); see what fabric.sh says is missing above"
     else
         say "no fabric partition: the machine cannot host it (above); starting nodes n1 n2 only"
+    fi
+fi
+
+if [ -n "$fabric_nodes" ] && [ "$PFS" != 0 ]; then
+    if ! PFS_MOUNT="$STATE/scratch" bash "$HERE/pfs.sh" up; then
+        [ "${CI:-}" != true ] || die "CI needs the shared filesystem (slurm/local/pfs.sh); see what it says above"
+        say "no shared filesystem: the machine cannot host it (above); the fabric's nodes start without it"
     fi
 fi
 
@@ -183,4 +195,4 @@ all_nodes="n1 n2 $fabric_nodes $wide_nodes"
 node_ready() { [ "$(up_nodes)" -eq "$(echo $all_nodes | wc -w)" ]; }
 for _ in $(seq 150); do node_ready && break; scontrol update nodename="$(echo $all_nodes | tr ' ' ,)" state=resume >/dev/null 2>&1 || true; sleep 0.2; done
 node_ready || die "nodes $all_nodes are not all idle: $(sinfo -N -h -o '%N %T %E' | tr '\n' ';')"
-say "up: partition debug, nodes n1 n2${fabric_nodes:+; partition fabric, nodes $fabric_nodes over links shaped to $(cat "$STATE/hpcdl-fab0.rate")} ($ncpu CPUs each); partition wide, nodes n[11-$wide_last] sharing this host's cores; accounting in slurmdbd; state in $STATE"
+say "up: partition debug, nodes n1 n2${fabric_nodes:+; partition fabric, nodes $fabric_nodes over links shaped to $(cat "$STATE/hpcdl-fab0.rate")}$([ ! -e "$STATE/pfs/up" ] || echo "; shared filesystem at $STATE/scratch") ($ncpu CPUs each); partition wide, nodes n[11-$wide_last] sharing this host's cores; accounting in slurmdbd; state in $STATE"
