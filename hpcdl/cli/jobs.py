@@ -151,7 +151,11 @@ def profiles(_: ProfilesCommand) -> int:
             f"{p.peak_fp32_tflops:.2f} fp32 TFLOPS" if p.peak_fp32_tflops else "",
             f"{p.peak_bf16_tflops:.1f} bf16 TFLOPS" if p.peak_bf16_tflops else
             ("bf16 emulated" if p.peak_fp32_tflops else ""), p.network, p.fi_provider and f"libfabric {p.fi_provider}") if x)
+        storage = ", ".join(x for x in (
+            p.storage, f"{p.fs_gb_s:g} GB/s" if p.fs_gb_s else "", f"{p.fs_opens_per_s:,.0f} opens/s" if p.fs_opens_per_s
+            else "", f"{p.local_disk_gb:g} GB node-local disk" if p.local_disk_gb else "") if x)
         print(f"{p.name:14s} {p.description}\n{'':14s} {limits}" + "".join(
             f"\n{'':14s} {text}" for text in (node, p.notes, p.source and f"source: {p.source}",
-                                              p.unconfirmed and f"unconfirmed: {p.unconfirmed}") if text))
+                                              p.unconfirmed and f"unconfirmed: {p.unconfirmed}",
+                                              storage and f"storage: {storage} (source: {p.storage_source})") if text))
     return 0

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from hpcdl.bench.runner import Job, Output
 from hpcdl.cli.common import command
 from hpcdl.distributed.ranks.env import discover
+from hpcdl.launch.profiles import get_profile
+from hpcdl.plan.data_path import DataPathInputs, format_data_path, published_runs
 from hpcdl.plan.failures import FailureModel, format_failures
 from hpcdl.plan.planner import PlanInputs, PlanQuestion, format_plan, plot
 from hpcdl.plan.planner import plan as planned
@@ -23,23 +25,26 @@ class PlanCommand:
 
 
 def add_commands(sub) -> None:
-    command(sub, "plan", plan, PlanCommand, PlanQuestion, PlanInputs, FailureModel, Output,
+    command(sub, "plan", plan, PlanCommand, PlanQuestion, PlanInputs, FailureModel, DataPathInputs, Output,
             help="predict step time, time to train and efficiency at each node count",
             description="A performance model (docs/scaling.md): per-node compute, the all-reduce's alpha-beta cost, "
                         "its overlap with backward, data loading. --validate checks it against published Stampede2 "
-                        "runs.", defer=(PlanQuestion,))
+                        "runs. After the plan: start-up, failures and the data path (direct reads, staging, the cache).",
+            defer=(PlanQuestion,))
 
 
-def plan(cmd: PlanCommand, question, inputs: PlanInputs, failures: FailureModel, output: Output) -> int:
+def plan(cmd: PlanCommand, question, inputs: PlanInputs, failures: FailureModel, data: DataPathInputs,
+         output: Output) -> int:
     job = Job(env=discover())  # %j in --json and --plot, as the benchmarks expand it
     json_path, plot_path = (job.expand(p) if p else None for p in (output.json_path, output.plot_path))
     if cmd.validate:
         return _validate(json_path)
 
-    question = question()  # built here: --validate needs no --nodes or --batch
+    question, workers = question(), None  # built here: --validate needs no --nodes or --batch
     if question.preset:
         cfg = get_preset(question.preset)
         inputs = dataclasses.replace(inputs, model=cfg.model.name, classes=cfg.num_classes, optimizer=cfg.optimizer.name)
+        workers = cfg.data.workers
     model, notes = inputs.build()
     startup, startup_notes = inputs.startup(model)
     notes += startup_notes
@@ -52,9 +57,16 @@ def plan(cmd: PlanCommand, question, inputs: PlanInputs, failures: FailureModel,
                                                row["restart_s"])
     print(format_plan(rows, "\n".join(f"# {line}" for line in [title, *notes])))
     print(format_failures(rows, failures))
+    path, why_not = data.model(get_profile(inputs.profile), inputs.fs_gb_s, inputs.fs_opens_per_s,
+                               model.network.bandwidth_bytes_s, question.train_images, workers)
+    published = published_runs(path) if path else []
+    for row in rows if path else ():
+        row["data_path"] = path.terms(row["nodes"], row["ranks"], row["images_s"], row["epoch_s"], row["time_to_train_s"])
+    print(format_data_path(path, [r["data_path"] for r in rows], published) if path else why_not)
     if json_path:
         _write(json_path, {"inputs": dataclasses.asdict(inputs), "failures": dataclasses.asdict(failures),
-                           "notes": notes, "rows": rows})
+                           "data_path": dataclasses.asdict(data), "notes": notes, "rows": rows,
+                           "data_path_published": published})
     if plot_path:
         plot(rows, title, plot_path)
     return 0

@@ -8,6 +8,10 @@ Per-core FLOPs per cycle are the vendors' arithmetic: AVX-512 with two FMA units
 cycle; AMX gives 1,024 bf16 FLOPs a cycle (a TMUL op, 16 x 32 x 16 bf16 multiply-adds, every 16 cycles,
 as Intel's optimization manual gives it). ``bf16_flops_per_cycle`` is None where bf16 is emulated (no
 avx512_bf16 or AMX): ``hpcdl plan --precision bf16`` refuses such a node.
+
+The storage figures (``hpcdl plan``'s data path, :mod:`hpcdl.plan.data_path`) cite ``storage_source``; a figure
+the source does not state stays None, and the plan asks for its flag (``--fs-gb-s``, ``--fs-opens-per-s``,
+``--local-disk-gb``) rather than assume one.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ class ClusterProfile:
     # bf16 autocast's step against fp32's on this node type, measured (hpcdl bench step's precision table)
     bf16_step_speedup: float | None = None
     retired: bool = False  # the machine is gone; kept to reproduce published runs
+    storage: str = ""  # the scratch filesystem a job reads its data from, as storage_source describes it
+    fs_gb_s: float | None = None  # its aggregate read bandwidth, GB/s; None: the source states none
+    fs_opens_per_s: float | None = None  # its metadata rate, opens/s for all clients together; None: not stated
+    local_disk_gb: float | None = None  # node-local disk a job may stage to (/tmp, $TMPDIR), GB
+    storage_source: str = ""  # where storage, fs_gb_s, fs_opens_per_s and local_disk_gb come from
     source: str = ""  # where the numbers come from
     unconfirmed: str = ""  # what the source did not confirm
     notes: str = ""
@@ -70,6 +79,16 @@ FRONTERA_GUIDE = "TACC Frontera user guide (2023)"
 STAMPEDE3_SOURCES = ("Cornell Virtual Workshop, 'RAM arrangement in HPC clusters' (Stampede3: 1,864 nodes; SKX 1,060 x "
                      "2x 8160, 48 cores, 192 GB DDR4; ICX 224 x 2x 8380); The Next Platform, 2023-07-24, and TACC's "
                      "2023 announcement (SPR: 560 nodes, Xeon CPU Max, 56 cores and 64 GB HBM2e a socket, HBM-only)")
+TACC_DOCS = "TACC-Docs (TACC's user guides, github.com/TACC/TACC-Docs; read in the fork kbeavers/TACC-Docs at 2b0cfc7)"
+STAMPEDE2_STORAGE = (f"Stampede2 user guide, final version, in {TACC_DOCS}, docs/archives/hpc/stampede2: $SCRATCH "
+                     "Lustre, ~30 PB, 4 MDSs, 66 OSTs, 1 stripe of 1 MB by default, no bandwidth stated; /tmp: SKX "
+                     "144 GB on a 200 GB SSD (as of 2017-11-14), KNL 107 GB on a 200 GB SSD but 32 GB on the 504 "
+                     "former Stampede1 KNL nodes (queues development, long, flat-quadrant; as of 2018-04-24)")
+STAMPEDE2_SCRATCH = "Lustre $SCRATCH (~30 PB, 4 MDSs, 66 OSTs)"
+STAMPEDE3_STORAGE = (f"Stampede3 user guide in {TACC_DOCS}, docs/hpc/stampede3 (system.md, files.md): $SCRATCH on a "
+                     "shared VAST filesystem (not Lustre: no stripe settings), ~10 PB, no bandwidth stated; /tmp: SKX "
+                     "90 GB, ICX 200 GB, SPR 150 GB")
+STAMPEDE3_SCRATCH = "VAST $SCRATCH (~10 PB; not Lustre)"
 STAMPEDE3_UNCONFIRMED = ("TACC's Stampede3 user guide was not among the stored copies searched (2026-11-24): the "
                          "queue names and limits (skx 256, icx 32, spr 180 nodes; 48 h), ICX's 256 GB and the "
                          "fabric's libfabric provider are from memory of it: check 'qlimits', 'sinfo' and 'fi_info' "
@@ -83,6 +102,7 @@ PROFILES: dict[str, ClusterProfile] = {p.name: p for p in (
         max_nodes=128, network="Intel Omni-Path 100 Gb/s (fat tree)", network_latency_us=1.0, network_gb_s=12.5,
         sockets=2, clock_ghz=2.1, fp32_flops_per_cycle=64,  # AVX-512, 2 FMA units: 6.45 TFLOPS a node
         fi_provider="psm2",  # Omni-Path's native provider
+        storage=STAMPEDE2_SCRATCH, local_disk_gb=144, storage_source=STAMPEDE2_STORAGE,
         notes="Use skx-large for 129-868 nodes. 2 sockets x 24 cores: 2 or 4 ranks per node usually beat 1."),
     ClusterProfile(
         name="stampede2-knl", description="TACC Stampede2 (retired), Knights Landing nodes: Xeon Phi 7250",
@@ -90,10 +110,11 @@ PROFILES: dict[str, ClusterProfile] = {p.name: p for p in (
         partition="normal", cores_per_node=68, mem_gb_per_node=96, max_time=timedelta(hours=48),
         max_nodes=256, network="Intel Omni-Path 100 Gb/s (fat tree)", network_latency_us=1.0, network_gb_s=12.5,
         sockets=1, clock_ghz=1.4, fp32_flops_per_cycle=64,  # AVX-512, 2 VPUs: 6.09 TFLOPS a node
-        fi_provider="psm2",
+        fi_provider="psm2", storage=STAMPEDE2_SCRATCH, local_disk_gb=107, storage_source=STAMPEDE2_STORAGE,
         notes=("16 GB MCDRAM per node. In cache-quadrant mode (partition normal) it acts as a cache and needs "
                "nothing. In flat mode (partitions *-flat-quadrant) it is NUMA node 1: wrap the command in "
-               "'numactl --preferred=1' so tensors land in MCDRAM. Use 'large' for 257-2048 nodes.")),
+               "'numactl --preferred=1' so tensors land in MCDRAM. Use 'large' for 257-2048 nodes. /tmp holds 107 GB "
+               "(32 GB on the development, long and flat-quadrant nodes: ImageNet-1K does not fit there).")),
     ClusterProfile(
         name="frontera-clx", description="TACC Frontera, Cascade Lake nodes: 2x Xeon Platinum 8280",
         numa_per_node=2, cpu_flags="avx512f avx512_vnni", source=FRONTERA_GUIDE,
@@ -102,12 +123,17 @@ PROFILES: dict[str, ClusterProfile] = {p.name: p for p in (
         max_nodes=512, network="Mellanox InfiniBand HDR-100 (fat tree)", network_latency_us=1.0, network_gb_s=12.5,
         sockets=2, clock_ghz=2.7, fp32_flops_per_cycle=64,  # AVX-512, 2 FMA units: 9.68 TFLOPS a node
         fi_provider="verbs;ofi_rxm",  # InfiniBand: verbs with the reliable-messaging utility provider
+        storage="Lustre /scratch1, the default $SCRATCH (10.6 PB, 16 OSTs; /scratch3: 32 OSTs, 120 GB/s)", fs_gb_s=60,
+        local_disk_gb=144, storage_source=(f"Frontera user guide in {TACC_DOCS}, docs/hpc/frontera: files.md Table 2a "
+                                           "(/scratch1 60 GB/s, /scratch3 120 GB/s), system.md (144 GB /tmp on a "
+                                           "240 GB SSD)"),
         notes="Use 'large' for 513-2048 nodes. Set GLOO_SOCKET_IFNAME=ib0 so gloo uses the fabric."),
     ClusterProfile(
         name="stampede3-skx", description="TACC Stampede3, Skylake nodes: 2x Xeon Platinum 8160 (the published runs' nodes)",
         partition="skx", cores_per_node=48, mem_gb_per_node=192, max_time=timedelta(hours=48), max_nodes=256,
         network="Cornelis Omni-Path 100 Gb/s (fat tree)", network_latency_us=1.0, network_gb_s=12.5, sockets=2,
         numa_per_node=2, clock_ghz=2.1, fp32_flops_per_cycle=64, cpu_flags="avx512f", fi_provider="psm2",
+        storage=STAMPEDE3_SCRATCH, local_disk_gb=90, storage_source=STAMPEDE3_STORAGE,
         source=STAMPEDE3_SOURCES, unconfirmed=STAMPEDE3_UNCONFIRMED,
         notes="1,060 nodes. bf16 is emulated on Skylake: train fp32 (loop.precision=auto does). skx-dev for tests."),
     ClusterProfile(
@@ -115,6 +141,7 @@ PROFILES: dict[str, ClusterProfile] = {p.name: p for p in (
         partition="icx", cores_per_node=80, mem_gb_per_node=256, max_time=timedelta(hours=48), max_nodes=32,
         network="Cornelis Omni-Path 100 Gb/s (fat tree)", network_latency_us=1.0, network_gb_s=12.5, sockets=2,
         numa_per_node=2, clock_ghz=2.3, fp32_flops_per_cycle=64, cpu_flags="avx512f avx512_vnni", fi_provider="psm2",
+        storage=STAMPEDE3_SCRATCH, local_disk_gb=200, storage_source=STAMPEDE3_STORAGE,
         source=STAMPEDE3_SOURCES, unconfirmed=STAMPEDE3_UNCONFIRMED,
         notes="224 nodes. No avx512_bf16 or AMX on Ice Lake: bf16 is emulated, train fp32."),
     ClusterProfile(
@@ -123,6 +150,7 @@ PROFILES: dict[str, ClusterProfile] = {p.name: p for p in (
         network="Cornelis Omni-Path 100 Gb/s (fat tree)", network_latency_us=1.0, network_gb_s=12.5, sockets=2,
         numa_per_node=8, hbm_gb_per_node=128, clock_ghz=1.9, fp32_flops_per_cycle=64, bf16_flops_per_cycle=1024,
         cpu_flags="avx512f avx512_bf16 amx_bf16 amx_tile", bf16_step_speedup=2.1, fi_provider="psm2",
+        storage=STAMPEDE3_SCRATCH, local_disk_gb=150, storage_source=STAMPEDE3_STORAGE,
         source=STAMPEDE3_SOURCES + "; bf16_step_speedup: ResNet-50, batch 32, bf16 autocast against fp32 on a Xeon "
                "with AMX, 2 cores (13.5 against 6.4 images/s, issue 22)",
         unconfirmed=STAMPEDE3_UNCONFIRMED + "; the 8 NUMA domains (2 sockets x SNC4) are Intel's default for the "

@@ -13,7 +13,9 @@ The model is :class:`hpcdl.plan.cost.StepModel`. Its inputs, and where each come
   --json`` (``--startup-json``; default: :data:`STARTUP_MEASURED`) over the shared filesystem's and rank 0's
   rates (flags, assumed where the cluster's are unknown);
 - the checkpoint's size and a rank's memory: the weights and the optimizer's state (``--optimizer``: its row's
-  ``state_copies`` in :data:`hpcdl.names.OPTIMIZER_TABLE`).
+  ``state_copies`` in :data:`hpcdl.names.OPTIMIZER_TABLE`);
+- the data path (:mod:`hpcdl.plan.data_path`): the dataset's bytes over the filesystem's bandwidth and metadata rate
+  and node-local disk (the profile's figures, cited, or flags; the command prints its table after the plan's).
 
 :mod:`hpcdl.plan.measured` reads and fits the benchmarks' reports. ``--validate`` checks the model against
 published runs (:mod:`hpcdl.plan.published`).
@@ -33,6 +35,7 @@ from hpcdl.launch.profiles import get_profile
 from hpcdl.model_facts import ModelFacts, model_facts
 from hpcdl.names import IMAGENET_TRAIN
 from hpcdl.plan.cost import ALGORITHM_CHOICES, BACKWARD_SHARE, BatchCurve, Link, StepModel, hook_terms
+from hpcdl.plan.data_path import Figure, resolve_figure
 from hpcdl.plan.measured import calibrate, curve_from_step, link_from_allreduce
 from hpcdl.plan.startup_terms import StartupModel
 from hpcdl.plan.validate import FITTED, NodeCompute, carried_compute
@@ -67,6 +70,8 @@ def memory_note(optimizer: str, weight_bytes: float) -> str:
 # store; oneCCL's ranks fetch one unique id (twice: the job's two groups); MPI bootstraps through its launcher.
 STARTUP_MEASURED = {"python_files": 1940.0, "local_import_s": 3.4, "store_requests_per_s": 58000.0}
 RENDEZVOUS_MEASURED = {"gloo": (2.0, 4.0), "ccl": (2.0, 0.0), "mpi": (0.0, 0.0)}
+# The filesystem's figures start-up assumes where neither a flag nor the profile gives one (the data path asks instead)
+FS_ASSUMED = {"--fs-opens-per-s": 50000.0, "--fs-gb-s": 100.0}
 
 
 def plan(model: StepModel, nodes: list[int], global_batch: int, epochs: float, train_images: int,
@@ -227,9 +232,13 @@ class PlanInputs:
     # the training's backend, for its rendezvous without --startup-json (gloo's grows with the ranks)
     backend: str = dataclasses.field(default="gloo", metadata=meta(choices=names.BACKENDS))
     stage_env: bool = False  # plan the start-up with the environment staged to node-local disk (hpcdl sbatch --stage-env)
-    fs_opens_per_s: float = 50000.0  # the shared filesystem's metadata rate, opens/s for all clients (assumed)
+    # the shared filesystem's metadata rate, opens/s for all clients (default: the profile's; where it has none,
+    # start-up assumes 50,000 and the data path asks for it)
+    fs_opens_per_s: float | None = None
     fs_read_gb_s: float = 1.5  # one reader's bandwidth from the shared filesystem, GB/s (assumed: one Lustre OST)
-    fs_gb_s: float = 100.0  # the shared filesystem's aggregate bandwidth, GB/s (assumed)
+    # the shared filesystem's aggregate read bandwidth, GB/s (default: the profile's; where it has none, start-up
+    # assumes 100 and the data path asks for it)
+    fs_gb_s: float | None = None
     env_gb: float = 6.0  # the Python environment's size for --stage-env, GB (this repository's venv: CUDA wheels)
 
     def build(self) -> tuple[StepModel, list[str]]:
@@ -280,17 +289,21 @@ class PlanInputs:
                         STARTUP_MEASURED["store_requests_per_s"]}
             source = self.startup_json
         checkpoint = model.gradient_bytes + state_bytes(self.optimizer, model.gradient_bytes)
+        profile = get_profile(self.profile)
+        opens, gb_s = (f if f.known else Figure(FS_ASSUMED[f.flag], "assumed", f.flag) for f in (
+            resolve_figure(self.fs_opens_per_s, profile, "fs_opens_per_s", "--fs-opens-per-s"),
+            resolve_figure(self.fs_gb_s, profile, "fs_gb_s", "--fs-gb-s")))
         startup = StartupModel(
             ranks_per_node=model.ranks_per_node, python_files=measured["python_files"],
             local_import_s=measured["local_import_s"], rendezvous_requests=measured["rendezvous"],
-            store_requests_per_s=measured["store_requests_per_s"], fs_opens_per_s=self.fs_opens_per_s,
-            fs_read_bytes_s=self.fs_read_gb_s * 1e9, fs_bandwidth_bytes_s=self.fs_gb_s * 1e9,
+            store_requests_per_s=measured["store_requests_per_s"], fs_opens_per_s=opens.value,
+            fs_read_bytes_s=self.fs_read_gb_s * 1e9, fs_bandwidth_bytes_s=gb_s.value * 1e9,
             checkpoint_bytes=checkpoint, env_bytes=self.env_gb * 1e9, network=model.network, staged=self.stage_env)
         a, b = measured["rendezvous"]
         notes = [f"start-up from {source}: {measured['python_files']:,.0f} files per rank, imports "
                  f"{measured['local_import_s']:.1f} s on one node, {a:.3g} + {b:.3g} N store requests per rank "
-                 f"at {measured['store_requests_per_s']:,.0f}/s; filesystem {self.fs_opens_per_s:,.0f} opens/s, "
-                 f"{self.fs_read_gb_s:g} GB/s one reader, {self.fs_gb_s:g} GB/s in all; checkpoint "
+                 f"at {measured['store_requests_per_s']:,.0f}/s; filesystem {opens.shown('opens/s')}, "
+                 f"{self.fs_read_gb_s:g} GB/s one reader, {gb_s.shown('GB/s', 'g')} in all; checkpoint "
                  f"{checkpoint / 1e6:.0f} MB; environment {self.env_gb:g} GB"
                  + (" staged (--stage-env)" if self.stage_env else " on the shared filesystem")]
         notes.append(memory_note(self.optimizer, model.gradient_bytes))
