@@ -19,6 +19,7 @@ from hpcdl.names import IMAGENET_TRAIN, check
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.schedule import ScheduleConfig, steps_per_epoch
 from hpcdl.schema import to_dict
+from hpcdl.utils import parse_bytes
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,6 +34,11 @@ class DataConfig:
     # without the loader, as hpcdl bench feed compares; not for real training)
     in_memory: int = 0
     sampler: str = "global"  # global | shard (see hpcdl.data.sampler)
+    # none: each rank's loader reads the shards; node: one agent per node reads them, each sample from the shared
+    # filesystem once per job, kept by the node that read it and served to the others (hpcdl.data.cache)
+    cache: str = "none"
+    # the node cache's RAM for the samples its node owns: a share of the node's memory ("25%") or bytes ("8G")
+    cache_budget: str = "25%"
     seed: int = 0  # the shuffle and each sample's augmentation (seed, epoch, index)
     verify: str = "quick"  # none | quick | full: shard checks at start-up
     # the training augmentation: a recipe (imagenet, light, none) or a list of steps, e.g.
@@ -54,6 +60,8 @@ class DataConfig:
     def __post_init__(self):
         check("data.sampler", self.sampler, names.SAMPLERS)
         check("data.verify", self.verify, names.VERIFY)
+        check("data.cache", self.cache, names.DATA_CACHES)
+        cache_budget_bytes(self.cache_budget, memory=1)  # refuses what is not a size or a share
         check("data.normalize", self.normalize, names.NORMALIZE)
         check("data.decoder", self.decoder, names.DECODERS)
         self.augment = recipe.expand(self.augment)
@@ -284,3 +292,17 @@ def describe(cfg: RunConfig) -> str:
         f"  total {d['total_steps']:,} steps",
     ]
     return "\n".join(lines + [f"  note: {n}" for n in cfg.notes]) + "\n"
+
+
+def cache_budget_bytes(text: str, memory: int) -> int:
+    """``data.cache_budget`` in bytes: ``25%`` of ``memory`` (the node's), or a size such as ``8G``."""
+    text = str(text).strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 100:
+            raise ConfigError(f"data.cache_budget={text!r}: a share of the node's memory is 1% to 100%, e.g. 25%")
+        return int(memory * share / 100)
+    return parse_bytes(text, "data.cache_budget")

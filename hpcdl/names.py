@@ -132,6 +132,7 @@ HOOKS = ("none", "fp16", "bf16", "hierarchical", "chunk_sparse")
 PRECISIONS = ("auto", "fp32", "bf16")
 MEMORY_FORMATS = ("auto", "true", "false")  # loop.channels_last
 SAMPLERS = ("global", "shard")
+DATA_CACHES = ("none", "node")  # data.cache: read the shards directly, or through the node cache (hpcdl.data.cache)
 RESUME_RANKS = ("any", "same")  # checkpoint.resume_ranks
 VERIFY = ("none", "quick", "full")
 NORMALIZE = ("auto", "dataset", "imagenet", "model")

@@ -9,33 +9,25 @@ cut short or no longer HDF5, or that disagrees with the manifest, is reported wh
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import resource
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 from torch.utils.data import Dataset
 
-from hpcdl.data.format import Manifest, open_h5, record_crc, shard_version
+from hpcdl.data.cache.client import CacheClient, checked_read, describe
+from hpcdl.data.format import Manifest, OpenShard, open_shard, record_crc, record_key
 from hpcdl.data.sampler import Sample
 from hpcdl.data.verify import check_dataset, load_manifest
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.names import VERIFY
 
+log = logging.getLogger(__name__)
+
 PADDING_LABEL = -1  # the label of an evaluation sample repeated only to even out the ranks
-
-
-@dataclass(slots=True)
-class _OpenShard:
-    fd: int  # of the open file object below
-    file: object
-    base: int  # file offset of the contiguous image bytes
-    offsets: np.ndarray
-    labels: np.ndarray
-    crcs: np.ndarray
-    version: int  # the shard's format version: what its CRC32s cover
 
 
 class ShardDataset(Dataset):
@@ -68,8 +60,12 @@ class ShardDataset(Dataset):
         self.classes = self.manifest.classes
         self.files_opened = 0  # in this process
         self.checksums = True  # bench data turns it off to show what the check costs
-        self._open: dict[int, _OpenShard] = {}
+        self._open: dict[int, OpenShard] = {}
         self._pid = None
+        self.cache: CacheClient | None = None  # data.cache=node: the node's agent (:mod:`hpcdl.data.cache`)
+        self.cache_rank: tuple[int, bool] = (0, False)  # (local rank, logs every node's counters: the job's rank 0)
+        self._cache_down_pid: int | None = None
+        self._cache_seen: dict | None = None
         _raise_open_file_limit()
 
     def __len__(self) -> int:
@@ -79,9 +75,42 @@ class ShardDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} outside the {len(self)} images of {self.root}")
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
-        data, label = self.read(shard, int(index - self.starts[shard]))
+        data, label = self._cached(int(index)) if self._cache_up() else self.read(shard, int(index - self.starts[shard]))
         sample = self._transform(data, index)
         return sample, (PADDING_LABEL if isinstance(index, Sample) and index.padding else label)
+
+    def _cache_up(self) -> bool:
+        return self.cache is not None and self._cache_down_pid != os.getpid()
+
+    def _cached(self, index: int) -> tuple[bytes, int]:
+        try:
+            return checked_read(self.cache, index, self.root)
+        except OSError as exc:
+            self._cache_lost(exc)
+            shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+            return self.read(shard, int(index - self.starts[shard]))
+
+    def _cache_lost(self, exc: OSError) -> None:
+        """The agent is gone (its rank ended, or the node is going down): this process reads the shards itself."""
+        self._cache_down_pid = os.getpid()
+        log.warning("data cache: the node's agent at %s:%d does not answer (%s); process %d reads %s's shards itself "
+                    "from now on", *self.cache.address, exc, os.getpid(), self.root)
+
+    def announce(self, sampler) -> None:
+        """The loader's epoch starts: tell the node's agent this rank's samples to come, in order (it prefetches
+        them), and log the node's counters since the last epoch when this rank is the node's first."""
+        if not self._cache_up():
+            return
+        local_rank, logs = self.cache_rank
+        try:
+            if logs:
+                nodes = self.cache.stats(every_node=True)
+                log.info("data cache, epoch %d's start, since the last: %s", getattr(sampler, "epoch", 0),
+                         describe(nodes, self._cache_seen))
+                self._cache_seen = {n["node"]: n for n in nodes}
+            self.cache.announce(local_rank, [int(i) for i in sampler])
+        except OSError as exc:
+            self._cache_lost(exc)
 
     def _transform(self, data: bytes, index: int):
         if self.transform is None:
@@ -96,17 +125,17 @@ class ShardDataset(Dataset):
         start, stop = int(s.offsets[i]), int(s.offsets[i + 1])
         data, label = os.pread(s.fd, stop - start, s.base + start), int(s.labels[i])
         if self.checksums and (len(data) != stop - start or record_crc(data, label, s.version) != s.crcs[i]):
-            raise DataError(f"{self.paths[shard]}: image {i} ({_key(self.paths[shard], i)}) fails its CRC32, "
+            raise DataError(f"{self.paths[shard]}: image {i} ({record_key(self.paths[shard], i)}) fails its CRC32, "
                             f"the shard is damaged; run 'hpcdl verify --full {self.root}', then repack or "
                             f"restore the shard")
         return data, label
 
-    def _shard(self, shard: int) -> _OpenShard:
+    def _shard(self, shard: int) -> OpenShard:
         if self._pid != os.getpid():  # a fresh process (a forked worker): drop the parent's handles
             self._open, self._pid = {}, os.getpid()
         s = self._open.get(shard)
         if s is None:
-            s = self._open[shard] = _open_shard(self.paths[shard], self.shard_sizes[shard], self.root)
+            s = self._open[shard] = open_shard(self.paths[shard], self.shard_sizes[shard], self.root)
             self.files_opened += 1
         return s
 
@@ -132,44 +161,6 @@ class InMemory(Dataset):
     def __getitem__(self, index: int):
         sample, label = self.samples[int(index) % len(self.samples)]
         return sample, (PADDING_LABEL if isinstance(index, Sample) and index.padding else label)
-
-
-def _open_shard(path: str, count: int, root: str) -> _OpenShard:
-    """Read the index arrays through h5py, then read images with one pread each at their file offset."""
-    fix = f"run 'hpcdl verify --full {root}', then repack or restore the shard"
-    try:
-        raw = open(path, "rb")  # kept open for the reads; h5py leaves a file object it was given open
-    except OSError as exc:
-        raise DataError(f"{path}: cannot open the shard ({exc.strerror or exc}); {fix}") from None
-    try:
-        with open_h5(raw) as h5:
-            version = shard_version(h5, path)
-            base = h5["images"].id.get_offset()
-            if base is None:
-                raise DataError(f"{path}: the images dataset is not stored contiguously; repack it with hpcdl pack")
-            s = _OpenShard(raw.fileno(), raw, int(base), h5["offsets"][:], h5["labels"][:], h5["crc32"][:], version)
-            size = int(h5["images"].shape[0])
-    except DataError:
-        raw.close()
-        raise
-    except Exception as exc:  # h5py's errors on damaged metadata: OSError, KeyError, ValueError, RuntimeError
-        raw.close()
-        raise DataError(f"{path}: not a readable hpcdl shard ({type(exc).__name__}: {exc}); {fix}") from None
-    if not (len(s.offsets) == count + 1 == len(s.labels) + 1 == len(s.crcs) + 1 and s.offsets[0] == 0
-            and s.offsets[-1] == size and np.all(np.diff(s.offsets) > 0)):
-        raw.close()
-        raise DataError(f"{path}: its index does not match the manifest's {count} images (the shard or "
-                        f"manifest.json was changed after packing); {fix}")
-    return s
-
-
-def _key(path: str, i: int) -> str:
-    """Image ``i``'s key (its path in the source), for the message about a damaged record."""
-    try:
-        with open_h5(path) as h5:
-            return h5["keys"].asstr()[i]
-    except Exception as exc:  # the damage may be here too; the index still names the record
-        return f"key unreadable: {type(exc).__name__}"
 
 
 def _raise_open_file_limit() -> None:

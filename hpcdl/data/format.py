@@ -250,3 +250,54 @@ def damaged_images(path: str) -> list[int]:
         offsets, crcs, labels, images = f["offsets"][:], f["crc32"][:], f["labels"][:], f["images"]
         return [i for i in range(len(crcs))
                 if record_crc(images[offsets[i]:offsets[i + 1]], int(labels[i]), version) != crcs[i]]
+
+
+@dataclass(slots=True)
+class OpenShard:
+    """A shard opened for reading its images: the file, where its image bytes start, and its index arrays."""
+
+    fd: int  # of the open file object below
+    file: object
+    base: int  # file offset of the contiguous image bytes
+    offsets: np.ndarray
+    labels: np.ndarray
+    crcs: np.ndarray
+    version: int  # the shard's format version: what its CRC32s cover
+
+
+def open_shard(path: str, count: int, root: str) -> OpenShard:
+    """Read the index arrays through h5py, then read images with one pread each at their file offset."""
+    fix = f"run 'hpcdl verify --full {root}', then repack or restore the shard"
+    try:
+        raw = open(path, "rb")  # kept open for the reads; h5py leaves a file object it was given open
+    except OSError as exc:
+        raise DataError(f"{path}: cannot open the shard ({exc.strerror or exc}); {fix}") from None
+    try:
+        with open_h5(raw) as h5:
+            version = shard_version(h5, path)
+            base = h5["images"].id.get_offset()
+            if base is None:
+                raise DataError(f"{path}: the images dataset is not stored contiguously; repack it with hpcdl pack")
+            s = OpenShard(raw.fileno(), raw, int(base), h5["offsets"][:], h5["labels"][:], h5["crc32"][:], version)
+            size = int(h5["images"].shape[0])
+    except DataError:
+        raw.close()
+        raise
+    except Exception as exc:  # h5py's errors on damaged metadata: OSError, KeyError, ValueError, RuntimeError
+        raw.close()
+        raise DataError(f"{path}: not a readable hpcdl shard ({type(exc).__name__}: {exc}); {fix}") from None
+    if not (len(s.offsets) == count + 1 == len(s.labels) + 1 == len(s.crcs) + 1 and s.offsets[0] == 0
+            and s.offsets[-1] == size and np.all(np.diff(s.offsets) > 0)):
+        raw.close()
+        raise DataError(f"{path}: its index does not match the manifest's {count} images (the shard or "
+                        f"manifest.json was changed after packing); {fix}")
+    return s
+
+
+def record_key(path: str, i: int) -> str:
+    """Image ``i``'s key (its path in the source), for the message about a damaged record."""
+    try:
+        with open_h5(path) as h5:
+            return h5["keys"].asstr()[i]
+    except Exception as exc:  # the damage may be here too; the index still names the record
+        return f"key unreadable: {type(exc).__name__}"

@@ -34,6 +34,9 @@ class _Loader(DataLoader):
     (the rank then fails instead of checkpointing): blocked, it stays pending until the worker ignores it."""
 
     def __iter__(self):
+        announce = getattr(self.dataset, "announce", None)
+        if announce is not None:  # the node cache prefetches the epoch's samples in the sampler's order
+            announce(self.sampler)
         if not self.num_workers:
             return super().__iter__()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})

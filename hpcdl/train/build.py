@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import os
+import socket
 
 import torch
 
-from hpcdl.config import RunConfig
+from hpcdl.config import RunConfig, cache_budget_bytes
+from hpcdl.data.cache.agent import AgentSpec
+from hpcdl.data.cache.client import CacheClient, start_agent
+from hpcdl.data.cache.owners import sample_owners
 from hpcdl.data.dataset import InMemory, ShardDataset
 from hpcdl.data.format import Manifest
 from hpcdl.data.loader import make_loader
@@ -134,6 +139,8 @@ def build_data(cfg: RunConfig, ctx: DistContext, manifests: tuple[Manifest, Mani
                                       shuffle=True, seed=cfg.data.seed)
     if cfg.data.in_memory:
         train = InMemory(train, cfg.data.in_memory)
+    elif cfg.data.cache == "node":
+        _node_cache(cfg, ctx, train, sampler)
     val_loader = None
     if cfg.data.val:
         val = _dataset(cfg, ctx, os.path.expandvars(cfg.data.val), manifests[1],
@@ -143,6 +150,34 @@ def build_data(cfg: RunConfig, ctx: DistContext, manifests: tuple[Manifest, Mani
     return DataParts(make_loader(train, sampler, cfg.micro_batch, cfg.data.workers), val_loader, sampler,
                      BatchMix(steps, cfg.num_classes), mean, std, channels_last,
                      names if len(names) == cfg.num_classes else [str(i) for i in range(cfg.num_classes)])
+
+
+_AGENTS: list = []  # the node cache's agent, started by this node's first rank; it ends with this process
+
+
+def _node_cache(cfg: RunConfig, ctx: DistContext, train: ShardDataset, sampler: DistributedShardSampler) -> None:
+    """``data.cache=node``: each node's first rank starts the node's agent; two all-reduces (the ranks' nodes, the
+    agents' addresses, IPv4) tell every rank where its node's agent is and every agent where the others are."""
+    env = ctx.env
+    node_of_rank = torch.zeros(ctx.world_size, dtype=torch.int64)
+    node_of_rank[ctx.rank] = env.node_rank
+    torch.distributed.all_reduce(node_of_rank, group=ctx.group)
+    where = torch.zeros(env.nodes, 2, dtype=torch.int64)
+    if env.local_rank == 0:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        spec = AgentSpec(train.root, train.paths, train.shard_sizes, sample_owners(sampler, 0, node_of_rank.tolist()),
+                         env.node_rank, cache_budget_bytes(cfg.data.cache_budget, memory),
+                         window=4 * (cfg.data.workers + 1) * cfg.micro_batch * env.local_size)
+        proc, port = start_agent(spec)
+        _AGENTS.append(proc)
+        where[env.node_rank] = torch.tensor([int(ipaddress.IPv4Address(socket.gethostbyname(env.hostname))), port])
+    torch.distributed.all_reduce(where, group=ctx.group)
+    agents = {n: (str(ipaddress.IPv4Address(a)), p) for n, (a, p) in enumerate(where.tolist())}
+    train.cache, train.cache_rank = CacheClient(agents[env.node_rank]), (env.local_rank, ctx.rank == 0)
+    if env.local_rank == 0:
+        train.cache.peers({n: a for n, a in agents.items() if n != env.node_rank})
+        log.info("data cache: node %d's agent at %s:%d keeps up to %.0f MiB of the %d samples it owns", env.node_rank,
+                 *agents[env.node_rank], spec.budget / 2**20, int((spec.owners == env.node_rank).sum()))
 
 
 def _dataset(cfg: RunConfig, ctx: DistContext, root: str, manifest: Manifest, transform,

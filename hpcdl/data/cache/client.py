@@ -1,0 +1,123 @@
+"""A reader's side of the node cache: a connection to the node's agent per process (each loader worker opens its
+own after the fork), the agent's start by the node's first rank, and what the counters say.
+
+Nothing here trusts the cache: each record is checked against the CRC32 of its shard's index; a damaged one is read
+again from the shard by the agent (``GET_SOURCE``) and named. An agent that does not answer is named once per
+process, and the process then reads the shards itself, as without the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+
+import numpy as np
+
+from hpcdl.data.cache.agent import ANNOUNCE, ERROR, GET, GET_SOURCE, PEERS, REPLY, REQUEST, STATS, AgentSpec, \
+    recv_exact
+from hpcdl.data.format import record_crc
+from hpcdl.errors import DataError
+
+log = logging.getLogger(__name__)
+
+AGENT_START_S = 60.0  # the agent's interpreter and imports, on a loaded node
+
+
+class CacheClient:
+    """One process's connection to its node's agent (reconnected in a forked worker)."""
+
+    def __init__(self, address: tuple[str, int]):
+        self.address = address
+        self._sock: socket.socket | None = None
+        self._pid: int | None = None
+
+    def __getstate__(self):
+        return {"address": self.address, "_sock": None, "_pid": None}
+
+    def _conn(self) -> socket.socket:
+        if self._pid != os.getpid() or self._sock is None:
+            self._sock = socket.create_connection(self.address, timeout=120)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._pid = os.getpid()
+        return self._sock
+
+    def _ask(self, op: int, arg: int, body: bytes = b"") -> tuple[int, int, int, int, bytes]:
+        try:
+            sock = self._conn()
+            sock.sendall(REQUEST.pack(op, arg) + body)
+            status, label, crc, version, length = REPLY.unpack(recv_exact(sock, REPLY.size))
+            data = recv_exact(sock, length)
+        except OSError:
+            self._sock = None
+            raise
+        return status, label, crc, version, data
+
+    def get(self, index: int, source: bool = False) -> tuple[bytes, int, int, int]:
+        """(bytes, label, crc32, format version) of sample ``index``; ``source``: read from the shard itself."""
+        status, label, crc, version, data = self._ask(GET_SOURCE if source else GET, index)
+        if status == ERROR:
+            raise DataError(f"the node's data cache at {self.address[0]}:{self.address[1]}: {data.decode()}")
+        return data, label, crc, version
+
+    def announce(self, local_rank: int, order: list[int]) -> None:
+        self._ask(ANNOUNCE, local_rank, struct.pack("!q", len(order)) + np.asarray(order, dtype=">i8").tobytes())
+
+    def peers(self, addresses: dict[int, tuple[str, int]]) -> None:
+        body = json.dumps({str(k): list(v) for k, v in addresses.items()}).encode()
+        self._ask(PEERS, len(body), body)
+
+    def stats(self, every_node: bool = False) -> list[dict]:
+        """This node's agent's counters, or every node's (those that answer)."""
+        return json.loads(self._ask(STATS, int(every_node))[4])
+
+
+def checked_read(client: CacheClient, index: int, where: str) -> tuple[bytes, int]:
+    """Sample ``index`` through the cache, its CRC32 checked; a damaged copy is named and read from the shard."""
+    data, label, crc, version = client.get(index)
+    if record_crc(data, label, version) == crc:
+        return data, label
+    log.warning("data cache: sample %d of %s came damaged from the node's cache (CRC32 mismatch); reading it "
+                "from its shard", index, where)
+    data, label, crc, version = client.get(index, source=True)
+    if record_crc(data, label, version) != crc:
+        raise DataError(f"{where}: sample {index} fails its CRC32 read from its shard too, the shard is damaged; run "
+                        f"'hpcdl verify --full {where}', then repack or restore it")
+    return data, label
+
+
+def start_agent(spec: AgentSpec) -> tuple[subprocess.Popen, int]:
+    """The node's agent, in a process of its own that ends with this one; returns it and its port."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcdl.data.cache.agent"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    proc.stdin.write(pickle.dumps(spec))
+    proc.stdin.close()
+    line = proc.stdout.readline()
+    if not line.strip().isdigit():
+        proc.kill()
+        raise DataError(f"the node's data cache agent did not start (exit code {proc.wait()}); its error is above. "
+                        "Set data.cache=none to read the shards directly")
+    return proc, int(line)
+
+
+def describe(nodes: list[dict], before: dict[int, dict] | None = None) -> str:
+    """The job's counters (every node's :meth:`CacheClient.stats`) since ``before`` (the last call's, by node), as a
+    log line: the sums, and the most any one node read from the shared filesystem."""
+    before = before or {}
+    delta = [{k: v - before.get(n["node"], {}).get(k, 0) for k, v in n.items() if isinstance(v, int)} for n in nodes]
+    total = {k: sum(d[k] for d in delta) for k in delta[0]} if delta else {}
+    if not total:
+        return "no node's agent answered"
+    mb, lost = 1 << 20, sorted({p for n in nodes for p in n["peers_lost"]})
+    kept = sum(n["kept_bytes"] for n in nodes)
+    return (f"{len(nodes)} node(s): shared filesystem {total['source_reads']} samples, "
+            f"{total['source_bytes'] / mb:.1f} MiB ({total['source_again']} read again), {total['source_opens']} opens (at most "
+            f"{max(d['source_opens'] for d in delta)} on a node); from peers {total['peer_reads']} samples, "
+            f"{total['peer_bytes'] / mb:.1f} MiB; local reads {total['kept_hits']} kept, {total['ahead_hits']} "
+            f"prefetched, {total['waited']} waited for; kept {sum(n['kept_samples'] for n in nodes)} samples, "
+            f"{kept / mb:.1f} MiB" + (f"; nodes lost: {lost}" if lost else ""))

@@ -1,0 +1,213 @@
+"""The node cache (data.cache=node, hpcdl.data.cache): which node owns each sample, two real agent processes serving
+each other over TCP, a damaged copy and a lost agent, and a 2-node Slurm job trained through it."""
+
+import logging
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import PYTHON, REPO, hpcdl, sbatch_wait
+
+from hpcdl.data.cache.agent import AgentSpec
+from hpcdl.data.cache.client import CacheClient, checked_read, start_agent
+from hpcdl.data.cache.owners import sample_owners
+from hpcdl.data.dataset import ShardDataset
+from hpcdl.data.format import record_crc
+from hpcdl.data.pack import PackConfig, pack
+from hpcdl.data.sampler import DistributedShardSampler
+from hpcdl.data.synthetic import generate
+from hpcdl.errors import DataError
+
+SIZES = [7, 13, 5, 11, 9, 6, 12]  # 63 samples: divides by no rank count here
+
+
+@pytest.mark.parametrize("mode", ["global", "shard"])
+@pytest.mark.parametrize("world,nodes", [(3, [0, 0, 1]), (4, [0, 1, 0, 1]), (5, [0, 0, 1, 1, 2])])
+def test_each_sample_is_owned_by_the_node_whose_rank_reads_it_first_in_that_epoch(mode, world, nodes):
+    for epoch in (0, 3):
+        owners = sample_owners(DistributedShardSampler(SIZES, world, 0, mode, seed=5), epoch, nodes)
+        first_reader = {}
+        for rank in range(world):
+            s = DistributedShardSampler(SIZES, world, rank, mode, seed=5)
+            s.set_epoch(epoch)
+            for i, padding in s.indices():
+                if not padding or mode == "global":
+                    first_reader.setdefault(i, []).append(rank)
+        assert len(owners) == sum(SIZES) and set(first_reader) == set(range(sum(SIZES)))
+        # a sample read twice (padding) is owned by one of its readers' nodes; any other by its only reader's
+        assert all(owners[i] in {nodes[r] for r in readers} for i, readers in first_reader.items())
+        assert all(owners[i] == nodes[readers[0]] for i, readers in first_reader.items() if len(readers) == 1)
+    moved = sample_owners(DistributedShardSampler(SIZES, world, 0, mode, seed=6), 0, nodes)
+    assert mode == "shard" and world >= len(SIZES) or not np.array_equal(moved, owners)  # the seed moves them
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cache")
+    gen = generate(str(root / "src"), classes=4, per_class=16, size=(160, 128), seed=3)
+    pack(PackConfig(src=gen.root, out=str(root / "out"), shard_size="64K", workers=1))
+    return root / "out"
+
+
+def _agents(packed: Path, budget: int = 1 << 30):
+    """Two agents on loopback as nodes 0 and 1, owning alternate samples; each told the other's address."""
+    ds = ShardDataset(str(packed), verify="none")
+    owners = (np.arange(len(ds)) % 2).astype(np.int32)
+    started = [start_agent(AgentSpec(ds.root, ds.paths, ds.shard_sizes, owners, node, budget, window=16))
+               for node in (0, 1)]
+    clients = [CacheClient(("127.0.0.1", port)) for _, port in started]
+    for node, client in enumerate(clients):
+        client.peers({1 - node: ("127.0.0.1", started[1 - node][1])})
+    return ds, owners, [p for p, _ in started], clients
+
+
+def _direct(ds: ShardDataset, index: int) -> tuple[bytes, int]:
+    shard = int(np.searchsorted(ds.starts, index, side="right")) - 1
+    return ds.read(shard, int(index - ds.starts[shard]))
+
+
+def test_two_agents_read_each_sample_from_the_shards_once_and_serve_each_other(packed):
+    ds, owners, procs, clients = _agents(packed)
+    try:
+        n = len(ds)
+        assert len(ds.paths) > 2 and n % 2 == 0
+        order = list(np.random.default_rng(0).permutation(n))
+        clients[0].announce(0, order)  # node 0's one rank reads every sample, twice
+        for _ in range(2):
+            for i in order:
+                assert checked_read(clients[0], int(i), ds.root) == _direct(ds, int(i))
+        a, b = clients[0].stats()[0], clients[1].stats()[0]
+        assert [n["node"] for n in clients[0].stats(every_node=True)] == [0, 1]
+        # node 0 read its own half from the shards once and kept it; node 1's half came from node 1 in each pass,
+        # and node 1 read it from the shards once
+        assert (a["source_reads"], a["peer_reads"], b["source_reads"], b["served_to_peers"]) == (n // 2, n, n // 2, n)
+        assert a["source_opens"] <= len(ds.paths) and b["source_opens"] <= len(ds.paths)
+        assert a["kept_samples"] == n // 2 and b["kept_samples"] == n // 2
+        assert a["source_bytes"] + b["source_bytes"] == sum(len(_direct(ds, i)[0]) for i in range(n))
+        assert a["ahead_hits"] > 0  # the announced order was prefetched
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_a_budget_keeps_what_fits_and_a_lost_peer_s_samples_come_from_the_shards(packed, caplog):
+    ds, owners, procs, clients = _agents(packed, budget=12000)
+    try:
+        n = len(ds)
+        for i in range(n):
+            checked_read(clients[0], i, ds.root)
+        a = clients[0].stats()[0]
+        assert 0 < a["kept_bytes"] <= 12000 and a["kept_samples"] < n // 2
+        procs[1].kill()
+        procs[1].wait()
+        for i in range(n):  # node 1 is gone: its samples are read from the shards, the reads go on
+            assert checked_read(clients[0], i, ds.root) == _direct(ds, i)
+        after = clients[0].stats()[0]
+        assert after["peers_lost"] == [1] and [n["node"] for n in clients[0].stats(every_node=True)] == [0]
+        assert after["source_reads"] - a["source_reads"] == n - a["kept_samples"]  # all but what node 0 kept
+    finally:
+        for p in procs:
+            p.kill()
+
+
+class DamagingClient(CacheClient):
+    """A fake agent connection (named so): its first answer for a sample carries one flipped byte, as a damaged
+    copy in a cache's RAM or on the wire would; a real agent cannot be made to damage a record on demand."""
+
+    def __init__(self, ds: ShardDataset):
+        super().__init__(("fake", 0))
+        self.ds, self.asked = ds, []
+
+    def get(self, index: int, source: bool = False):
+        self.asked.append((index, source))
+        data, label = _direct(self.ds, index)
+        crc = record_crc(data, label)
+        if not source:
+            data = bytes([data[0] ^ 1]) + data[1:]
+        return data, label, crc, 2
+
+
+def test_a_damaged_copy_is_named_and_read_again_from_its_shard_never_trained_on(packed, caplog):
+    ds = ShardDataset(str(packed), verify="none")
+    fake = DamagingClient(ds)
+    with caplog.at_level(logging.WARNING):
+        assert checked_read(fake, 5, ds.root) == _direct(ds, 5)
+    assert fake.asked == [(5, False), (5, True)]
+    assert "sample 5" in caplog.text and "damaged" in caplog.text and "reading it from its shard" in caplog.text
+
+
+def test_a_reader_whose_agent_is_gone_reads_the_shards_itself(packed, caplog):
+    ds, owners, procs, clients = _agents(packed)
+    ds.cache = clients[0]
+    try:
+        assert ds[3][0] == _direct(ds, 3)[0]
+        procs[0].kill()
+        procs[0].wait()
+        with caplog.at_level(logging.WARNING):
+            assert ds[4][0] == _direct(ds, 4)[0] and ds[9][0] == _direct(ds, 9)[0]
+        assert caplog.text.count("does not answer") == 1 and "reads" in caplog.text
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_an_agent_ends_with_the_process_that_started_it(packed, tmp_path):
+    """Its rank killed outright (the OOM killer, a node's loss), the agent does not outlive it."""
+    script = ("import sys, numpy as np, time\nfrom hpcdl.data.cache.agent import AgentSpec\n"
+              "from hpcdl.data.cache.client import start_agent\nfrom hpcdl.data.dataset import ShardDataset\n"
+              f"ds = ShardDataset({str(packed)!r}, verify='none')\n"
+              "p, port = start_agent(AgentSpec(ds.root, ds.paths, ds.shard_sizes, np.zeros(len(ds), np.int32), 0, 1, 4))\n"
+              "print(p.pid, flush=True)\ntime.sleep(600)\n")
+    rank = subprocess.Popen([PYTHON, "-c", script], stdout=subprocess.PIPE, text=True)
+    agent = int(rank.stdout.readline())
+    rank.send_signal(signal.SIGKILL)
+    rank.wait()
+    for _ in range(100):
+        if not Path(f"/proc/{agent}").exists() or "Z" in Path(f"/proc/{agent}/stat").read_text().split()[2]:
+            break
+        import time
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the agent {agent} outlived its rank")
+
+
+def test_two_nodes_train_through_the_cache_as_without_it(two_nodes, data, tmp_path):
+    """A 2-node job of 4 ranks over 3 epochs of a dataset of 240 images at a global batch of 64 (each epoch ends on a
+    short step), the default 4 loader workers: the same weights as reading the shards directly, each
+    sample trained once an epoch, and the counters in the log: after the first epoch nothing from the shards."""
+    runs = {}
+    for cache in ("none", "node"):
+        run = tmp_path / cache
+        script = tmp_path / f"{cache}.sbatch"
+        made = hpcdl("sbatch", "--profile", "local", "--partition", "debug", "--nodes", 2, "--tasks-per-node", 2,
+                     "--time", 5, "--output", f"{tmp_path}/{cache}-%j.out", "--python", PYTHON, "--write", script, "--",
+                     "train", "demo_tiny_lars", "--set", f"data.train={data / 'train'}", "--set", "data.val=",
+                     "--set", f"run_dir={run}", "--set", "loop.backend=gloo", "--set", "epochs=3", "--set", "ranks=4",
+                     "--set", "global_batch=64", "--set", "data.workers=4", "--set", f"data.cache={cache}",
+                     "--set", "checkpoint.every_minutes=0", "--set", "loop.record_samples=true")
+        assert made.returncode == 0, made.stderr
+        job = sbatch_wait(script, f"--chdir={tmp_path}", env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+        runs[cache] = (run, (tmp_path / f"{cache}-{job}.out").read_text())
+    (a, _), (b, out) = runs["none"], runs["node"]
+    final = sorted((a / "checkpoints").glob("ckpt-*.pt"))[-1].name
+    x, y = (torch.load(r / "checkpoints" / final, map_location="cpu", weights_only=True)["model"] for r in (a, b))
+    assert all(torch.equal(x[k], y[k]) for k in x), out[-3000:]
+    counts = {}
+    for f in (b / "samples").iterdir():  # "epoch index step" for each sample a rank trained
+        for line in f.read_text().splitlines():
+            e, i, _ = line.split()
+            counts.setdefault(int(e), []).append(int(i))
+    assert sorted(counts) == [0, 1, 2], sorted(counts)
+    assert all(sorted(set(v)) == list(range(240)) for v in counts.values())
+    lines = re.findall(r"data cache, epoch (\d+)'s start, since the last: (\d) node\(s\): shared filesystem (\d+) "
+                       r"samples, [\d.]+ MiB \(0 read again\), (\d+) opens", out)
+    assert len(lines) == 3 and all(n == "2" for _, n, _, _ in lines), out[-3000:]
+    # by the second epoch's start every sample was read from the shards once (the start-up's reads included)
+    assert sum(int(c) for _, _, c, _ in lines[:2]) == 240 and int(lines[2][2]) == 0, lines
+    shards = len(list((data / "train").glob("*.h5")))
+    assert sum(int(o) for _, _, _, o in lines) <= 2 * shards, lines  # each shard opened at most once per node
