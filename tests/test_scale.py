@@ -90,13 +90,15 @@ def test_a_run_cut_on_32_ranks_goes_on_on_16_then_8_training_each_sample_once(wi
     (accumulating 2 micro-batches of 2), 4 on 8 (4 of 2). Every leg ends with its replicas identical; together
     they train the epoch once. The restart on 32 ranks reads the checkpoint from the run folder once. The first
     leg runs on 8 ranks, not 32: the restart on 32 is what the rehearsal checks, and a 32-rank start costs a
-    minute of the scale tier here."""
+    minute of the scale tier here. Every leg reads through the node cache (data.cache=node: an agent a node, the
+    owners computed anew at each leg's rank count), which changes where bytes come from, not what is trained."""
     run = tmp_path / "run"
     outs = {}
     for leg, (nodes, steps) in enumerate(((4, 1), (16, 2), (8, 3), (4, 4))):
         _, outs[leg] = train_job(tmp_path, scale_data, run, nodes, "gloo", "--set", "epochs=2",
                                  "--set", f"loop.max_steps={steps}", "--set", f"loop.record_startup={leg == 1}",
-                                 name=f"leg{leg}")
+                                 "--set", "data.cache=node", name=f"leg{leg}")
+        assert f"data cache, epoch 0's start, since the last: {nodes} node(s)" in outs[leg], outs[leg][-3000:]
         summary = json.loads((run / "summary.json").read_text())
         assert summary["steps"] == steps and summary["replicas"].startswith(f"identical on {2 * nodes} ranks"), \
             outs[leg][-3000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -259,10 +260,13 @@ def test_a_lost_node_on_gloo_is_replaced_by_a_spare_within_the_job(wide, data, t
     with the time from the kill to the next step printed, every replica identical and each sample once. The first
     spare answers srun but its Python fails at start-up (a fake, FAKE_SITE): the supervisor's probe at its start
     (the ranks' Python importing hpcdl's trainer) finds it, and it is skipped and named for the second. Before, the
-    supervisor took it, its start failed before any rescue existed, and the job restarted on it to its budget."""
+    supervisor took it, its start failed before any rescue existed, and the job restarted on it to its budget.
+    The data comes through the node cache (data.cache=node): the lost node's agent goes with it, the spare's starts
+    empty, and each sample is still trained once."""
     run = tmp_path / "run"
     script = script_for(tmp_path, data, run, nodes=4, tasks=2, partition="wide", name="gloo", spares=2,
-                        extra=("--set", "loop.backend=gloo", "--set", "epochs=3", "--set", "global_batch=48"))
+                        extra=("--set", "loop.backend=gloo", "--set", "epochs=3", "--set", "global_batch=48",
+                               "--set", "data.cache=node"))
     env, fake = broken_python_env(tmp_path)
     (fake / "broken-n15").write_text("python")
     script.write_text(script.read_text().replace("#SBATCH --nodes=6", "#SBATCH --nodes=6\n#SBATCH --nodelist=n[11-16]"))
@@ -285,6 +289,7 @@ def test_a_lost_node_on_gloo_is_replaced_by_a_spare_within_the_job(wide, data, t
     summary = json.loads((run / "summary.json").read_text())
     assert summary["replicas"] == "identical on 8 ranks (sha256 of the weights)" and summary["steps"] == 15
     check_each_sample_once(run, whole_epochs=3)
+    assert re.search(r"data cache, epoch \d's start, since the last: 4 node\(s\)", text), text[-4000:]
 
 
 @pytest.mark.timeout(600)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import socket
+import threading
 import resource
 from typing import Callable
 
@@ -66,6 +68,7 @@ class ShardDataset(Dataset):
         self.cache_rank: tuple[int, bool] = (0, False)  # (local rank, logs every node's counters: the job's rank 0)
         self._cache_down_pid: int | None = None
         self._cache_seen: dict | None = None
+        self._cache_log_lock = threading.Lock()
         _raise_open_file_limit()
 
     def __len__(self) -> int:
@@ -83,12 +86,18 @@ class ShardDataset(Dataset):
         return self.cache is not None and self._cache_down_pid != os.getpid()
 
     def _cached(self, index: int) -> tuple[bytes, int]:
+        """Sample ``index`` through the node's agent. An agent that refuses or drops the connection is gone: this
+        process reads the shards itself from then on. One that is slow past the client's timeout, or that failed
+        this sample (its error names it), costs this sample a direct read, which names the shard if it fails too."""
         try:
             return checked_read(self.cache, index, self.root)
+        except (TimeoutError, socket.timeout, DataError) as exc:
+            log.warning("data cache: sample %d of %s through the node's agent: %s; read from its shard", index,
+                        self.root, exc)
         except OSError as exc:
             self._cache_lost(exc)
-            shard = int(np.searchsorted(self.starts, index, side="right")) - 1
-            return self.read(shard, int(index - self.starts[shard]))
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return self.read(shard, int(index - self.starts[shard]))
 
     def _cache_lost(self, exc: OSError) -> None:
         """The agent is gone (its rank ended, or the node is going down): this process reads the shards itself."""
@@ -98,19 +107,31 @@ class ShardDataset(Dataset):
 
     def announce(self, sampler) -> None:
         """The loader's epoch starts: tell the node's agent this rank's samples to come, in order (it prefetches
-        them), and log the node's counters since the last epoch when this rank is the node's first."""
+        them). The job's rank 0 also logs every node's counters since the last epoch, from a thread of its own
+        and a connection of its own: asking every node takes time the step does not wait for."""
         if not self._cache_up():
             return
         local_rank, logs = self.cache_rank
+        epoch = getattr(sampler, "epoch", 0)
+        if logs:
+            threading.Thread(target=self._log_counters, args=(epoch,), name="cache-counters", daemon=True).start()
         try:
-            if logs:
-                nodes = self.cache.stats(every_node=True)
-                log.info("data cache, epoch %d's start, since the last: %s", getattr(sampler, "epoch", 0),
-                         describe(nodes, self._cache_seen))
-                self._cache_seen = {n["node"]: n for n in nodes}
-            self.cache.announce(local_rank, [int(i) for i in sampler])
+            self.cache.announce(local_rank, epoch, [int(i) for i in sampler])
+        except (TimeoutError, socket.timeout, DataError) as exc:
+            log.warning("data cache: the node's agent did not take epoch %d's order (%s): it is not prefetched", epoch,
+                        exc)
         except OSError as exc:
             self._cache_lost(exc)
+
+    def _log_counters(self, epoch: int) -> None:
+        with self._cache_log_lock:
+            try:
+                nodes = CacheClient(self.cache.address).stats(every_node=True)
+            except (OSError, DataError, ValueError) as exc:
+                log.warning("data cache: the counters at epoch %d's start could not be read: %s", epoch, exc)
+                return
+            log.info("data cache, epoch %d's start, since the last: %s", epoch, describe(nodes, self._cache_seen))
+            self._cache_seen = {n["node"]: n for n in nodes}
 
     def _transform(self, data: bytes, index: int):
         if self.transform is None:
@@ -141,7 +162,7 @@ class ShardDataset(Dataset):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_open"], state["_pid"] = {}, None
+        state["_open"], state["_pid"], state["_cache_log_lock"] = {}, None, None
         return state
 
 

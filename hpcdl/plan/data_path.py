@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hpcdl.config import DataConfig
+from hpcdl.config import DataConfig, cache_budget_bytes
 from hpcdl.data.options import PackConfig
 from hpcdl.errors import ConfigError
 from hpcdl.names import IMAGENET_TRAIN
@@ -47,7 +47,8 @@ __all__ = ["DataPathInputs", "DataPathModel", "Figure", "format_data_path", "pub
 IMAGENET_IMAGE_KB = 110.0
 PACK_SHARD_SIZE = next(f.default for f in dataclasses.fields(PackConfig) if f.name == "shard_size")
 DATA_WORKERS = next(f.default for f in dataclasses.fields(DataConfig) if f.name == "workers")
-CACHE_SHARE = 0.25  # data.cache_budget's default: the node cache keeps its samples in a quarter of the node's memory
+# the node cache's RAM, a share of the node's memory: data.cache_budget's default, read where it is set
+CACHE_SHARE = cache_budget_bytes(DataConfig().cache_budget, memory=1 << 40) / (1 << 40)
 _WHAT = {"--fs-gb-s": "aggregate read bandwidth", "--fs-opens-per-s": "metadata rate",
          "--local-disk-gb": "node-local disk", "--cache-gb": "memory per node"}  # what each flag gives, for messages
 

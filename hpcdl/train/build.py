@@ -157,27 +157,49 @@ _AGENTS: list = []  # the node cache's agent, started by this node's first rank;
 
 def _node_cache(cfg: RunConfig, ctx: DistContext, train: ShardDataset, sampler: DistributedShardSampler) -> None:
     """``data.cache=node``: each node's first rank starts the node's agent; two all-reduces (the ranks' nodes, the
-    agents' addresses, IPv4) tell every rank where its node's agent is and every agent where the others are."""
+    agents' addresses, IPv4) tell every rank where its node's agent is and every agent where the others are. The
+    address is the one this node reaches rank 0 at (the network the job's group uses). An agent that did not start
+    stops every rank, naming its node."""
     env = ctx.env
     node_of_rank = torch.zeros(ctx.world_size, dtype=torch.int64)
     node_of_rank[ctx.rank] = env.node_rank
     torch.distributed.all_reduce(node_of_rank, group=ctx.group)
-    where = torch.zeros(env.nodes, 2, dtype=torch.int64)
+    nodes = int(node_of_rank.max()) + 1
+    where = torch.zeros(nodes, 3, dtype=torch.int64)  # address, port, local ranks 0 that claim the node
+    failure = None
     if env.local_rank == 0:
+        host = _address_toward(env.master_addr, env.master_port)
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         spec = AgentSpec(train.root, train.paths, train.shard_sizes, sample_owners(sampler, 0, node_of_rank.tolist()),
                          env.node_rank, cache_budget_bytes(cfg.data.cache_budget, memory),
-                         window=4 * (cfg.data.workers + 1) * cfg.micro_batch * env.local_size)
-        proc, port = start_agent(spec)
-        _AGENTS.append(proc)
-        where[env.node_rank] = torch.tensor([int(ipaddress.IPv4Address(socket.gethostbyname(env.hostname))), port])
+                         window=4 * (cfg.data.workers + 1) * cfg.micro_batch * env.local_size, nodes=nodes, host=host)
+        try:
+            proc, port = start_agent(spec)
+            _AGENTS.append(proc)
+            where[env.node_rank] = torch.tensor([int(ipaddress.IPv4Address(host)), port, 1])
+        except DataError as exc:
+            failure = exc
+            where[env.node_rank, 2] = 1
     torch.distributed.all_reduce(where, group=ctx.group)
-    agents = {n: (str(ipaddress.IPv4Address(a)), p) for n, (a, p) in enumerate(where.tolist())}
+    bad = [n for n, (_, port, claims) in enumerate(where.tolist()) if port <= 0 or claims != 1]
+    if failure is not None:
+        raise failure
+    if bad:
+        raise DataError(f"data.cache=node: node(s) {bad} have no agent (it did not start, or the launcher's local ranks "
+                        "do not give each node one local rank 0: the node's first rank says why); set data.cache=none")
+    agents = {n: (str(ipaddress.IPv4Address(a)), p) for n, (a, p, _) in enumerate(where.tolist())}
     train.cache, train.cache_rank = CacheClient(agents[env.node_rank]), (env.local_rank, ctx.rank == 0)
     if env.local_rank == 0:
         train.cache.peers({n: a for n, a in agents.items() if n != env.node_rank})
         log.info("data cache: node %d's agent at %s:%d keeps up to %.0f MiB of the %d samples it owns", env.node_rank,
                  *agents[env.node_rank], spec.budget / 2**20, int((spec.owners == env.node_rank).sum()))
+
+
+def _address_toward(host: str, port: int) -> str:
+    """This node's IPv4 address on the route to ``host`` (rank 0's): where the other nodes reach it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), port))  # a UDP connect sends nothing; it picks the route
+        return s.getsockname()[0]
 
 
 def _dataset(cfg: RunConfig, ctx: DistContext, root: str, manifest: Manifest, transform,

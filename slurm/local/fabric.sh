@@ -110,7 +110,7 @@ slurmd() {
         # The shared filesystem's client (slurm/local/pfs.sh), when it is up, mounts in the node's namespaces,
         # so that the node's reads of it cross the node's link.
         local pfs=true
-        [ ! -e "$STATE/pfs/up" ] || pfs="bash $(cd "$(dirname "$0")" && pwd)/pfs.sh node-mount"
+        [ ! -e "$STATE/pfs/up" ] || pfs="bash '$(cd "$(dirname "$0")" && pwd)/pfs.sh' node-mount"
         taskset -c "$cores" nsenter --net="/run/netns/h$x" unshare --uts --mount --propagation private sh -c \
             "mount --bind /etc/netns/h$x/hosts /etc/hosts && hostname n$x && $pfs && exec /usr/sbin/slurmd -N n$x" \
             || die "slurmd n$x did not start in namespace h$x; its log is $STATE/log/slurmd-n$x.log"

@@ -30,7 +30,7 @@ STORAGE=${PFS_STORAGE:-1 2}        # storage server N in namespace hpfs-sN at $N
 RATE=${PFS_RATE:-1gbit}            # the storage servers' links
 MOUNT=${PFS_MOUNT:-$STATE/scratch}
 DIR=$STATE/pfs
-CGROUP=/sys/fs/cgroup/cpu/hpcdl-pfs-master
+CGROUP=/sys/fs/cgroup/cpu/hpcdl-pfs-master   # cgroup v1's cpu controller (this kernel's; v2 has cpu.max instead)
 PACKAGES="moosefs-master moosefs-chunkserver moosefs-client moosefs-cli"
 HERE=$(cd "$(dirname "$0")" && pwd)
 
@@ -40,7 +40,7 @@ die() { echo "pfs: error: $*" >&2; exit 1; }
 missing() {
     bash "$HERE/fabric.sh" check >/dev/null 2>&1 || echo "the shaped fabric (run 'slurm/local/fabric.sh check')"
     [ -c /dev/fuse ] || echo "FUSE (/dev/fuse: kernel module fuse)"
-    [ -d /sys/fs/cgroup/cpu ] || [ -d /sys/fs/cgroup/cpu,cpuacct ] \
+    [ -f /sys/fs/cgroup/cpu/cpu.cfs_quota_us ] \
         || echo "the cgroup v1 cpu controller at /sys/fs/cgroup/cpu (the metadata server's CPU cap)"
 }
 
@@ -141,7 +141,7 @@ cap_master() {  # cap_master PERCENT
     if [ "$pct" -ge 100 ]; then echo -1 > "$CGROUP/cpu.cfs_quota_us"; else echo $(( pct * 1000 )) > "$CGROUP/cpu.cfs_quota_us"; fi
     pid=$(cat "$DIR/master/.mfsmaster.lock" 2>/dev/null | tr -dc 0-9)
     [ -n "$pid" ] || pid=$(pgrep -f "mfsmaster -c $DIR/master/mfsmaster.cfg" | head -1)
-    [ -n "$pid" ] && echo "$pid" > "$CGROUP/tasks"
+    [ -n "$pid" ] && echo "$pid" > "$CGROUP/cgroup.procs"  # every thread of it
     echo "$pct" > "$DIR/mds-cpu"
 }
 
@@ -150,6 +150,7 @@ up() {
     [ -z "$why" ] || die "this machine cannot host the shared filesystem; it lacks:
 $why"
     ip link show "$BRIDGE" >/dev/null 2>&1 || die "the fabric is down; run 'slurm/local/fabric.sh up' first"
+    rm -f "$DIR/up"  # set again only when all of it is up: fabric.sh slurmd mounts it on the nodes then
     install_packages
     mkdir -p "$DIR"
     namespace hpfs-m "$MASTER" ""
@@ -163,9 +164,11 @@ $why"
     done
     echo "$RATE" > "$DIR/rate"
     client
-    # one copy of each chunk, as a Lustre stripe lives on one OST
+    # one copy of each chunk, as a Lustre stripe lives on one OST; a removed file's chunks freed at once (MooseFS
+    # keeps them in its trash for a day by default: the tests' datasets would fill /var/tmp)
     mfssetgoal -r 1 "$MOUNT" >/dev/null
-    wait_storage
+    mfssettrashtime -r 0 "$MOUNT" >/dev/null
+    wait_storage || die "not every storage server registered with the metadata server within 30 s: $(mfscli -H "$MASTER" -SCS 2>&1 | tail -3 | tr '\n' ' ')"
     touch "$DIR/up"  # fabric.sh slurmd mounts it on the nodes
     say "up: metadata server $MASTER, storage servers $(for n in $STORAGE; do printf '%s.%s ' "$NET" $(( 20 + n )); done)(links shaped to $RATE), mounted at $MOUNT"
 }
@@ -176,7 +179,7 @@ wait_storage() {  # until every storage server has registered with the metadata 
         [ "$(mfscli -H "$MASTER" -SCS 2>/dev/null | grep -c "^chunk servers:")" -ge "$want" ] && return 0
         sleep 0.2
     done
-    say "warning: not every storage server registered within 30 s: $(mfscli -H "$MASTER" -SCS 2>&1 | tail -3 | tr '\n' ' ')"
+    return 1
 }
 
 status() {
@@ -224,7 +227,8 @@ case "${1:-}" in
     stop-storage) [ -n "${2:-}" ] || die "give the storage server's number"
                   in_ns "hpfs-s$2" /usr/sbin/mfschunkserver -c "$DIR/cs$2/mfschunkserver.cfg" stop >/dev/null; say "storage server $2 stopped" ;;
     start-storage) [ -n "${2:-}" ] || die "give the storage server's number"
-                   daemon_up "hpfs-s$2" /usr/sbin/mfschunkserver "$DIR/cs$2/mfschunkserver.cfg"; wait_storage; say "storage server $2 started" ;;
+                   daemon_up "hpfs-s$2" /usr/sbin/mfschunkserver "$DIR/cs$2/mfschunkserver.cfg"
+                   wait_storage || die "storage server $2 did not register within 30 s"; say "storage server $2 started" ;;
     status) status ;;
     down) down ;;
     *) sed -n '5,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;

@@ -33,7 +33,10 @@ WIDE_NODES=${WIDE_NODES:-16}
 wide_last=$(( 10 + WIDE_NODES ))
 HERE=$(cd "$(dirname "$0")" && pwd)
 PFS=${PFS:-1}; [ "$FABRIC" != 0 ] || PFS=0
-pfs_ready() { [ "$PFS" = 0 ] || { [ -e "$STATE/pfs/up" ] && grep -qs "^mfs.* $STATE/scratch fuse " /proc/self/mounts; }; }
+# ready: up and mounted, or (outside CI) recorded as impossible here, so that a machine without it does not restart
+# Slurm at every call
+pfs_ready() { [ "$PFS" = 0 ] || { [ -e "$STATE/pfs/up" ] && grep -qs "^mfs.* $STATE/scratch fuse " /proc/self/mounts; } \
+              || { [ "${CI:-}" != true ] && [ -e "$STATE/pfs/unavailable" ]; }; }
 up_nodes() { timeout 10 sinfo -h -N ${1:+-p "$1"} -o %T 2>/dev/null | grep -c -E '^(idle|mixed|allocated)$' || true; }
 
 if slurm_answers && [ "$(up_nodes)" -gt 0 ]; then
@@ -59,9 +62,12 @@ if [ "$FABRIC" != 0 ]; then
 fi
 
 if [ -n "$fabric_nodes" ] && [ "$PFS" != 0 ]; then
-    if ! PFS_MOUNT="$STATE/scratch" bash "$HERE/pfs.sh" up; then
+    if PFS_MOUNT="$STATE/scratch" bash "$HERE/pfs.sh" up; then
+        rm -f "$STATE/pfs/unavailable"
+    else
         [ "${CI:-}" != true ] || die "CI needs the shared filesystem (slurm/local/pfs.sh); see what it says above"
-        say "no shared filesystem: the machine cannot host it (above); the fabric's nodes start without it"
+        rm -f "$STATE/pfs/up"; mkdir -p "$STATE/pfs"; date > "$STATE/pfs/unavailable"
+        say "no shared filesystem: it did not come up (above; 'rm $STATE/pfs/unavailable' and up.sh try again); the fabric's nodes start without it"
     fi
 fi
 

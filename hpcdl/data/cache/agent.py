@@ -18,20 +18,17 @@ Kept: the samples this node owns, in RAM, up to ``budget`` bytes; the first epoc
 whole job, and later epochs read from the shared filesystem only what the budgets could not hold. A shard is
 opened at most once per node. A record is sent with the CRC32 its shard's index gives; the reader checks it.
 
-A connection per client, a thread per connection: at thousands of nodes the peer connections of every agent grow
-with the node count (noted in docs/data.md).
+A thread per connection: each local reader holds one, and each node that reads from this one holds as many as it
+has requests in flight to it (its fetch threads and its readers' waits: a pool per peer, reused). At thousands of
+nodes that is thousands of threads an agent (noted in docs/data.md).
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import os
-import pickle
-import signal
 import socket
-import socketserver
 import struct
 import sys
 import threading
@@ -45,9 +42,11 @@ from hpcdl.data.format import OpenShard, open_shard
 
 GET, GET_SOURCE, PEER_GET, ANNOUNCE, STATS, PEERS = range(1, 7)
 REQUEST = struct.Struct("!Bq")  # op, argument: a sample's index, a local rank, or the length of what follows
-REPLY = struct.Struct("!bqIBi")  # status, label, crc32, the shard's format version, length of what follows
+REPLY = struct.Struct("!bqqIBi")  # status, the index asked for, label, crc32, the shard's version, length that follows
 OK, ERROR = 0, 1
-PEER_TIMEOUT_S = 30.0  # a peer that does not answer a request within this is taken as gone
+PEER_TIMEOUT_S = 30.0  # a peer's answer waited for this long, then the sample is read from the shard
+PEER_RETRY_S = 60.0  # a peer that refused or dropped a connection is asked again after this
+PEERS_WAIT_S = 120.0  # a request for another node's sample waits this long for the peers' addresses
 
 
 @dataclass
@@ -59,6 +58,8 @@ class AgentSpec:
     node: int  # this node's number
     budget: int  # bytes of owned samples kept in RAM
     window: int  # samples prefetched ahead of the readers
+    nodes: int = 1  # the job's nodes: with more than one, another node's sample waits for PEERS
+    host: str = "0.0.0.0"  # the address to listen on: the one the job's nodes reach this node at
     fetchers: int = 4  # threads fetching ahead
 
 
@@ -82,6 +83,7 @@ class Counters:
     kept_hits: int = 0  # local reads answered from the samples kept here
     ahead_hits: int = 0  # local reads answered from the prefetch
     waited: int = 0  # local reads fetched while the reader waited
+    prefetch_errors: int = 0
     kept_samples: int = 0
     kept_bytes: int = 0
     peers_lost: list = field(default_factory=list)
@@ -95,15 +97,19 @@ class Agent:
         self.kept: dict[int, Record] = {}
         self.ahead: dict[int, Record] = {}
         self.inflight: dict[int, threading.Event] = {}
-        self.taken: set[int] = set()  # read by a local reader since the last announce
+        self.taken: set[int] = set()  # read by a local reader this epoch (the newest announced)
         self.read_once = np.zeros(int(self.starts[-1]), dtype=bool)  # read from the shared filesystem
-        self.orders: dict[int, list[int]] = {}
+        self.orders: dict[int, tuple[int, list[int]]] = {}  # local rank -> (epoch, its samples to come)
+        self.epoch = -1  # the newest epoch announced
         self.generation = 0
         self.cond = threading.Condition()
-        self.shard_lock = threading.Lock()
+        self.shard_locks: dict[int, threading.Lock] = collections.defaultdict(threading.Lock)
         self.peers: dict[int, tuple[str, int]] = {}
-        self.lost: set[int] = set()
-        self.local = threading.local()  # each thread's connections to the peers
+        self.peers_known = threading.Event()
+        if spec.nodes <= 1:
+            self.peers_known.set()
+        self.lost: dict[int, float] = {}  # peer -> when it last refused or dropped a connection
+        self.idle: dict[int, list[socket.socket]] = collections.defaultdict(list)  # open connections to each peer
         self.counters = Counters()
         self.pool = ThreadPoolExecutor(spec.fetchers, thread_name_prefix="fetch")
         threading.Thread(target=self._prefetch, name="prefetch", daemon=True).start()
@@ -167,7 +173,8 @@ class Agent:
         try:
             owner = int(self.spec.owners[index])
             record = None
-            if owner != self.spec.node and owner in self.peers and owner not in self.lost:
+            if owner != self.spec.node and self.peers_known.wait(PEERS_WAIT_S) and owner in self.peers \
+                    and time.monotonic() - self.lost.get(owner, -PEER_RETRY_S) >= PEER_RETRY_S:
                 record = self._from_peer(owner, index)
             if record is None:
                 record = self._source(index)
@@ -193,11 +200,17 @@ class Agent:
 
     def _source(self, index: int) -> Record:
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
-        with self.shard_lock:
-            s = self.shards.get(shard)
-            if s is None:
-                s = self.shards[shard] = open_shard(self.spec.paths[shard], self.spec.counts[shard], self.spec.root)
-                self.counters.source_opens += 1
+        s = self.shards.get(shard)
+        if s is None:
+            with self.cond:
+                lock = self.shard_locks[shard]
+            with lock:  # one open per shard; other shards open beside it
+                s = self.shards.get(shard)
+                if s is None:
+                    s = open_shard(self.spec.paths[shard], self.spec.counts[shard], self.spec.root)
+                    with self.cond:
+                        self.shards[shard] = s
+                        self.counters.source_opens += 1
         i = int(index - self.starts[shard])
         start, stop = int(s.offsets[i]), int(s.offsets[i + 1])
         data = os.pread(s.fd, stop - start, s.base + start)
@@ -209,39 +222,67 @@ class Agent:
         return Record(data, int(s.labels[i]), int(s.crcs[i]), s.version)
 
     def _from_peer(self, owner: int, index: int) -> Record | None:
-        conns = self.local.__dict__.setdefault("conns", {})
+        """``index`` from its owner's agent, or None: the owner answered with an error (this sample is then read from
+        the shard), or its connection was refused or dropped (the owner is taken as lost for ``PEER_RETRY_S``, named
+        once). The connections to a peer are pooled: a request takes an idle one or opens one, and returns it."""
+        with self.cond:
+            sock = self.idle[owner].pop() if self.idle[owner] else None
         try:
-            sock = conns.get(owner)
             if sock is None:
-                sock = conns[owner] = socket.create_connection(self.peers[owner], timeout=PEER_TIMEOUT_S)
+                sock = socket.create_connection(self.peers[owner], timeout=PEER_TIMEOUT_S)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(REQUEST.pack(PEER_GET, index))
-            status, label, crc, version, length = REPLY.unpack(recv_exact(sock, REPLY.size))
+            status, echoed, label, crc, version, length = REPLY.unpack(recv_exact(sock, REPLY.size))
             data = recv_exact(sock, length)
-            if status != OK:
-                raise OSError(data.decode(errors="replace"))
+        except (TimeoutError, socket.timeout) as exc:  # slow, not gone: this sample from the shard
+            if sock is not None:
+                sock.close()
+            self._say(f"node {owner}'s cache took over {PEER_TIMEOUT_S:.0f} s for sample {index} ({exc}); read from "
+                      "the shared filesystem")
+            return None
         except OSError as exc:
-            conns.pop(owner, None)
+            if sock is not None:
+                sock.close()
             with self.cond:
-                if owner not in self.lost:
-                    self.lost.add(owner)
+                first = owner not in self.counters.peers_lost
+                self.lost[owner] = time.monotonic()
+                if first:
                     self.counters.peers_lost.append(owner)
-                    print(f"hpcdl data cache, node {self.spec.node}: node {owner}'s cache at "
-                          f"{self.peers[owner][0]}:{self.peers[owner][1]} does not answer ({exc}); its samples are "
-                          "read from the shared filesystem from now on", file=sys.stderr, flush=True)
+            if first:
+                self._say(f"node {owner}'s cache at {self.peers[owner][0]}:{self.peers[owner][1]} does not answer "
+                          f"({exc}); its samples are read from the shared filesystem, and it is asked again every "
+                          f"{PEER_RETRY_S:.0f} s")
+            return None
+        with self.cond:
+            self.idle[owner].append(sock)
+            self.lost.pop(owner, None)
+        if status != OK or echoed != index:
+            self._say(f"node {owner}'s cache answered sample {index} with "
+                      f"{data.decode(errors='replace') if status != OK else f'sample {echoed}'}; read from the shard")
             return None
         with self.cond:
             self.counters.peer_reads += 1
             self.counters.peer_bytes += len(data)
         return Record(data, label, crc, version)
 
+    def _say(self, text: str) -> None:
+        print(f"hpcdl data cache, node {self.spec.node}: {text}", file=sys.stderr, flush=True)
+
     # -- the prefetch
-    def announce(self, local_rank: int, order: list[int]) -> None:
+    def announce(self, local_rank: int, epoch: int, order: list[int]) -> None:
+        """``local_rank``'s samples still to come in ``epoch``, in its order. A newer epoch than any announced
+        before starts that epoch's prefetch: what is held ahead and no longer in any rank's order is dropped, and
+        the samples taken are forgotten. The same epoch announced again (a rank's loader restarted) only replaces
+        that rank's order."""
         with self.cond:
-            self.orders[local_rank] = order
+            self.orders[local_rank] = (epoch, order)
+            if epoch > self.epoch:
+                self.epoch = epoch
+                self.taken.clear()
+            wanted = {i for e, o in self.orders.values() if e == self.epoch for i in o}
+            for index in [i for i in self.ahead if i not in wanted]:
+                del self.ahead[index]
             self.generation += 1
-            self.ahead.clear()
-            self.taken.clear()
             self.cond.notify_all()
 
     def _prefetch(self) -> None:
@@ -249,8 +290,9 @@ class Agent:
             with self.cond:
                 while not self.orders:
                     self.cond.wait()
-                generation, orders = self.generation, [self.orders[r] for r in sorted(self.orders)]
-            for j in range(max(map(len, orders))):
+                generation = self.generation
+                orders = [o for r, (e, o) in sorted(self.orders.items()) if e == self.epoch]
+            for j in range(max(map(len, orders), default=0)):
                 for order in orders:
                     if j >= len(order):
                         continue
@@ -275,14 +317,17 @@ class Agent:
     def _prefetch_one(self, index: int) -> None:
         try:
             self._load(index, keep_ahead=True)
-        except Exception as exc:  # the reader that asks for it gets the error
-            print(f"hpcdl data cache, node {self.spec.node}: prefetching sample {index}: {exc}", file=sys.stderr,
-                  flush=True)
+        except Exception as exc:  # the reader that asks for it gets the error; said once for a run of them
+            with self.cond:
+                self.counters.prefetch_errors += 1
+                first = self.counters.prefetch_errors == 1
+            if first:
+                self._say(f"prefetching sample {index}: {exc} (further prefetch errors are counted, not printed)")
 
     def stats(self) -> dict:
         with self.cond:
-            return {**self.counters.__dict__, "peers_lost": list(self.counters.peers_lost),
-                    "node": self.spec.node, "budget": self.spec.budget}
+            return {**self.counters.__dict__, "peers_lost": list(self.counters.peers_lost), "node": self.spec.node,
+                    "budget": self.spec.budget, "held_ahead": len(self.ahead)}
 
     def stats_of_all(self) -> list[dict]:
         """This node's counters and every peer's (one request each, a connection of its own: once an epoch, from
@@ -292,7 +337,7 @@ class Agent:
             try:
                 with socket.create_connection(address, timeout=10) as sock:
                     sock.sendall(REQUEST.pack(STATS, 0))
-                    status, _, _, _, length = REPLY.unpack(recv_exact(sock, REPLY.size))
+                    status, _, _, _, _, length = REPLY.unpack(recv_exact(sock, REPLY.size))
                     body = recv_exact(sock, length)
                 if status == OK:
                     found.extend(json.loads(body))
@@ -310,71 +355,3 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
-
-
-class _Handler(socketserver.BaseRequestHandler):
-    def handle(self):
-        agent: Agent = self.server.agent
-        sock = self.request
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while True:
-            try:
-                head = sock.recv(REQUEST.size, socket.MSG_WAITALL)
-            except OSError:
-                return
-            if len(head) < REQUEST.size:
-                return
-            op, arg = REQUEST.unpack(head)
-            try:
-                if op in (GET, GET_SOURCE, PEER_GET):
-                    r = agent.get(arg, op)
-                    sock.sendall(REPLY.pack(OK, r.label, r.crc, r.version, len(r.data)) + r.data)
-                    continue
-                if op == ANNOUNCE:
-                    (count,) = struct.unpack("!q", recv_exact(sock, 8))
-                    agent.announce(arg, np.frombuffer(recv_exact(sock, 8 * count), dtype=">i8").tolist())
-                    body = b""
-                elif op == PEERS:
-                    agent.peers = {int(k): (h, p) for k, (h, p) in json.loads(recv_exact(sock, arg)).items()}
-                    body = b""
-                elif op == STATS:  # argument 1: every node's
-                    body = json.dumps(agent.stats_of_all() if arg else [agent.stats()]).encode()
-                else:
-                    raise ValueError(f"unknown request {op}")
-                sock.sendall(REPLY.pack(OK, 0, 0, 0, len(body)) + body)
-            except Exception as exc:
-                message = f"{type(exc).__name__}: {exc}".encode()
-                try:
-                    sock.sendall(REPLY.pack(ERROR, 0, 0, 0, len(message)) + message)
-                except OSError:
-                    return
-
-
-class _Server(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 1024
-
-
-def _die_with_parent() -> None:
-    try:  # PR_SET_PDEATHSIG: the agent ends with the rank that started it, however that rank ends
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
-def main() -> None:
-    """``python -m hpcdl.data.cache.agent``: the spec pickled on stdin; prints the port it listens on."""
-    _die_with_parent()
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # scancel's: the ranks checkpoint and need their data until then
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.nice(10)  # as the loader's workers: compute wins each core the two contend for
-    spec: AgentSpec = pickle.load(sys.stdin.buffer)
-    server = _Server(("0.0.0.0", 0), _Handler)
-    server.agent = Agent(spec)
-    print(server.server_address[1], flush=True)
-    server.serve_forever(poll_interval=1.0)
-
-
-if __name__ == "__main__":
-    main()

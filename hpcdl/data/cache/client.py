@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import pickle
+import select
 import socket
 import struct
 import subprocess
@@ -51,22 +52,28 @@ class CacheClient:
         try:
             sock = self._conn()
             sock.sendall(REQUEST.pack(op, arg) + body)
-            status, label, crc, version, length = REPLY.unpack(recv_exact(sock, REPLY.size))
+            status, echoed, label, crc, version, length = REPLY.unpack(recv_exact(sock, REPLY.size))
             data = recv_exact(sock, length)
         except OSError:
+            if self._sock is not None:
+                self._sock.close()
             self._sock = None
             raise
+        if echoed != arg:  # the stream is out of step: start a fresh connection
+            self._sock.close()
+            self._sock = None
+            raise ConnectionError(f"the node's data cache answered request {arg} with {echoed}")
+        if status == ERROR:
+            raise DataError(f"the node's data cache at {self.address[0]}:{self.address[1]}: {data.decode()}")
         return status, label, crc, version, data
 
     def get(self, index: int, source: bool = False) -> tuple[bytes, int, int, int]:
         """(bytes, label, crc32, format version) of sample ``index``; ``source``: read from the shard itself."""
-        status, label, crc, version, data = self._ask(GET_SOURCE if source else GET, index)
-        if status == ERROR:
-            raise DataError(f"the node's data cache at {self.address[0]}:{self.address[1]}: {data.decode()}")
+        _, label, crc, version, data = self._ask(GET_SOURCE if source else GET, index)
         return data, label, crc, version
 
-    def announce(self, local_rank: int, order: list[int]) -> None:
-        self._ask(ANNOUNCE, local_rank, struct.pack("!q", len(order)) + np.asarray(order, dtype=">i8").tobytes())
+    def announce(self, local_rank: int, epoch: int, order: list[int]) -> None:
+        self._ask(ANNOUNCE, local_rank, struct.pack("!qq", epoch, len(order)) + np.asarray(order, dtype=">i8").tobytes())
 
     def peers(self, addresses: dict[int, tuple[str, int]]) -> None:
         body = json.dumps({str(k): list(v) for k, v in addresses.items()}).encode()
@@ -78,6 +85,8 @@ class CacheClient:
 
 
 def checked_read(client: CacheClient, index: int, where: str) -> tuple[bytes, int]:
+    # a copy damaged at its owner stays so there (only the asking node's kept copy is replaced): each node that reads
+    # it reads it from the shard instead, and says so, each epoch
     """Sample ``index`` through the cache, its CRC32 checked; a damaged copy is named and read from the shard."""
     data, label, crc, version = client.get(index)
     if record_crc(data, label, version) == crc:
@@ -91,17 +100,19 @@ def checked_read(client: CacheClient, index: int, where: str) -> tuple[bytes, in
     return data, label
 
 
-def start_agent(spec: AgentSpec) -> tuple[subprocess.Popen, int]:
+def start_agent(spec: AgentSpec, timeout_s: float = AGENT_START_S) -> tuple[subprocess.Popen, int]:
     """The node's agent, in a process of its own that ends with this one; returns it and its port."""
-    proc = subprocess.Popen([sys.executable, "-m", "hpcdl.data.cache.agent"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "hpcdl.data.cache.server", str(os.getpid())], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE)
     proc.stdin.write(pickle.dumps(spec))
     proc.stdin.close()
-    line = proc.stdout.readline()
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else b""
     if not line.strip().isdigit():
         proc.kill()
-        raise DataError(f"the node's data cache agent did not start (exit code {proc.wait()}); its error is above. "
-                        "Set data.cache=none to read the shards directly")
+        why = f"exit code {proc.wait()}; its error is above" if ready else f"no port within {timeout_s:.0f} s"
+        raise DataError(f"the node's data cache agent did not start ({why}). Set data.cache=none to read the shards "
+                        "directly")
     return proc, int(line)
 
 
