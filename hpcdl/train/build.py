@@ -29,6 +29,8 @@ from hpcdl.data.transforms import Augment, BatchMix, EvalTransform, normalize_ba
 from hpcdl.data.verify import check_dataset, load_manifest
 from hpcdl.distributed.group.lifecycle import DistContext
 from hpcdl.distributed.group.share import from_rank0
+from hpcdl.distributed.ranks.env import SLURM_NODELIST_VARS
+from hpcdl.distributed.ranks.hostlist import expand_hostlist
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.models import build_model, model_info
 from hpcdl.models.finetune import load_weights, lr_scales, read_weights
@@ -166,19 +168,21 @@ def _node_cache(cfg: RunConfig, ctx: DistContext, train: ShardDataset, sampler: 
     torch.distributed.all_reduce(node_of_rank, group=ctx.group)
     nodes = int(node_of_rank.max()) + 1
     where = torch.zeros(nodes, 3, dtype=torch.int64)  # address, port, local ranks 0 that claim the node
-    failure = None
+    failure, spec = None, None
     if env.local_rank == 0:
-        host = _address_toward(env.master_addr, env.master_port)
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        spec = AgentSpec(train.root, train.paths, train.shard_sizes, sample_owners(sampler, 0, node_of_rank.tolist()),
-                         env.node_rank, cache_budget_bytes(cfg.data.cache_budget, memory),
-                         window=4 * (cfg.data.workers + 1) * cfg.micro_batch * env.local_size, nodes=nodes, host=host)
-        try:
+        try:  # whatever fails here fails every rank below, after the all-reduce, naming this node
+            host = _node_address(env.master_addr, env.master_port, nodes)
+            memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            spec = AgentSpec(train.root, train.paths, train.shard_sizes,
+                             sample_owners(sampler, 0, node_of_rank.tolist()), env.node_rank,
+                             cache_budget_bytes(cfg.data.cache_budget, memory), nodes=nodes, host=host,
+                             window=4 * (cfg.data.workers + 1) * cfg.micro_batch * env.local_size)
             proc, port = start_agent(spec)
             _AGENTS.append(proc)
             where[env.node_rank] = torch.tensor([int(ipaddress.IPv4Address(host)), port, 1])
-        except DataError as exc:
-            failure = exc
+        except (DataError, ConfigError, OSError, ValueError) as exc:
+            failure = exc if isinstance(exc, DataError) else DataError(f"data.cache=node on node {env.node_rank} "
+                                                                       f"({env.hostname}): {exc}")
             where[env.node_rank, 2] = 1
     torch.distributed.all_reduce(where, group=ctx.group)
     bad = [n for n, (_, port, claims) in enumerate(where.tolist()) if port <= 0 or claims != 1]
@@ -190,9 +194,34 @@ def _node_cache(cfg: RunConfig, ctx: DistContext, train: ShardDataset, sampler: 
     agents = {n: (str(ipaddress.IPv4Address(a)), p) for n, (a, p, _) in enumerate(where.tolist())}
     train.cache, train.cache_rank = CacheClient(agents[env.node_rank]), (env.local_rank, ctx.rank == 0)
     if env.local_rank == 0:
-        train.cache.peers({n: a for n, a in agents.items() if n != env.node_rank})
+        try:
+            train.cache.peers({n: a for n, a in agents.items() if n != env.node_rank})
+        except (OSError, DataError) as exc:  # the agent died since: its readers fall back to the shards themselves
+            log.warning("data cache: node %d's agent did not take its peers' addresses (%s)", env.node_rank, exc)
         log.info("data cache: node %d's agent at %s:%d keeps up to %.0f MiB of the %d samples it owns", env.node_rank,
                  *agents[env.node_rank], spec.budget / 2**20, int((spec.owners == env.node_rank).sum()))
+
+
+def _node_address(master: str, port: int, nodes: int) -> str:
+    """The IPv4 address the other nodes reach this one at: the one on the route to rank 0's. On rank 0's own node
+    that route is loopback (a stock Debian maps the hostname to 127.0.1.1); with other nodes in the job it is then
+    the route toward the next node of the Slurm allocation, or an error that says to set data.cache=none."""
+    address = _address_toward(master, port)
+    if nodes == 1 or not ipaddress.IPv4Address(address).is_loopback:
+        return address
+    nodelist = next((os.environ[v] for v in SLURM_NODELIST_VARS if os.environ.get(v)), "")
+    names = expand_hostlist(nodelist) if nodelist else []
+    for name in names:
+        try:
+            other = _address_toward(name, port)
+        except OSError:
+            continue
+        if not ipaddress.IPv4Address(other).is_loopback:
+            return other
+    if ipaddress.IPv4Address(socket.gethostbyname(master)).is_loopback and master not in names:
+        return address  # every rank reaches rank 0 on loopback: the job's nodes share this host (tests, rehearsals)
+    raise DataError(f"data.cache=node: this node ({socket.gethostname()}) reaches rank 0 ({master}) only on loopback "
+                    "and no other node of the job on anything else; set data.cache=none")
 
 
 def _address_toward(host: str, port: int) -> str:

@@ -72,6 +72,8 @@ def loader_cost(dataset, budget_s: float = PROBE_S) -> float:
     """One core's seconds per image of ``dataset`` (read, decode, transform), measured in this process on a
     copy (its open shards are the copy's own), over the first images of a spread of its indices."""
     probe = copy.copy(dataset)
+    if getattr(probe, "cache", None) is not None:  # the reader's own cost: not every rank's cold reads of one stride
+        probe.cache = None
     n = len(probe)
     stride = max(1, n // PROBE_IMAGES[1])
     probe[0]  # the first read opens a shard and warms the decoder

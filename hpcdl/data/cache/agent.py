@@ -84,6 +84,7 @@ class Counters:
     ahead_hits: int = 0  # local reads answered from the prefetch
     waited: int = 0  # local reads fetched while the reader waited
     prefetch_errors: int = 0
+    peer_failures: int = 0  # samples a peer was slow on or failed: read from the shard instead
     kept_samples: int = 0
     kept_bytes: int = 0
     peers_lost: list = field(default_factory=list)
@@ -110,6 +111,7 @@ class Agent:
             self.peers_known.set()
         self.lost: dict[int, float] = {}  # peer -> when it last refused or dropped a connection
         self.idle: dict[int, list[socket.socket]] = collections.defaultdict(list)  # open connections to each peer
+        self.said: set[str] = set()
         self.counters = Counters()
         self.pool = ThreadPoolExecutor(spec.fetchers, thread_name_prefix="fetch")
         threading.Thread(target=self._prefetch, name="prefetch", daemon=True).start()
@@ -173,7 +175,7 @@ class Agent:
         try:
             owner = int(self.spec.owners[index])
             record = None
-            if owner != self.spec.node and self.peers_known.wait(PEERS_WAIT_S) and owner in self.peers \
+            if owner != self.spec.node and self._peers_arrived() and owner in self.peers \
                     and time.monotonic() - self.lost.get(owner, -PEER_RETRY_S) >= PEER_RETRY_S:
                 record = self._from_peer(owner, index)
             if record is None:
@@ -190,6 +192,17 @@ class Agent:
                 if not keep_ahead:
                     self.taken.add(index)
                 self.cond.notify_all()
+
+    def _peers_arrived(self) -> bool:
+        """Whether the peers' addresses are here, waiting for them once: after ``PEERS_WAIT_S`` without them, every
+        sample is read from the shared filesystem without waiting again."""
+        if self.peers_known.is_set():
+            return True
+        if not self.peers_known.wait(PEERS_WAIT_S):
+            self._say_once("no peers", f"no peers' addresses within {PEERS_WAIT_S:.0f} s: every sample is read from "
+                           "the shared filesystem")
+            self.peers_known.set()
+        return bool(self.peers)
 
     def _keep(self, index: int, record: Record) -> None:
         with self.cond:
@@ -229,16 +242,18 @@ class Agent:
             sock = self.idle[owner].pop() if self.idle[owner] else None
         try:
             if sock is None:
-                sock = socket.create_connection(self.peers[owner], timeout=PEER_TIMEOUT_S)
+                try:
+                    sock = socket.create_connection(self.peers[owner], timeout=PEER_TIMEOUT_S)
+                except (TimeoutError, socket.timeout) as exc:  # no answer to a connect: the node is gone or cut off
+                    raise ConnectionError(f"no connection within {PEER_TIMEOUT_S:.0f} s ({exc})") from None
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(REQUEST.pack(PEER_GET, index))
             status, echoed, label, crc, version, length = REPLY.unpack(recv_exact(sock, REPLY.size))
             data = recv_exact(sock, length)
         except (TimeoutError, socket.timeout) as exc:  # slow, not gone: this sample from the shard
-            if sock is not None:
-                sock.close()
-            self._say(f"node {owner}'s cache took over {PEER_TIMEOUT_S:.0f} s for sample {index} ({exc}); read from "
-                      "the shared filesystem")
+            sock.close()
+            self._say_once(f"slow {owner}", f"node {owner}'s cache took over {PEER_TIMEOUT_S:.0f} s for sample {index} "
+                           f"({exc}); read from the shared filesystem (later ones are counted, not printed)")
             return None
         except OSError as exc:
             if sock is not None:
@@ -253,13 +268,19 @@ class Agent:
                           f"({exc}); its samples are read from the shared filesystem, and it is asked again every "
                           f"{PEER_RETRY_S:.0f} s")
             return None
+        if status != OK or echoed != index:
+            if echoed != index:  # out of step: not pooled
+                sock.close()
+            else:
+                with self.cond:
+                    self.idle[owner].append(sock)
+            self._say_once(f"failed {owner}", f"node {owner}'s cache answered sample {index} with "
+                           f"{data.decode(errors='replace') if status != OK else f'sample {echoed}'}; read from the "
+                           "shard (later ones are counted, not printed)")
+            return None
         with self.cond:
             self.idle[owner].append(sock)
             self.lost.pop(owner, None)
-        if status != OK or echoed != index:
-            self._say(f"node {owner}'s cache answered sample {index} with "
-                      f"{data.decode(errors='replace') if status != OK else f'sample {echoed}'}; read from the shard")
-            return None
         with self.cond:
             self.counters.peer_reads += 1
             self.counters.peer_bytes += len(data)
@@ -267,6 +288,14 @@ class Agent:
 
     def _say(self, text: str) -> None:
         print(f"hpcdl data cache, node {self.spec.node}: {text}", file=sys.stderr, flush=True)
+
+    def _say_once(self, key: str, text: str) -> None:
+        with self.cond:
+            self.counters.peer_failures += 1
+            first = key not in self.said
+            self.said.add(key)
+        if first:
+            self._say(text)
 
     # -- the prefetch
     def announce(self, local_rank: int, epoch: int, order: list[int]) -> None:

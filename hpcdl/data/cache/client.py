@@ -17,6 +17,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
@@ -59,10 +60,10 @@ class CacheClient:
                 self._sock.close()
             self._sock = None
             raise
-        if echoed != arg:  # the stream is out of step: start a fresh connection
+        if echoed != arg:  # the stream is out of step: the next request starts a fresh connection
             self._sock.close()
             self._sock = None
-            raise ConnectionError(f"the node's data cache answered request {arg} with {echoed}")
+            raise DataError(f"the node's data cache answered request {arg} with {echoed}")
         if status == ERROR:
             raise DataError(f"the node's data cache at {self.address[0]}:{self.address[1]}: {data.decode()}")
         return status, label, crc, version, data
@@ -101,11 +102,17 @@ def checked_read(client: CacheClient, index: int, where: str) -> tuple[bytes, in
 
 
 def start_agent(spec: AgentSpec, timeout_s: float = AGENT_START_S) -> tuple[subprocess.Popen, int]:
-    """The node's agent, in a process of its own that ends with this one; returns it and its port."""
-    proc = subprocess.Popen([sys.executable, "-m", "hpcdl.data.cache.server", str(os.getpid())], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE)
-    proc.stdin.write(pickle.dumps(spec))
-    proc.stdin.close()
+    """The node's agent, in a process of its own that ends with this one; returns it and its port. The spec (5 MB
+    of owners for ImageNet) goes through a file, so that nothing here waits on the agent's imports; every failure to
+    start, within ``timeout_s``, is a DataError."""
+    try:
+        with tempfile.NamedTemporaryFile(prefix="hpcdl-cache-spec-", suffix=".pickle", delete=False) as f:
+            pickle.dump(spec, f)
+        proc = subprocess.Popen([sys.executable, "-m", "hpcdl.data.cache.server", str(os.getpid()), f.name],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    except OSError as exc:
+        raise DataError(f"the node's data cache agent did not start ({exc}). Set data.cache=none to read the shards "
+                        "directly") from None
     ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
     line = proc.stdout.readline() if ready else b""
     if not line.strip().isdigit():

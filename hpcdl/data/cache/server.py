@@ -1,5 +1,5 @@
-"""The node agent's process: ``python -m hpcdl.data.cache.server PARENT_PID`` with an
-:class:`~hpcdl.data.cache.agent.AgentSpec` pickled on stdin; it prints the port it listens on, then answers each
+"""The node agent's process: ``python -m hpcdl.data.cache.server PARENT_PID SPEC_FILE``, the file an
+:class:`~hpcdl.data.cache.agent.AgentSpec` pickled (removed once read); it prints the port it listens on, then answers each
 connection in a thread of its own (the requests are :mod:`hpcdl.data.cache.agent`'s)."""
 
 from __future__ import annotations
@@ -76,11 +76,13 @@ def _die_with_parent(parent: int) -> None:
 
 def main() -> None:
     """``python -m hpcdl.data.cache.agent``: the spec pickled on stdin; prints the port it listens on."""
-    _die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid())
+    _die_with_parent(int(sys.argv[1]))
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # scancel's: the ranks checkpoint and need their data until then
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.nice(10)  # as the loader's workers: compute wins each core the two contend for
-    spec: AgentSpec = pickle.load(sys.stdin.buffer)
+    with open(sys.argv[2], "rb") as f:  # written by the rank for this agent alone
+        spec: AgentSpec = pickle.load(f)
+    os.unlink(sys.argv[2])
     server = _Server((spec.host, 0), _Handler)
     server.agent = Agent(spec)
     print(server.server_address[1], flush=True)
