@@ -63,6 +63,7 @@ def test_pip_install_declares_the_entry_points():
     assert found["mpi4py"] == "hpcdl.distributed.group.plugin:mpi4py"
 
 
+@pytest.mark.timeout(600)  # four 2-rank torchrun starts in a row: 262 s in CI's parallel pass (2026-11-28)
 def test_a_torch_only_script_under_torchrun(ccl, tmp_path):
     for backend, env, tag in (("gloo", None, ""), ("oneccl", None, ""), ("cpu:oneccl", None, ""),
                               ("oneccl", TORCHCOMMS, "-torchcomms")):
