@@ -62,13 +62,14 @@ slurm-scripts: venv
 	$(PY) -m hpcdl.launch.sbatch slurm
 
 # Every tier, in three passes: the tests in parallel; then the many-rank rehearsals (scale: each job fills
-# the machine with 16 or 32 ranks, so beside the others they slowed everything past its timeouts); then
+# the machine with 16 or 32 ranks, so beside the others they slowed everything past its timeouts) and those
+# that stop the shared filesystem's servers (exclusive: its other readers would fail), one at a time; then
 # those marked alone (they compare timings) by themselves. Exit 5 (nothing selected, e.g. PYTEST_ARGS names
 # a file with no such test) is no failure.
 test: venv slurm
 	@status=0; \
-	$(PY) -m pytest -n $(WORKERS) --dist loadgroup --durations=30 -m "not alone and not scale" $(PYTEST_ARGS) tests || status=$$?; \
-	$(PY) -m pytest --durations=10 -m scale $(PYTEST_ARGS) tests || { s=$$?; [ $$s = 5 ] || status=$$s; }; \
+	$(PY) -m pytest -n $(WORKERS) --dist loadgroup --durations=30 -m "not alone and not scale and not exclusive" $(PYTEST_ARGS) tests || status=$$?; \
+	$(PY) -m pytest --durations=10 -m "scale or exclusive" $(PYTEST_ARGS) tests || { s=$$?; [ $$s = 5 ] || status=$$s; }; \
 	$(PY) -m pytest -m alone $(PYTEST_ARGS) tests || { s=$$?; [ $$s = 5 ] || status=$$s; }; \
 	exit $$status
 

@@ -21,6 +21,11 @@ class DataError(HpcdlError):
     """A dataset, shard or manifest is missing, damaged or inconsistent; the message names the file."""
 
 
+class StorageError(DataError):
+    """The filesystem failed a read (a storage server down, a mount lost): the data is not damaged, and reads again
+    once the filesystem answers. A rank that meets it in training writes the just-in-time checkpoint first."""
+
+
 class CheckpointError(HpcdlError):
     """A checkpoint could not be written; the message names the path and says which one is kept."""
 

@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(group))
         if "wide" in names:  # a job on the wide partition is a Slurm job too
             item.add_marker("slurm")
-        if not any(item.get_closest_marker(m) for m in ("slurm", "mpi", "ccl", "ranks", "slow", "alone", "scale")):
+        if not any(item.get_closest_marker(m) for m in ("slurm", "mpi", "ccl", "ranks", "slow", "alone", "scale", "exclusive")):
             item.add_marker("unit")
 
 

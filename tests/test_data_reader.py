@@ -300,3 +300,30 @@ def test_seeded_augmentation_ignores_workers_and_resume_point(packed):
     s.load_state_dict({**s.state_dict(), "position": 12})  # resume after 3 batches of 4
     resumed = run(2, s)
     assert len(resumed) == 5 and all(torch.equal(a, b) for a, b in zip(serial[3:], resumed))
+
+
+def test_a_read_the_filesystem_fails_names_the_file_as_storage_not_damage(packed, monkeypatch):
+    """ENXIO or EIO from a read (a MooseFS chunk server or a Lustre OST down) is a StorageError naming the shard and
+    the filesystem, not the damage that says to repack; a real stopped server gives it in test_pfs.py, this fake
+    os.pread (named so) gives it here on demand. Another OSError keeps its own type."""
+    import errno
+
+    from hpcdl.errors import StorageError
+
+    ds = ShardDataset(str(packed / "out"))
+    real = os.pread
+    for code, kind in ((errno.ENXIO, StorageError), (errno.EIO, StorageError), (errno.EBADF, OSError)):
+        def fake_pread(fd, n, offset, code=code):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(os, "pread", fake_pread)
+        with pytest.raises(kind) as raised:
+            ds[0]
+        monkeypatch.setattr(os, "pread", real)
+        if kind is StorageError:
+            said = str(raised.value)
+            assert said.startswith(ds.paths[0]) and "not a damaged shard" in said and f"errno {code}" in said
+            assert "repack" not in said
+        else:
+            assert not isinstance(raised.value, DataError)
+    assert ds[0][1] == ds[0][1]  # reads again once the filesystem answers

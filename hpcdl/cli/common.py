@@ -8,7 +8,7 @@ import enum
 
 from hpcdl.deferred import deferred
 from hpcdl.flags import add_flags, config_from_args
-from hpcdl.runs.outcome import EXIT_PEER_LOST, Outcome
+from hpcdl.runs.outcome import EXIT_BAD_INPUT, EXIT_PEER_LOST, Outcome
 
 __all__ = ["Exit", "command", "exit_code"]
 
@@ -16,7 +16,7 @@ __all__ = ["Exit", "command", "exit_code"]
 class Exit(enum.IntEnum):
     OK = 0
     FAILED = 1  # a check failed (wrong values, damaged shards), or a rank was lost
-    BAD_INPUT = 2  # a config, flag or file was refused; the message says what to fix
+    BAD_INPUT = EXIT_BAD_INPUT  # a config, flag or file was refused; the message says what to fix
     STOPPED = 3  # training stopped before its end and will not go on by itself (SIGTERM, no requeue left)
     PEER_LOST = EXIT_PEER_LOST  # a rank was lost; this one saved what it could (hpcdl.train.rescue)
 

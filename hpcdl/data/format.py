@@ -10,6 +10,7 @@ one contiguous read at a known offset, and reading a shard front to back is one 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import h5py
 import numpy as np
 
-from hpcdl.errors import DataError
+from hpcdl.errors import DataError, StorageError
 from hpcdl.utils import atomic_write_text
 
 FORMAT_VERSION = 2
@@ -285,6 +286,8 @@ def open_shard(path: str, count: int, root: str) -> OpenShard:
         raise
     except Exception as exc:  # h5py's errors on damaged metadata: OSError, KeyError, ValueError, RuntimeError
         raw.close()
+        if storage_failed(exc):
+            raise storage_error(path, exc) from None
         raise DataError(f"{path}: not a readable hpcdl shard ({type(exc).__name__}: {exc}); {fix}") from None
     if not (len(s.offsets) == count + 1 == len(s.labels) + 1 == len(s.crcs) + 1 and s.offsets[0] == 0
             and s.offsets[-1] == size and np.all(np.diff(s.offsets) > 0)):
@@ -292,6 +295,24 @@ def open_shard(path: str, count: int, root: str) -> OpenShard:
         raise DataError(f"{path}: its index does not match the manifest's {count} images (the shard or "
                         f"manifest.json was changed after packing); {fix}")
     return s
+
+
+# What a filesystem returns when it cannot reach the data, not when the data is damaged: a storage server (a
+# Lustre OST, a MooseFS chunk server) down, a mount lost. The same file reads again once the server is back.
+_STORAGE_ERRNOS = frozenset({errno.EIO, errno.ENXIO, errno.ETIMEDOUT, errno.ENOTCONN, errno.ESTALE, errno.EHOSTDOWN,
+                             errno.EHOSTUNREACH, errno.ECONNRESET, errno.ECONNREFUSED, errno.ENODEV})
+
+
+def storage_failed(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS
+
+
+def storage_error(path: str, exc: OSError) -> StorageError:
+    """The error for a read the filesystem failed (:func:`storage_failed`): it names the file and the filesystem,
+    not damage; nothing is to be repacked."""
+    return StorageError(f"{path}: the filesystem did not return its data ({exc.strerror or exc}, errno "
+                     f"{exc.errno}): a storage server (a Lustre OST) down or the mount lost, not a damaged shard; "
+                     f"when 'df {os.path.dirname(path)}' and a read of the file answer again, resume the run")
 
 
 def record_key(path: str, i: int) -> str:

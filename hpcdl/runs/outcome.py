@@ -7,8 +7,9 @@ import enum
 import json
 import os
 
-__all__ = ["EXIT_PEER_LOST", "Outcome", "read_result", "summary_text"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_PEER_LOST", "Outcome", "read_result", "summary_text"]
 
+EXIT_BAD_INPUT = 2  # a config, flag or file was refused, or the data could not be read; not restarted
 EXIT_PEER_LOST = 4  # a peer was lost; the survivors wrote what they could (RUN/jit/ATTEMPT/result.json)
 
 

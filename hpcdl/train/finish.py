@@ -3,6 +3,7 @@ end on a signal or a loss not finite, and the summary (``summary.json`` and its 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -15,15 +16,15 @@ import torch.distributed as dist
 from hpcdl.config import RunConfig
 from hpcdl.distributed.affinity import allocator_in_use
 from hpcdl.distributed.group.lifecycle import DistContext
-from hpcdl.errors import TrainingDiverged
+from hpcdl.errors import StorageError, TrainingDiverged
 from hpcdl.runs.folder import RunFolder
-from hpcdl.runs.outcome import Outcome, summary_text
+from hpcdl.runs.outcome import EXIT_BAD_INPUT, Outcome, summary_text
 from hpcdl.train.metrics import phase_shares
 from hpcdl.train.preempt import hand_to_submitit, requeue, submitit_handles
 from hpcdl.train.state import Progress
 from hpcdl.utils import atomic_write_text
 
-__all__ = ["Facts", "announce", "check_replicas", "diverged", "on_signal", "write_summary"]
+__all__ = ["Facts", "announce", "check_replicas", "diverged", "on_signal", "on_storage_error", "write_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -146,3 +147,19 @@ def write_summary(cfg: RunConfig, ctx: DistContext, progress: Progress, *, outco
         atomic_write_text(RunFolder(run_dir).summary, json.dumps(s, indent=1) + "\n")
         log.info("%s", summary_text(s))
     return s
+
+
+@contextlib.contextmanager
+def on_storage_error(rescue):
+    """Training under it: a read the filesystem failed in this rank's loader (a shard's storage server down, the
+    mount lost; :class:`~hpcdl.errors.StorageError`) raises before the step's update, so this rank holds the last
+    completed step whole. With a just-in-time checkpoint (``rescue``), it writes that step as a survivor does (the
+    other ranks, blocked in the next collective, join it from its report) and stops with status 2, which no
+    supervisor restarts: the data must be readable first. Without one, the error goes on up."""
+    try:
+        yield
+    except StorageError as exc:
+        if rescue is None:
+            raise
+        said = str(exc).strip().splitlines()[-1]  # a loader worker's error carries its traceback; its last line
+        rescue.run(said.removeprefix("hpcdl.errors.StorageError: "), EXIT_BAD_INPUT, "its input failed")

@@ -63,7 +63,7 @@ import torch
 from hpcdl.errors import CheckpointError
 from hpcdl.runs.folder import RunFolder
 from hpcdl.runs.orphan import CLAIM_STALE_S, CLAIM_WAIT_S, after_rescue
-from hpcdl.runs.outcome import EXIT_PEER_LOST, read_result
+from hpcdl.runs.outcome import EXIT_BAD_INPUT, EXIT_PEER_LOST, read_result
 from hpcdl.train.checkpoint import rng_state
 from hpcdl.train.state import Frozen
 from hpcdl.utils import atomic_write_text, leave_now
@@ -168,6 +168,10 @@ class Rescue:
             if now - since < self.stall_s(report=True):
                 continue
             if self._others_reported():  # a stat of one folder, only while no step completes
+                failed = self._input_failed()  # a rank whose data could not be read: not a lost peer
+                if failed:
+                    self.run(f"rank {failed['rank']}'s input failed (its report in {self.folder})", EXIT_BAD_INPUT,
+                             "a rank's input failed")
                 self.run("another rank reported a lost peer (see its report in " + self.folder + ")")
             # The heartbeats from the start on (a stall of start-up is a stall too: its first step may take
             # minutes, and the heartbeats beat through it on their own thread), at most every 10 s and two of
@@ -186,6 +190,17 @@ class Rescue:
     def _others_reported(self) -> bool:
         return bool(glob.glob(os.path.join(glob.escape(self.folder), "report-*.json")))
 
+    def _input_failed(self) -> dict | None:
+        for path in sorted(glob.glob(os.path.join(glob.escape(self.folder), "report-*.json"))):
+            try:
+                with open(path) as f:
+                    report = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if report.get("status") == EXIT_BAD_INPUT:
+                return report
+        return None
+
     def _describe(self, lost: list[int] | None) -> str:
         if lost is None:
             return "rank 0 was lost (the rendezvous store it served no longer answers)"
@@ -193,15 +208,16 @@ class Rescue:
         return f"lost {names}: heartbeat stopped"
 
     # -- the rescue ---------------------------------------------------------------------------------------
-    def run(self, reason: str) -> None:
-        """Save what this rank can, agree with the other survivors, exit with EXIT_PEER_LOST. Never returns;
-        a second caller (the other thread) waits here until the process ends."""
+    def run(self, reason: str, status: int = EXIT_PEER_LOST, why: str = "a peer lost or stuck") -> None:
+        """Save what this rank can, agree with the other survivors, exit with ``status`` (EXIT_PEER_LOST; a rank
+        whose input failed, EXIT_BAD_INPUT: the supervisor does not restart it). Never returns; a second caller
+        (the other thread) waits here until the process ends."""
         if not self._started.acquire(blocking=False):
             threading.Event().wait()
         self._stop.set()
         self.lock.acquire()  # the training thread is blocked in a collective or between steps: not in an update
         try:
-            self._rescue(reason)
+            self._rescue(reason, status)
         except CheckpointError as exc:  # leaving anyway: the supervisor restarts from the newest one on disk
             log.error("rank %d: the just-in-time checkpoint failed: %s", self.rank, exc)
         except Exception:
@@ -209,13 +225,13 @@ class Rescue:
         result = read_result(self.folder)
         saved = (f"step {result['step']} in {result['checkpoint']}" if result and result["checkpoint"] else
                  "none: the run resumes from its newest checkpoint") if result else f"see {self.folder}"
-        log.error("rank %d stops (status %d), a peer lost or stuck: %s; just-in-time checkpoint: %s", self.rank,
-                  EXIT_PEER_LOST,
+        log.error("rank %d stops (status %d), %s: %s; just-in-time checkpoint: %s", self.rank, status, why,
                   reason.split("; rank ")[0], saved)
-        after_rescue(self.folder, self.rank)  # a supervised step whose supervisor is gone: requeue the job
-        leave_now(EXIT_PEER_LOST)
+        if status == EXIT_PEER_LOST:
+            after_rescue(self.folder, self.rank)  # a supervised step whose supervisor is gone: requeue the job
+        leave_now(status)
 
-    def _rescue(self, reason: str) -> None:
+    def _rescue(self, reason: str, status: int = EXIT_PEER_LOST) -> None:
         b = self.boundary
         lost = self.ctx.heartbeat.recent(fresh_s=15.0)
         log.error("rank %d: %s; the survivors save step %s (RUN/jit/%s)", self.rank, reason,
@@ -223,7 +239,7 @@ class Rescue:
         os.makedirs(self.folder, exist_ok=True)
         mine = {"rank": self.rank, "step": b.step if b else None, "reason": reason, "lost": lost,
                 "node": os.environ.get("SLURMD_NODENAME"), "host": socket.gethostname(), "pid": os.getpid(),
-                "slurm_step": os.environ.get("SLURM_STEP_ID"), "time": time.time()}
+                "slurm_step": os.environ.get("SLURM_STEP_ID"), "time": time.time(), "status": status}
         if b is not None:
             _save(os.path.join(self.folder, f"rank-{self.rank:05d}.pt"), {"step": b.step, "rng": b.rng})
         atomic_write_text(self._report_path(self.rank), json.dumps(mine) + "\n")

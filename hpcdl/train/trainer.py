@@ -5,9 +5,8 @@ submitit or a single process: :mod:`hpcdl.distributed.ranks.env` tells them apar
 readable checkpoint in the run folder, so a requeued job simply runs again.
 
 The parts follow their lifetime: :mod:`~hpcdl.train.build` (model, weights, data, loader sizing),
-:mod:`~hpcdl.train.resume` (the plan to resume a checkpoint on this job's ranks), :mod:`~hpcdl.train.wrap`
-(DDP, the comm hook, the stepper), the loop here, and :mod:`~hpcdl.train.finish` (the announcement, the
-replica check, the summary).
+:mod:`~hpcdl.train.resume` (resuming a checkpoint on this job's ranks), :mod:`~hpcdl.train.wrap` (DDP, the comm
+hook, the stepper), the loop here, :mod:`~hpcdl.train.finish` (announcement, replica check, summary, failures).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from hpcdl.schema import to_dict
 from hpcdl.train.build import build_data, build_model_parts, read_manifests, size_loader_for
 from hpcdl.train.checkpoint import Checkpointer
 from hpcdl.train.evaluate import evaluate
-from hpcdl.train.finish import Facts, announce, check_replicas, diverged, on_signal, write_summary
+from hpcdl.train.finish import Facts, announce, check_replicas, diverged, on_signal, on_storage_error, write_summary
 from hpcdl.train.metrics import RunLog
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal
@@ -181,7 +180,8 @@ class Trainer:
         runlog = RunLog(self.dir, rank=self.ctx.rank, total_steps=self.last_step, start_step=self.progress.step,
                         log_every=self.cfg.loop.log_every)
         try:
-            outcome = self._loop(runlog)
+            with on_storage_error(self.rescue):
+                outcome = self._loop(runlog)
             if outcome in ("stop", "terminate"):  # checkpointed; rank 0 requeues on the requeue signal
                 return self._summary(on_signal(self.cfg, self.ctx, self.stop, self.progress.step,
                                                outcome == "terminate", self.folder.checkpoints))

@@ -116,10 +116,10 @@ CSSERV_LISTEN_HOST = $NET.$(( 20 + $1 ))
 CFG
 }
 
-daemon_up() {  # daemon_up NAMESPACE BINARY CONFIG: started unless its lock says it runs
-    local ns=$1 bin=$2 cfg=$3
+daemon_up() {  # daemon_up NAMESPACE BINARY CONFIG [OPTION...]: started unless its lock says it runs
+    local ns=$1 bin=$2 cfg=$3; shift 3
     in_ns "$ns" "$bin" -c "$cfg" test >/dev/null 2>&1 && return 0
-    in_ns "$ns" "$bin" -c "$cfg" start >"$DIR/$(basename "$(dirname "$cfg")").log" 2>&1 \
+    in_ns "$ns" "$bin" -c "$cfg" "$@" start >"$DIR/$(basename "$(dirname "$cfg")").log" 2>&1 \
         || die "$(basename "$bin") in namespace $ns did not start: $(tail -3 "$DIR/$(basename "$(dirname "$cfg")").log")"
 }
 
@@ -155,7 +155,9 @@ $why"
     mkdir -p "$DIR"
     namespace hpfs-m "$MASTER" ""
     master_cfg
-    daemon_up hpfs-m /usr/sbin/mfsmaster "$DIR/master/mfsmaster.cfg"
+    # -a: a metadata server that was killed (a machine restarted with /var/tmp kept) left metadata.mfs.back and
+    # its change logs, not metadata.mfs; it then starts only when told to replay them
+    daemon_up hpfs-m /usr/sbin/mfsmaster "$DIR/master/mfsmaster.cfg" -a
     cap_master "$(cat "$DIR/mds-cpu" 2>/dev/null || echo 100)"
     for n in $STORAGE; do
         namespace "hpfs-s$n" "$NET.$(( 20 + n ))" "$RATE"

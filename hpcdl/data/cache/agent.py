@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpcdl.data.format import OpenShard, open_shard
+from hpcdl.data.format import OpenShard, open_shard, storage_error, storage_failed
 
 GET, GET_SOURCE, PEER_GET, ANNOUNCE, STATS, PEERS = range(1, 7)
 REQUEST = struct.Struct("!Bq")  # op, argument: a sample's index, a local rank, or the length of what follows
@@ -226,7 +226,12 @@ class Agent:
                         self.counters.source_opens += 1
         i = int(index - self.starts[shard])
         start, stop = int(s.offsets[i]), int(s.offsets[i + 1])
-        data = os.pread(s.fd, stop - start, s.base + start)
+        try:
+            data = os.pread(s.fd, stop - start, s.base + start)
+        except OSError as exc:
+            if storage_failed(exc):
+                raise storage_error(self.spec.paths[shard], exc) from None
+            raise
         with self.cond:
             self.counters.source_reads += 1
             self.counters.source_bytes += len(data)
