@@ -322,7 +322,7 @@ def test_a_read_the_filesystem_fails_names_the_file_as_storage_not_damage(packed
         monkeypatch.setattr(os, "pread", real)
         if kind is StorageError:
             said = str(raised.value)
-            assert said.startswith(ds.paths[0]) and "not a damaged shard" in said and f"errno {code}" in said
+            assert said.startswith(ds.paths[0]) and "not known damage to the shard" in said and f"errno {code}" in said
             assert "repack" not in said
         else:
             assert not isinstance(raised.value, DataError)

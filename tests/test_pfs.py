@@ -2,6 +2,7 @@
 namespaces of their own on the fabric's bridge, mounted on the host and on the fabric's nodes. A dataset packed onto
 it trains as it does from the local disk."""
 
+import json
 import os
 import re
 import shutil
@@ -111,8 +112,8 @@ def test_a_storage_server_stopped_mid_epoch_stops_the_job_naming_the_file_with_a
     """A storage server (an OST) stops while a 2-node job reads the demo's shards from it with the default loader
     workers: the read fails in a loader worker (the client's retries bound it, some 30 s), the job names the file and
     the filesystem (not a damaged shard), the ranks write the just-in-time checkpoint of the last completed step and
-    stop with status 2 (no supervisor restarts a job whose data cannot be read), within a minute and a half of the
-    stop; the checkpoint loads. The exclusive pass: the filesystem's other readers would fail too."""
+    stop with status 2, and the job's supervisor (--max-restarts 1) does not restart it (its data cannot be read),
+    within a minute and a half of the stop; the checkpoint loads. The exclusive pass: the filesystem's other readers would fail too."""
     remote = shared_fs / f"pytest-{uuid.uuid4().hex[:8]}"
     run = tmp_path / "run"
     shutil.copytree(demo_data / "train", remote / "train")
@@ -120,7 +121,7 @@ def test_a_storage_server_stopped_mid_epoch_stops_the_job_naming_the_file_with_a
     server = _holder(next((remote / "train").glob("*.h5")))
     script = tmp_path / "job.sbatch"
     made = hpcdl("sbatch", "--profile", "local", "--partition", "fabric", "--nodes", 2, "--tasks-per-node", 1,
-                 "--time", 8, "--output", f"{tmp_path}/job-%j.out", "--python", PYTHON, "--write", script, "--",
+                 "--max-restarts", 1, "--time", 8, "--output", f"{tmp_path}/job-%j.out", "--python", PYTHON, "--write", script, "--",
                  "train", "demo_tiny_lars", "--set", f"data.train={remote / 'train'}", "--set",
                  f"data.val={remote / 'val'}", "--set", f"run_dir={run}", "--set", "loop.backend=gloo",
                  "--set", "epochs=100", "--set", "loop.max_steps=1200", "--set", "data.workers=4",
@@ -146,15 +147,19 @@ def test_a_storage_server_stopped_mid_epoch_stops_the_job_naming_the_file_with_a
             time.sleep(0.5)
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=60)
-        subprocess.run(["bash", PFS_SH, "start-storage", str(server)], capture_output=True, timeout=90)
+        back = subprocess.run(["bash", PFS_SH, "start-storage", str(server)], capture_output=True, text=True,
+                              timeout=90)
         shutil.rmtree(remote, ignore_errors=True)
+    assert back.returncode == 0, f"storage server {server} did not come back: {back.stderr}"
     text = out.read_text()
     assert _state(job) == "FAILED", text[-3000:]
     named = re.search(rf"{re.escape(str(remote))}/\w+/\S+\.h5: the filesystem did not return its data", text)
-    assert named and "not a damaged shard" in text and "not a readable hpcdl shard" not in text, text[-3000:]
+    assert named and "not known damage to the shard" in text and "not a readable hpcdl shard" not in text, text[-3000:]
     saved = re.search(r"just-in-time checkpoint of step (\d+): written to (\S+\.pt)", text)
     assert saved and int(saved.group(1)) >= 24, text[-3000:]
     assert len(re.findall(r"rank \d stops \(status 2\), (its|a rank's) input failed", text)) == 2, text[-3000:]
+    supervised = json.loads((run / "supervisor.json").read_text())  # a restart would meet the same input
+    assert supervised["outcome"] == "refused" and supervised["why"] == "input failed" and not supervised["restarts"]
     state = torch.load(saved.group(2), map_location="cpu", weights_only=False)
     assert {"model", "optimizer"} <= state.keys() and state["counters"]["step"] == int(saved.group(1))
 
@@ -173,9 +178,9 @@ def test_a_killed_metadata_server_comes_back_with_the_files_through_up(shared_fs
     marker = shared_fs / f"pytest-{uuid.uuid4().hex[:8]}"
     marker.write_bytes(b"kept across the metadata server's death\n")
     try:
-        pid = (shared_fs.parent / "pfs" / "master" / ".mfsmaster.lock").read_text().strip() or None
-        killed = subprocess.run(["pkill", "-9", "-x", "mfsmaster"], capture_output=True, timeout=30)
-        assert killed.returncode == 0, pid
+        pid = int((shared_fs.parent / "pfs" / "master" / ".mfsmaster.lock").read_text().strip())
+        assert Path(f"/proc/{pid}/comm").read_text().strip() == "mfsmaster"
+        os.kill(pid, 9)
         time.sleep(1)
         assert not (shared_fs.parent / "pfs" / "master" / "metadata.mfs").exists()
         up = subprocess.run(["bash", PFS_SH, "up"], capture_output=True, text=True, timeout=120)

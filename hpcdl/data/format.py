@@ -272,6 +272,8 @@ def open_shard(path: str, count: int, root: str) -> OpenShard:
     try:
         raw = open(path, "rb")  # kept open for the reads; h5py leaves a file object it was given open
     except OSError as exc:
+        if storage_failed(exc):  # a lost mount (ENOTCONN), a stale handle: not a missing shard
+            raise storage_error(path, exc) from None
         raise DataError(f"{path}: cannot open the shard ({exc.strerror or exc}); {fix}") from None
     try:
         with open_h5(raw) as h5:
@@ -299,8 +301,10 @@ def open_shard(path: str, count: int, root: str) -> OpenShard:
 
 # What a filesystem returns when it cannot reach the data, not when the data is damaged: a storage server (a
 # Lustre OST, a MooseFS chunk server) down, a mount lost. The same file reads again once the server is back.
+# EREMOTEIO, ESHUTDOWN, ECOMM: a Lustre client evicted by its servers; EIO also a failing local disk.
 _STORAGE_ERRNOS = frozenset({errno.EIO, errno.ENXIO, errno.ETIMEDOUT, errno.ENOTCONN, errno.ESTALE, errno.EHOSTDOWN,
-                             errno.EHOSTUNREACH, errno.ECONNRESET, errno.ECONNREFUSED, errno.ENODEV})
+                             errno.EHOSTUNREACH, errno.ECONNRESET, errno.ECONNREFUSED, errno.ENODEV, errno.EREMOTEIO,
+                             errno.ESHUTDOWN, errno.ECOMM})
 
 
 def storage_failed(exc: BaseException) -> bool:
@@ -310,9 +314,10 @@ def storage_failed(exc: BaseException) -> bool:
 def storage_error(path: str, exc: OSError) -> StorageError:
     """The error for a read the filesystem failed (:func:`storage_failed`): it names the file and the filesystem,
     not damage; nothing is to be repacked."""
-    return StorageError(f"{path}: the filesystem did not return its data ({exc.strerror or exc}, errno "
-                     f"{exc.errno}): a storage server (a Lustre OST) down or the mount lost, not a damaged shard; "
-                     f"when 'df {os.path.dirname(path)}' and a read of the file answer again, resume the run")
+    return StorageError(f"{path}: the filesystem did not return its data ({exc.strerror or exc}, errno {exc.errno}): "
+                        f"a storage server (a Lustre OST) down, the mount lost or a failing disk, not known damage "
+                        f"to the shard; when 'df {os.path.dirname(path)}' and a read of the file answer again, "
+                        f"resume the run")
 
 
 def record_key(path: str, i: int) -> str:

@@ -150,9 +150,12 @@ class Supervisor:
                 log.info("training ended: %s after %d restart(s)", finished["outcome"], restarts)
                 self._write(final=finished["outcome"])
                 return 0 if finished["outcome"] in ("finished", "requeued") else 3
-            if code == BAD_INPUT and result is None:
-                log.error("the training step refused its input (status 2): not restarted")
-                self._write(final="refused")
+            failed = result and any(r.get("status") == BAD_INPUT for r in result.get("reports", []))
+            if (code == BAD_INPUT and result is None) or failed:  # a restart would meet the same input
+                log.error("the training step %s (status 2): not restarted%s",
+                          "could not read its input" if failed else "refused its input",
+                          f"; step {result['step']} saved in {result['checkpoint']}" if failed else "")
+                self._write(final="refused", why="input failed" if failed else "input refused")
                 return BAD_INPUT
             trained = first_step_after(RunFolder(self.run_dir).steps_log, started) is not None
             event = self._diagnose(code, result, use, started, ended, trained)

@@ -168,10 +168,6 @@ class Rescue:
             if now - since < self.stall_s(report=True):
                 continue
             if self._others_reported():  # a stat of one folder, only while no step completes
-                failed = self._input_failed()  # a rank whose data could not be read: not a lost peer
-                if failed:
-                    self.run(f"rank {failed['rank']}'s input failed (its report in {self.folder})", EXIT_BAD_INPUT,
-                             "a rank's input failed")
                 self.run("another rank reported a lost peer (see its report in " + self.folder + ")")
             # The heartbeats from the start on (a stall of start-up is a stall too: its first step may take
             # minutes, and the heartbeats beat through it on their own thread), at most every 10 s and two of
@@ -191,15 +187,9 @@ class Rescue:
         return bool(glob.glob(os.path.join(glob.escape(self.folder), "report-*.json")))
 
     def _input_failed(self) -> dict | None:
-        for path in sorted(glob.glob(os.path.join(glob.escape(self.folder), "report-*.json"))):
-            try:
-                with open(path) as f:
-                    report = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if report.get("status") == EXIT_BAD_INPUT:
-                return report
-        return None
+        """The report of a rank whose input failed (its status), if one is in the folder."""
+        reports = (_read_json(p) for p in sorted(glob.glob(os.path.join(glob.escape(self.folder), "report-*.json"))))
+        return next((r for r in reports if r and r.get("status") == EXIT_BAD_INPUT), None)
 
     def _describe(self, lost: list[int] | None) -> str:
         if lost is None:
@@ -216,6 +206,10 @@ class Rescue:
             threading.Event().wait()
         self._stop.set()
         self.lock.acquire()  # the training thread is blocked in a collective or between steps: not in an update
+        failed = self._input_failed() if status == EXIT_PEER_LOST else None  # its exit broke this rank's collective
+        if failed:
+            status, why = EXIT_BAD_INPUT, "a rank's input failed"
+            reason = f"rank {failed['rank']}'s input failed (its report in {self.folder}; here: {reason})"
         try:
             self._rescue(reason, status)
         except CheckpointError as exc:  # leaving anyway: the supervisor restarts from the newest one on disk
@@ -243,7 +237,7 @@ class Rescue:
         if b is not None:
             _save(os.path.join(self.folder, f"rank-{self.rank:05d}.pt"), {"step": b.step, "rng": b.rng})
         atomic_write_text(self._report_path(self.rank), json.dumps(mine) + "\n")
-        reports = self._wait_for_reports(lost)
+        reports = self._wait_for_reports(lost, status)
         steps = [r["step"] for r in reports.values() if r["step"] is not None]
         best = max(steps) if steps else None
         writer = min(r for r, rep in reports.items() if rep["step"] == best)
@@ -274,24 +268,19 @@ class Rescue:
     def _report_path(self, rank: int) -> str:
         return os.path.join(self.folder, f"report-{rank:05d}.json")
 
-    def _wait_for_reports(self, lost: list[int] | None) -> dict[int, dict]:
+    def _wait_for_reports(self, lost: list[int] | None, status: int = EXIT_PEER_LOST) -> dict[int, dict]:
         """Every report the ranks believed alive write within the bound, what was there at the deadline otherwise.
         After a lost rank, the survivors that were not its peers in the failed collective join after their own
         stall bound and a heartbeat probe. After a timeout with every heartbeat alive (a rank stuck), the others
-        timed out within about a step of each other, and the stuck one will not report."""
+        timed out within about a step of each other, and the stuck one will not report. After a rank's input failed,
+        the others are alive and join when their watch finds its report, after their stall bound."""
         gone = set(lost) if lost is not None else {0}
         expected = set(range(self.world)) - gone
-        bound = self.stall_s() + 4 * self.heartbeat_s + 5.0 if gone else self.heartbeat_s
+        bound = self.stall_s() + 4 * self.heartbeat_s + 5.0 if gone or status != EXIT_PEER_LOST else self.heartbeat_s
         deadline = time.monotonic() + bound
         while True:
-            reports = {}
-            for path in glob.glob(os.path.join(glob.escape(self.folder), "report-*.json")):
-                try:
-                    with open(path) as f:
-                        rep = json.load(f)
-                except (OSError, ValueError):
-                    continue  # being renamed into place
-                reports[int(rep["rank"])] = rep
+            paths = glob.glob(os.path.join(glob.escape(self.folder), "report-*.json"))
+            reports = {int(r["rank"]): r for r in map(_read_json, paths) if r}  # None: unreadable
             if expected <= reports.keys() or time.monotonic() > deadline:
                 return reports
             time.sleep(0.2)
@@ -388,6 +377,14 @@ def _drop_samples_after(folder: str, step: int) -> None:
         with open(path) as f:
             kept = [line for line in f if len(line.split()) < 3 or int(line.split()[2]) <= step]
         atomic_write_text(path, "".join(kept))
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _save(path: str, obj) -> None:

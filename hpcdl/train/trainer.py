@@ -180,13 +180,13 @@ class Trainer:
         runlog = RunLog(self.dir, rank=self.ctx.rank, total_steps=self.last_step, start_step=self.progress.step,
                         log_every=self.cfg.loop.log_every)
         try:
-            with on_storage_error(self.rescue):
+            with on_storage_error(self.rescue):  # the last evaluation reads the validation shards too
                 outcome = self._loop(runlog)
+                if outcome not in ("stop", "terminate") and self.progress.evaluated_step != self.progress.step:
+                    self._evaluate(runlog, may_stop=self.progress.step == self.cfg.schedule.total_steps)  # once
             if outcome in ("stop", "terminate"):  # checkpointed; rank 0 requeues on the requeue signal
                 return self._summary(on_signal(self.cfg, self.ctx, self.stop, self.progress.step,
                                                outcome == "terminate", self.folder.checkpoints))
-            if self.progress.evaluated_step != self.progress.step:  # the last step's, once
-                self._evaluate(runlog, may_stop=self.progress.step == self.cfg.schedule.total_steps)
             self.replicas = check_replicas(self.parts.model, self.ctx, self.progress.step)
             self._save("end")
             return self._summary(Outcome.FINISHED)

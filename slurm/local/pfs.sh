@@ -128,7 +128,7 @@ mounted() { grep -qs "^mfs.* $1 fuse " /proc/self/mounts; }
 client() {  # client [OPTIONS]: the FUSE client, in the caller's network namespace, at $MOUNT
     mkdir -p "$MOUNT"
     mounted "$MOUNT" && return 0
-    # mfsioretries: a read of a stopped storage server's chunk fails within seconds instead of 30 retries
+    # mfsioretries: a read of a stopped storage server's chunk fails in about 30 s (8 tries) instead of minutes
     mfsmount "$MOUNT" -H "$MASTER" -o mfsioretries=8 "$@" >"$DIR/mount-$(hostname -s).log" 2>&1 \
         || die "mfsmount $MOUNT failed: $(tail -3 "$DIR/mount-$(hostname -s).log")"
 }
