@@ -21,7 +21,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from hpcdl.data.cache.client import CacheClient, checked_read, describe
-from hpcdl.data.format import Manifest, OpenShard, open_shard, record_crc, record_key, storage_error, storage_failed
+from hpcdl.data.format import Manifest, OpenShard, open_shard, read_record, record_crc, record_key
 from hpcdl.data.sampler import Sample
 from hpcdl.data.verify import check_dataset, load_manifest
 from hpcdl.errors import ConfigError, DataError
@@ -143,14 +143,8 @@ class ShardDataset(Dataset):
 
     def read(self, shard: int, i: int) -> tuple[bytes, int]:
         s = self._shard(shard)
-        start, stop = int(s.offsets[i]), int(s.offsets[i + 1])
-        try:
-            data, label = os.pread(s.fd, stop - start, s.base + start), int(s.labels[i])
-        except OSError as exc:
-            if storage_failed(exc):
-                raise storage_error(self.paths[shard], exc) from None
-            raise
-        if self.checksums and (len(data) != stop - start or record_crc(data, label, s.version) != s.crcs[i]):
+        data, label = read_record(s, i, self.paths[shard]), int(s.labels[i])
+        if self.checksums and (len(data) != s.offsets[i + 1] - s.offsets[i] or record_crc(data, label, s.version) != s.crcs[i]):
             raise DataError(f"{self.paths[shard]}: image {i} ({record_key(self.paths[shard], i)}) fails its CRC32, "
                             f"the shard is damaged; run 'hpcdl verify --full {self.root}', then repack or "
                             f"restore the shard")

@@ -320,6 +320,18 @@ def storage_error(path: str, exc: OSError) -> StorageError:
                         f"resume the run")
 
 
+def read_record(s: OpenShard, i: int, path: str) -> bytes:
+    """Image ``i``'s bytes from shard ``s`` (opened from ``path``): one pread at its offset; a read the filesystem
+    fails is a :class:`~hpcdl.errors.StorageError` naming ``path``."""
+    start, stop = int(s.offsets[i]), int(s.offsets[i + 1])
+    try:
+        return os.pread(s.fd, stop - start, s.base + start)
+    except OSError as exc:
+        if storage_failed(exc):
+            raise storage_error(path, exc) from None
+        raise
+
+
 def record_key(path: str, i: int) -> str:
     """Image ``i``'s key (its path in the source), for the message about a damaged record."""
     try:

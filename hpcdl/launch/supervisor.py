@@ -60,14 +60,14 @@ from hpcdl.launch.progress import StepLog, first_step_after
 from hpcdl.runs.folder import RunFolder
 from hpcdl.runs.orphan import Beat
 from hpcdl.runs.orphan import ENV as BEAT_ENV
-from hpcdl.runs.outcome import read_result
+from hpcdl.runs.outcome import EXIT_BAD_INPUT, read_result
 from hpcdl.utils import atomic_write_text
 
 __all__ = ["Supervisor", "from_slurm"]
 
 log = logging.getLogger("hpcdl.supervise")
 
-BAD_INPUT = 2  # the trainer refused its config: restarting cannot help
+BAD_INPUT = EXIT_BAD_INPUT  # the trainer refused its input, or could not read it: restarting cannot help
 PEER_LOST = 4  # a rank's rescue (hpcdl.runs.outcome.EXIT_PEER_LOST)
 FAILED_STARTS = 2  # a node on which this many starts failed in start-up is not used again
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import socket
 import struct
 import sys
@@ -38,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpcdl.data.format import OpenShard, open_shard, storage_error, storage_failed
+from hpcdl.data.format import OpenShard, open_shard, read_record
 
 GET, GET_SOURCE, PEER_GET, ANNOUNCE, STATS, PEERS = range(1, 7)
 REQUEST = struct.Struct("!Bq")  # op, argument: a sample's index, a local rank, or the length of what follows
@@ -225,13 +224,7 @@ class Agent:
                         self.shards[shard] = s
                         self.counters.source_opens += 1
         i = int(index - self.starts[shard])
-        start, stop = int(s.offsets[i]), int(s.offsets[i + 1])
-        try:
-            data = os.pread(s.fd, stop - start, s.base + start)
-        except OSError as exc:
-            if storage_failed(exc):
-                raise storage_error(self.spec.paths[shard], exc) from None
-            raise
+        data = read_record(s, i, self.spec.paths[shard])
         with self.cond:
             self.counters.source_reads += 1
             self.counters.source_bytes += len(data)
