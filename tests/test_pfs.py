@@ -2,6 +2,7 @@
 namespaces of their own on the fabric's bridge, mounted on the host and on the fabric's nodes. A dataset packed onto
 it trains as it does from the local disk."""
 
+import errno
 import json
 import os
 import re
@@ -197,3 +198,42 @@ def test_a_killed_metadata_server_comes_back_with_the_files_through_up(shared_fs
     finally:
         subprocess.run(["bash", PFS_SH, "up"], capture_output=True, timeout=120)
         marker.unlink(missing_ok=True)
+
+
+@pytest.mark.exclusive
+def test_a_mount_whose_client_died_is_released_and_mounted_again_by_up(shared_fs):
+    """The host's FUSE client killed (a machine restored without its processes) leaves its mount in the table,
+    every stat failing (ECONNABORTED, then ENOTCONN): ``pfs.sh up`` unmounts it and mounts the filesystem again (CI's clean clone
+    of 873dfbe failed in ``make slurm``: mkdir -p of the mount point, 'Transport endpoint is not connected')."""
+    marker = shared_fs / f"pytest-{uuid.uuid4().hex[:8]}"
+    marker.write_bytes(b"kept across the client's death\n")
+    host_ns = os.readlink("/proc/self/ns/mnt")  # this test runs on the host, not in a node
+    clients = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_host_client(p, shared_fs, host_ns)]
+    assert len(clients) == 1, f"the host's mfsmount of {shared_fs}: {clients}"
+    try:
+        os.kill(clients[0], 9)
+        for _ in range(50):
+            try:
+                os.stat(shared_fs)
+            except OSError as e:
+                assert e.errno in (errno.ENOTCONN, errno.ECONNABORTED), e  # the first stat after the kill: aborted
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"{shared_fs} still answers after its client was killed")
+        up = subprocess.run(["bash", PFS_SH, "up"], capture_output=True, text=True, timeout=120)
+        assert up.returncode == 0, up.stderr
+        assert "a mount whose client is gone" in up.stdout, up.stdout
+        assert marker.read_bytes() == b"kept across the client's death\n"
+    finally:
+        subprocess.run(["bash", PFS_SH, "up"], capture_output=True, timeout=120)
+        marker.unlink(missing_ok=True)
+
+
+def _is_host_client(proc: Path, mount: Path, host_ns: str) -> bool:
+    try:
+        cmd = (proc / "cmdline").read_bytes()  # mfsmount renames itself "mfsmount (mounted on: PATH)"
+        return cmd.startswith(b"mfsmount") and str(mount).encode() in cmd \
+            and os.readlink(proc / "ns" / "mnt") == host_ns
+    except OSError:  # the process ended meanwhile
+        return False

@@ -124,8 +124,17 @@ daemon_up() {  # daemon_up NAMESPACE BINARY CONFIG [OPTION...]: started unless i
 }
 
 mounted() { grep -qs "^mfs.* $1 fuse " /proc/self/mounts; }
+answers() { timeout 10 stat -f "$1" >/dev/null 2>&1; }
+
+release_dead() {  # a FUSE mount whose client is gone (a machine restored without its processes) stays in the
+    # mount table and fails every stat with ENOTCONN ("Transport endpoint is not connected"), mkdir -p included
+    grep -qs " $1 fuse" /proc/self/mounts && ! answers "$1" || return 0
+    say "$1: a mount whose client is gone ($(stat "$1" 2>&1 | sed 's/.*: //')); unmounting it"
+    umount -l "$1"
+}
 
 client() {  # client [OPTIONS]: the FUSE client, in the caller's network namespace, at $MOUNT
+    release_dead "$MOUNT"
     mkdir -p "$MOUNT"
     mounted "$MOUNT" && return 0
     # mfsioretries: a read of a stopped storage server's chunk fails in about 30 s (8 tries) instead of minutes
@@ -196,6 +205,7 @@ status() {
 }
 
 down() {
+    release_dead "$MOUNT"
     mounted "$MOUNT" && { umount "$MOUNT" 2>/dev/null || umount -l "$MOUNT"; }
     for n in $STORAGE; do
         [ -f "$DIR/cs$n/mfschunkserver.cfg" ] && in_ns "hpfs-s$n" /usr/sbin/mfschunkserver -c "$DIR/cs$n/mfschunkserver.cfg" stop >/dev/null 2>&1 || true

@@ -35,7 +35,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 PFS=${PFS:-1}; [ "$FABRIC" != 0 ] || PFS=0
 # ready: up and mounted, or (outside CI) recorded as impossible here, so that a machine without it does not restart
 # Slurm at every call
-pfs_ready() { [ "$PFS" = 0 ] || { [ -e "$STATE/pfs/up" ] && grep -qs "^mfs.* $STATE/scratch fuse " /proc/self/mounts; } \
+pfs_ready() { [ "$PFS" = 0 ] || { [ -e "$STATE/pfs/up" ] && grep -qs "^mfs.* $STATE/scratch fuse " /proc/self/mounts \
+                                    && timeout 10 stat -f "$STATE/scratch" >/dev/null 2>&1; } \
               || { [ "${CI:-}" != true ] && [ -e "$STATE/pfs/unavailable" ]; }; }
 up_nodes() { timeout 10 sinfo -h -N ${1:+-p "$1"} -o %T 2>/dev/null | grep -c -E '^(idle|mixed|allocated)$' || true; }
 
