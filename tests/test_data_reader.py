@@ -279,6 +279,24 @@ def test_stage_command_prints_the_staged_root(packed, tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(tmp_path / "out")
     assert len(ShardDataset(run.stdout.strip(), verify="full")) == 30
+    # the verdict on standard error, standard output the staged root alone ($(hpcdl stage ... | head -1) in a script)
+    assert "stage: 1 node(s) each copy" in run.stderr and "give --epochs" in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("nodes, epochs, says", [
+    (1600, 90, "staging costs more than it saves here (1600 nodes >= 90 epochs)"),
+    (90, 90, "costs more than it saves here (90 nodes >= 90 epochs)"),
+    (32, 90, "staging saves 8526.0 GB of direct reads"),  # (90 - 32) x 147 GB
+    (1, 3, "staging saves 294.0 GB of direct reads"),
+    (8, 0, "give --epochs to weigh staging against direct reads"),
+])
+def test_stage_says_when_it_costs_the_shared_filesystem_more_than_it_saves(nodes, epochs, says):
+    """Each node copies the whole dataset: nodes x its bytes from the shared filesystem, against one copy for the
+    node cache and one an epoch for direct reads. At as many nodes as epochs, staging reads more than direct reads."""
+    from hpcdl.data.stage import verdict
+
+    said = verdict(147_000_000_000, nodes, epochs)
+    assert says in said and f"{nodes * 147.0:.1f} GB in all" in said, said
 
 
 def test_seeded_augmentation_ignores_workers_and_resume_point(packed):

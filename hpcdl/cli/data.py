@@ -13,7 +13,7 @@ from hpcdl.data.format import summarize
 from hpcdl.data.options import PackConfig
 from hpcdl.data.pack import merge, restat
 from hpcdl.data.pack import pack as packed
-from hpcdl.data.stage import stage as staged
+from hpcdl.data.stage import stage as staged, verdict
 from hpcdl.data.verify import load_manifest
 from hpcdl.data.verify import verify as problems_of
 from hpcdl.deferred import deferred
@@ -43,6 +43,7 @@ class StageCommand:
     root: str = field(metadata=meta(positional=True))  # the packed dataset (where manifest.json is)
     dest: str = field(metadata=meta(positional=True))  # node-local directory, e.g. $TMPDIR
     timeout: float = 3600.0  # seconds the node's other local ranks wait
+    epochs: int = 0  # the run's epochs, to weigh staging against direct reads (the first node says, on stderr)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,7 +102,11 @@ def verify(cmd: VerifyCommand) -> int:
 
 
 def stage(cmd: StageCommand) -> int:
-    print(staged(cmd.root, cmd.dest, discover().local_rank, timeout_s=cmd.timeout))
+    env = discover()
+    if env.node_rank == 0 and env.local_rank == 0:  # on standard error: standard output is the staged root alone
+        print(verdict(sum(s.bytes for s in load_manifest(cmd.root).shards), env.nodes, cmd.epochs), file=sys.stderr,
+              flush=True)
+    print(staged(cmd.root, cmd.dest, env.local_rank, timeout_s=cmd.timeout))
     return 0
 
 

@@ -34,6 +34,26 @@ def stage(root: str, dest: str, local_rank: int, timeout_s: float = 3600.0) -> s
     return target
 
 
+def verdict(dataset_bytes: int, nodes: int, epochs: int = 0) -> str:
+    """What staging costs the shared filesystem against the other paths, in bytes read from it: each node copies
+    the whole dataset (``nodes`` x its size); direct reads take it once an epoch, the node cache
+    (``data.cache=node``) once for the job. Said before the copy, so that a job that should not stage learns why."""
+    d = dataset_bytes
+    line = (f"stage: {nodes} node(s) each copy {_size(d)} from the shared filesystem, {_size(nodes * d)} in all; "
+            f"data.cache=node would read it once")
+    if not epochs:
+        return line + " (give --epochs to weigh staging against direct reads)"
+    line += f", direct reads {_size(epochs * d)} over {epochs} epochs"
+    if nodes > 1 and nodes >= epochs:
+        return (line + f": staging costs more than it saves here ({nodes} nodes >= {epochs} epochs); set "
+                f"data.cache=node instead ('hpcdl plan --nodes {nodes}' times each path at the filesystem's bandwidth)")
+    return line + f": staging saves {_size((epochs - nodes) * d)} of direct reads"
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def _marker(target: str) -> str | None:
     try:
         with open(os.path.join(target, MARKER), encoding="utf-8") as f:
