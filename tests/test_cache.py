@@ -15,36 +15,34 @@ from conftest import PYTHON, REPO, hpcdl, sbatch_wait
 
 from hpcdl.data.cache.agent import AgentSpec
 from hpcdl.data.cache.client import CacheClient, checked_read, start_agent
-from hpcdl.data.cache.owners import sample_owners
+from hpcdl.data.cache.owners import sample_owners, shard_owners
 from hpcdl.data.dataset import ShardDataset
 from hpcdl.data.format import record_crc
 from hpcdl.data.pack import PackConfig, pack
-from hpcdl.data.sampler import DistributedShardSampler
 from hpcdl.data.synthetic import generate
 
 SIZES = [7, 13, 5, 11, 9, 6, 12]  # 63 samples: divides by no rank count here
 
 
-@pytest.mark.parametrize("mode", ["global", "shard"])
-@pytest.mark.parametrize("world,nodes", [(3, [0, 0, 1]), (4, [0, 1, 0, 1]), (5, [0, 0, 1, 1, 2])])
-def test_each_sample_is_owned_by_the_node_whose_rank_reads_it_first_in_that_epoch(mode, world, nodes):
-    for epoch in (0, 3):
-        owners = sample_owners(DistributedShardSampler(SIZES, world, 0, mode, seed=5), epoch, nodes)
-        first_reader = {}
-        for rank in range(world):
-            s = DistributedShardSampler(SIZES, world, rank, mode, seed=5)
-            s.set_epoch(epoch)
-            for i, padding in s.indices():
-                if not padding or mode == "global":
-                    first_reader.setdefault(i, []).append(rank)
-        assert len(owners) == sum(SIZES) and set(first_reader) == set(range(sum(SIZES)))
-        # a sample read twice (padding) is owned by one of its readers' nodes; any other by its only reader's
-        assert all(owners[i] in {nodes[r] for r in readers} for i, readers in first_reader.items())
-        assert all(owners[i] == nodes[readers[0]] for i, readers in first_reader.items() if len(readers) == 1)
-    # the seed and the epoch move them (shard mode: when the shards are not all on one node either way)
-    first = sample_owners(DistributedShardSampler(SIZES, world, 0, mode, seed=5), 0, nodes)
-    assert not np.array_equal(sample_owners(DistributedShardSampler(SIZES, world, 0, mode, seed=6), 0, nodes), first)
-    assert not np.array_equal(owners, first)  # epoch 3's against epoch 0's
+@pytest.mark.parametrize("nodes", [1, 2, 3, 5, 9])
+def test_each_shard_is_owned_by_one_node_and_the_nodes_hold_as_many_samples_as_the_shards_allow(nodes):
+    """A node opens only the shards it owns: each shard once per job. Owners follow from the shard sizes and the
+    node count alone (not the sampler, the epoch or the rank count: a resumed run on other ranks finds the same)."""
+    owners = sample_owners(SIZES, nodes)
+    assert owners.dtype == np.int32 and len(owners) == sum(SIZES)
+    starts = np.concatenate([[0], np.cumsum(SIZES)])
+    per_shard = [set(owners[starts[s]:starts[s + 1]].tolist()) for s in range(len(SIZES))]
+    assert all(len(o) == 1 for o in per_shard)  # a shard is never split over nodes
+    assert np.array_equal(owners, np.repeat(shard_owners(SIZES, nodes), SIZES))
+    held = np.bincount(owners, minlength=nodes)
+    assert len(held) == nodes
+    if nodes <= len(SIZES):  # every node owns something, and none more than the least plus the largest shard
+        assert held.min() > 0 and held.max() - held.min() <= max(SIZES)
+    else:
+        assert (held > 0).sum() == len(SIZES)
+    assert np.array_equal(sample_owners(list(SIZES), nodes), owners)  # the same on every node
+    with pytest.raises(ValueError, match="0 nodes"):
+        shard_owners(SIZES, 0)
 
 
 @pytest.fixture(scope="module")

@@ -115,15 +115,20 @@ def test_bench_feed_compares_jpegs_with_the_same_step_from_memory(data, tmp_path
     report = tmp_path / "feed.json"
     done = hpcdl("bench", "feed", "--data", data / "train", "--model", "tiny_cnn", "--batch", "8", "--crop", "32",
                  "--layouts", "1x2,2x1", "--precisions", "fp32", "--steps", "2", "--warmup", "1", "--rounds", "1",
-                 "--workers", "1", "--json", report, timeout=600)
+                 "--workers", "0,2", "--json", report, timeout=600)
     assert done.returncode == 0, done.stderr
     rows = FeedReport.from_json(str(report)).rows
     assert [(r.layout, r.precision) for r in rows] == [("1x2", "fp32"), ("2x1", "fp32")]
     for r in rows:
-        assert r.ratio == pytest.approx(r.images_per_s["jpeg"] / r.images_per_s["memory"])
-        assert "cores needed:" in r.loader and 0 <= r.data_share < 1 and len(r.runs["jpeg"]) == 1
-    assert "jpeg/memory" in done.stdout and "loader sizing (rank 0)" in done.stdout
+        assert set(r.ratios) == {"jpeg, 0 workers", "jpeg, 2 workers"}
+        for case, ratio in r.ratios.items():
+            assert ratio == pytest.approx(r.images_per_s[case] / r.images_per_s["memory"])
+            assert 0 <= r.data_share[case] < 1 and len(r.runs[case]) == 1
+        assert "cores needed:" in r.loader  # the 2 workers' sizing line
+    assert "jpeg/memory" in done.stdout and "loader sizing (rank 0, the most workers)" in done.stdout
     with pytest.raises(ConfigError, match="--layouts '2by1'"):
         from hpcdl.bench.feed import Config
 
         Config(layouts=("2by1",))
+    with pytest.raises(ConfigError, match="--workers 1,1"):
+        Config(workers=(1, 1))

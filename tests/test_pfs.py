@@ -54,9 +54,10 @@ def test_a_dataset_packed_onto_the_shared_filesystem_trains_as_from_the_local_di
         assert "10.77.0.2" in info and "VALID" in info, info
         local = tmp_path / "local"
         shutil.copytree(remote, local)
-        a, _ = _train_on_the_fabric(remote, tmp_path / "from-pfs", tmp_path)
-        b, _ = _train_on_the_fabric(local, tmp_path / "from-disk", tmp_path)
-        c, out = _train_on_the_fabric(remote, tmp_path / "from-pfs-cached", tmp_path, cache="node")
+        with held("shared-fs-reads"):  # bench data-path's test counts the filesystem's bytes meanwhile
+            a, _ = _train_on_the_fabric(remote, tmp_path / "from-pfs", tmp_path)
+            b, _ = _train_on_the_fabric(local, tmp_path / "from-disk", tmp_path)
+            c, out = _train_on_the_fabric(remote, tmp_path / "from-pfs-cached", tmp_path, cache="node")
     finally:
         shutil.rmtree(remote, ignore_errors=True)
     assert a.name == b.name == c.name == "ckpt-000000014.pt"
@@ -69,6 +70,48 @@ def test_a_dataset_packed_onto_the_shared_filesystem_trains_as_from_the_local_di
     read = re.findall(r"data cache, epoch (\d)'s start, since the last: 2 node\(s\): shared filesystem (\d+) samples, "
                       r"[\d.]+ MiB \(0 read again\)", out)
     assert [e for e, _ in read] == ["0", "1"] and sum(int(n) for _, n in read) == 1500, out[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_bench_data_path_reads_the_shared_filesystem_once_through_the_cache(shared_fs, demo_data, tmp_path):
+    """hpcdl bench data-path on n3 and n4 (one rank each, the default 4 loader workers), the demo's 1,500 training
+    images on the shared filesystem, its bytes counted at the storage servers' links (pfs.sh served): direct reads
+    take the dataset from it every epoch, staging once per node, the cache once for the job and nothing after; a
+    node of the cache opens each shard at most once, and its second epoch gets the other node's samples from it."""
+    remote = shared_fs / f"pytest-{uuid.uuid4().hex[:8]}"
+    script, report = tmp_path / "data-path.sbatch", tmp_path / "data-path.json"
+    try:
+        shutil.copytree(demo_data / "train", remote)
+        made = hpcdl("sbatch", "--profile", "local", "--partition", "fabric", "--nodes", 2, "--tasks-per-node", 1,
+                     "--time", 8, "--output", f"{tmp_path}/data-path-%j.out", "--python", PYTHON, "--write", script,
+                     "--", "bench", "data-path", "--data", remote, "--epochs", 2, "--backend", "gloo",
+                     "--stage-to", f"{tmp_path}/stage-%N", "--fs-counter", f"bash {PFS_SH} served", "--json", report)
+        assert made.returncode == 0, made.stderr
+        with held("shared-fs-reads"), held("fabric-link"):  # no other reader, and the storage links' rate kept
+            job = sbatch_wait(script, f"--chdir={tmp_path}", env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=480)
+    finally:
+        shutil.rmtree(remote, ignore_errors=True)
+    out = (tmp_path / f"data-path-{job}.out").read_text()
+    got = json.loads(report.read_text())
+    data, shards = got["dataset_bytes"], got["shards"]
+    rows = {(r["path"], r["epoch"]): r for r in got["rows"]}
+    assert list(rows) == [("direct", 0), ("direct", 1), ("stage", -1), ("stage", 0), ("stage", 1), ("cache", 0),
+                          ("cache", 1)], out[-3000:]
+    assert got["nodes"] == 2 and got["images"] == 1500, got
+    fs = {k: r["fs_bytes"] / data for k, r in rows.items()}
+    # what left the storage servers, over the dataset's bytes (their protocol's and TCP's headers on top: 0.2%);
+    # direct reads take at least the dataset an epoch (8x here: each worker's open of a shard starts the client's
+    # readahead, the whole of a 1 MB shard), staging a copy per node, the cache one for the job
+    assert fs["direct", 0] >= 0.99 and fs["direct", 1] >= 0.99, fs
+    assert 2 * 0.99 <= fs["stage", -1] <= 2 * 1.05 and fs["stage", 0] < 0.02 and fs["stage", 1] < 0.02, fs
+    assert 0.99 <= fs["cache", 0] <= 1.05 and fs["cache", 1] < 0.02, (fs, out[-3000:])
+    assert rows["cache", 1]["source_bytes"] == 0 and rows["cache", 1]["peer_bytes"] > 0, rows["cache", 1]
+    assert rows["cache", 0]["source_bytes"] <= data  # the agents read each record once
+    # a node of the cache opens the shards it owns, each shard one node's: the job opens each once
+    assert sum(rows["cache", 0]["opens"]) == shards and rows["cache", 1]["opens"] == [0, 0], rows
+    assert all(o >= shards for o in rows["direct", 0]["opens"]), rows  # each node's workers open every shard
+    assert all(r["images"] == 1500 and len(r["node_images_per_s"]) == 2 for k, r in rows.items() if k[1] >= 0)
+    assert "cache / stage: images/s per node after the 1st epoch" in out, out[-3000:]
 
 
 @pytest.mark.slurm  # root: namespaces, tc and a cgroup

@@ -61,6 +61,10 @@ BENCHMARKS = {b.name: b for b in (
               "precision: what the loader costs"),
     Benchmark("data", configs.DataBench, "hpcdl.bench.data",
               "shard reader vs ImageFolder vs a bare decode loop; decoders and recipes per core"),
+    Benchmark("data-path", configs.DataPathBench, "hpcdl.bench.datapath",
+              "a dataset on the shared filesystem: direct reads, staging to node-local disk, the node cache; per "
+              "epoch the filesystem's bytes, opens per node, images/s per node (run it on a job's ranks)",
+              on_ranks=True),
     Benchmark("optim", configs.OptimBench, "hpcdl.bench.optim",
               "one optimizer step: each of hpcdl's optimizers against torch SGD(foreach)"),
     Benchmark("step", configs.StepBench, "hpcdl.bench.step",

@@ -13,8 +13,8 @@ from hpcdl.config import SyncConfig
 from hpcdl.errors import ConfigError
 from hpcdl.utils import parse_bytes
 
-__all__ = ["AllreduceBench", "DataBench", "FeedBench", "LargeBatchBench", "OptimBench", "PluginBench", "ScalingBench",
-           "StartupBench", "StepBench", "SyncBench", "TuneConfig", "bucket_spec"]
+__all__ = ["AllreduceBench", "DataBench", "DataPathBench", "FeedBench", "LargeBatchBench", "OptimBench", "PluginBench",
+           "ScalingBench", "StartupBench", "StepBench", "SyncBench", "TuneConfig", "bucket_spec"]
 
 
 # hpcdl bench allreduce
@@ -122,7 +122,9 @@ class FeedBench:
     crop: int = 224  # the training crop in px
     layouts: tuple[str, ...] = ("1x2", "2x1")  # RANKSxTHREADS per rank on this node
     precisions: tuple[str, ...] = ("fp32", "bf16")  # each layout is measured in each precision
-    workers: int = 2  # DataLoader workers per rank in the jpeg case
+    # DataLoader workers per rank in the jpeg cases, one case each: 0 reads in the rank's process, 4 is data.workers'
+    # default; each case's figure against the step fed from memory is what that loader costs
+    workers: tuple[int, ...] = (0, 1, 4)
     steps: int = 8  # timed steps per run, after the warm-up ones
     warmup: int = 2  # steps per run left out of the figure
     rounds: int = 2  # alternating rounds per layout and precision; the median counts
@@ -132,6 +134,9 @@ class FeedBench:
             ranks, _, threads = layout.partition("x")
             if not (ranks.isdigit() and threads.isdigit() and int(ranks) and int(threads)):
                 raise ConfigError(f"--layouts {layout!r}: give RANKSxTHREADS, e.g. 1x2 or 2x1")
+        if not self.workers or min(self.workers) < 0 or len(set(self.workers)) < len(self.workers):
+            raise ConfigError(f"--workers {','.join(map(str, self.workers))}: give distinct loader worker counts of 0 "
+                              "or more, e.g. 0,1,4")
 
 
 # hpcdl bench data
@@ -147,6 +152,37 @@ class DataBench:
     crop: int = 224  # the recipes' crop
     recipes: str = "imagenet; light; none; imagenet, randaugment, erasing"  # data.augment specs, ';' between
     per_core_images: int = 400  # images each round of a decoder or a recipe decodes, on one core
+
+
+# hpcdl bench data-path
+DATA_PATHS = ("direct", "stage", "cache")  # read the shared filesystem; copy to node-local disk first; data.cache=node
+
+
+@dataclass(kw_only=True, slots=True)
+class DataPathBench:
+    data: str = ""  # a packed dataset on the shared filesystem (its root): what every path reads
+    paths: str = "direct,stage,cache"  # measured in this order, comma-separated: direct, stage, cache
+    epochs: int = 3  # loader epochs per path (the cache's first reads the filesystem, the next ones its copies)
+    workers: int = 4  # data.workers per rank (4: the trainer's default)
+    batch: int = 32  # images per rank per batch
+    crop: int = 128  # the training crop (the decode and augment cost per image)
+    cache_budget: str = "25%"  # data.cache_budget for the cache path: a share of the node's memory or bytes (512M)
+    stage_to: str = "/tmp/hpcdl-bench-stage-%N"  # node-local folder for the stage path (%N: the node; removed after)
+    # a shell command that prints the bytes the filesystem has served so far (local cluster: 'bash
+    # slurm/local/pfs.sh served'); rank 0 runs it between epochs. Without it, only the cache's agents count bytes
+    fs_counter: str | None = None
+
+    def __post_init__(self):
+        if not self.data:
+            raise ConfigError("--data: give the root of a packed dataset on the shared filesystem (hpcdl pack --out)")
+        for path in self.path_list():
+            names.check("--paths", path, DATA_PATHS)
+        if self.epochs < 1 or self.workers < 0 or self.batch < 1 or self.crop < 1:
+            raise ConfigError(f"--epochs {self.epochs}, --batch {self.batch} and --crop {self.crop} must be at least "
+                              f"1, --workers {self.workers} at least 0")
+
+    def path_list(self) -> list[str]:
+        return [p.strip() for p in self.paths.split(",") if p.strip()]
 
 
 # hpcdl bench optim

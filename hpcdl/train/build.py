@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import socket
+import subprocess
 
 import torch
 
@@ -142,7 +143,7 @@ def build_data(cfg: RunConfig, ctx: DistContext, manifests: tuple[Manifest, Mani
     if cfg.data.in_memory:
         train = InMemory(train, cfg.data.in_memory)
     elif cfg.data.cache == "node":
-        _node_cache(cfg, ctx, train, sampler)
+        _node_cache(cfg, ctx, train)
     val_loader = None
     if cfg.data.val:
         val = _dataset(cfg, ctx, os.path.expandvars(cfg.data.val), manifests[1],
@@ -157,7 +158,7 @@ def build_data(cfg: RunConfig, ctx: DistContext, manifests: tuple[Manifest, Mani
 _AGENTS: list = []  # the node cache's agent, started by this node's first rank; it ends with this process
 
 
-def _node_cache(cfg: RunConfig, ctx: DistContext, train: ShardDataset, sampler: DistributedShardSampler) -> None:
+def _node_cache(cfg: RunConfig, ctx: DistContext, train: ShardDataset) -> None:
     """``data.cache=node``: each node's first rank starts the node's agent; two all-reduces (the ranks' nodes, the
     agents' addresses, IPv4) tell every rank where its node's agent is and every agent where the others are. The
     address is the one this node reaches rank 0 at (the network the job's group uses). An agent that did not start
@@ -174,7 +175,7 @@ def _node_cache(cfg: RunConfig, ctx: DistContext, train: ShardDataset, sampler: 
             host = _node_address(env.master_addr, env.master_port, nodes)
             memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             spec = AgentSpec(train.root, train.paths, train.shard_sizes,
-                             sample_owners(sampler, 0, node_of_rank.tolist()), env.node_rank,
+                             sample_owners(train.shard_sizes, nodes), env.node_rank,
                              cache_budget_bytes(cfg.data.cache_budget, memory), nodes=nodes, host=host,
                              window=4 * (cfg.data.workers + 1) * cfg.micro_batch * env.local_size)
             proc, port = start_agent(spec)
@@ -200,6 +201,19 @@ def _node_cache(cfg: RunConfig, ctx: DistContext, train: ShardDataset, sampler: 
             log.warning("data cache: node %d's agent did not take its peers' addresses (%s)", env.node_rank, exc)
         log.info("data cache: node %d's agent at %s:%d keeps up to %.0f MiB of the %d samples it owns", env.node_rank,
                  *agents[env.node_rank], spec.budget / 2**20, int((spec.owners == env.node_rank).sum()))
+
+
+def stop_node_cache() -> None:
+    """End this process's node agent, if it started one (it ends with the process otherwise): a benchmark that
+    builds the loader again in the same process (bench data-path) starts each path without the last one's."""
+    while _AGENTS:
+        proc = _AGENTS.pop()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _node_address(master: str, port: int, nodes: int) -> str:

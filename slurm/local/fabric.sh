@@ -22,7 +22,8 @@ STATE=${HPCDL_SLURM_STATE:-/var/tmp/hpcdl-slurm}
 BRIDGE=${FABRIC_BRIDGE:-hpcdl-fab0}
 NET=${FABRIC_NET:-10.77.0}
 CONTROLLER=$NET.254
-NODES=${FABRIC_NODES:-3 4}       # node nX lives in namespace hX at $NET.X
+# node nX lives in namespace hX at $NET.X; up.sh records the nodes it started (FABRIC_NODES), for down.sh
+NODES=${FABRIC_NODES:-$(cat "$STATE/fabric-nodes" 2>/dev/null || echo 3 4)}
 RATE=${FABRIC_RATE:-1gbit}
 
 say() { echo "fabric: $*"; }
@@ -104,7 +105,7 @@ slurmd() {
         # a UTS namespace for its own hostname: MPI, oneCCL and gloo then see two hosts, as on a cluster.
         # Each node owns its share of the cores (n3 the first half, n4 the second), as separate machines
         # would: its slurmd, and so every task it starts, is bound there.
-        local ncpu i; ncpu=$(nproc); i=$(( x - ${NODES%% *} ))
+        local ncpu i; ncpu=$(nproc); i=$(( (x - ${NODES%% *}) % 2 ))  # nodes beyond n4 share those halves
         local cores="$(( i * ncpu / 2 ))-$(( (i + 1) * ncpu / 2 - 1 ))"
         [ "$ncpu" -ge 2 ] || cores=0
         # The shared filesystem's client (slurm/local/pfs.sh), when it is up, mounts in the node's namespaces,
@@ -139,6 +140,7 @@ down() {
     done
     ip link del "$BRIDGE" 2>/dev/null || true
     rm -f "$STATE/$BRIDGE.rate"
+    [ "$BRIDGE" != hpcdl-fab0 ] || rm -f "$STATE/fabric-nodes"
     say "down: no namespace, link or bridge of the fabric is left"
 }
 

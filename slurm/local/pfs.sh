@@ -10,6 +10,7 @@
 #   pfs.sh rate RATE         shape the storage servers' links to RATE (e.g. 200mbit) in place
 #   pfs.sh mds-cpu PERCENT   cap the metadata server at PERCENT of one core (100: no cap) in place
 #   pfs.sh stop-storage N    stop storage server N (1, 2, ...), as a failed server; start-storage N restarts it
+#   pfs.sh served            the bytes the storage servers have sent (their links' counters), for benchmarks
 #   pfs.sh status            the servers, their addresses, the rates, the mounts
 #   pfs.sh down              unmount, stop the servers, remove their namespaces (the stored chunks stay)
 #
@@ -241,7 +242,16 @@ case "${1:-}" in
     start-storage) [ -n "${2:-}" ] || die "give the storage server's number"
                    daemon_up "hpfs-s$2" /usr/sbin/mfschunkserver "$DIR/cs$2/mfschunkserver.cfg"
                    wait_storage || die "storage server $2 did not register within 30 s"; say "storage server $2 started" ;;
+    served)  # the bytes every storage server has sent since it came up (its link's counter): what the filesystem
+             # served, with its protocol's and TCP's headers; a benchmark reads it before and after (bench data-path)
+        total=0
+        for n in $STORAGE; do
+            sent=$(nsenter --net="/run/netns/hpfs-s$n" cat /proc/net/dev | awk '$1 == "eth0:" {print $10}')
+            [ -n "$sent" ] || die "storage server $n: no counter of its link (is the filesystem up? 'pfs.sh status')"
+            total=$(( total + sent ))
+        done
+        echo "$total" ;;
     status) status ;;
     down) down ;;
-    *) sed -n '5,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '5,14p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

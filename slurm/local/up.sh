@@ -33,6 +33,14 @@ WIDE_NODES=${WIDE_NODES:-16}
 wide_last=$(( 10 + WIDE_NODES ))
 HERE=$(cd "$(dirname "$0")" && pwd)
 PFS=${PFS:-1}; [ "$FABRIC" != 0 ] || PFS=0
+# FABRIC_NODES="3 4 5 6 7 8 9 10": more namespace nodes on the fabric (5 to 10), in a partition fabric-all beside
+# fabric (n3 and n4 alone, as the tests expect), for the benchmarks that count what grows with nodes (bench data-path)
+FABRIC_NODES=${FABRIC_NODES:-3 4}
+for x in $FABRIC_NODES; do
+    [[ "$x" =~ ^([3-9]|10)$ ]] || die "FABRIC_NODES='$FABRIC_NODES': fabric nodes are numbered 3 to 10 (n3..n10)"
+done
+[[ " $FABRIC_NODES " == *" 3 "*" 4 "* ]] || die "FABRIC_NODES='$FABRIC_NODES' must begin with 3 4 (partition fabric)"
+fabric_count=$(echo $FABRIC_NODES | wc -w)
 # ready: up and mounted, or (outside CI) recorded as impossible here, so that a machine without it does not restart
 # Slurm at every call
 pfs_ready() { [ "$PFS" = 0 ] || { [ -e "$STATE/pfs/up" ] && grep -qs "^mfs.* $STATE/scratch fuse " /proc/self/mounts \
@@ -41,7 +49,8 @@ pfs_ready() { [ "$PFS" = 0 ] || { [ -e "$STATE/pfs/up" ] && grep -qs "^mfs.* $ST
 up_nodes() { timeout 10 sinfo -h -N ${1:+-p "$1"} -o %T 2>/dev/null | grep -c -E '^(idle|mixed|allocated)$' || true; }
 
 if slurm_answers && [ "$(up_nodes)" -gt 0 ]; then
-    if ! grep -qF "$MARK" "$CONF" 2>/dev/null || { { [ "$FABRIC" = 0 ] || [ "$(up_nodes fabric)" -ge 2 ]; } \
+    if ! grep -qF "$MARK" "$CONF" 2>/dev/null || { { [ "$FABRIC" = 0 ] || { [ "$(up_nodes fabric)" -ge 2 ] \
+            && { [ "$fabric_count" = 2 ] || [ "$(up_nodes fabric-all)" -ge "$fabric_count" ]; }; }; } \
             && [ "$(up_nodes wide)" -ge "$WIDE_NODES" ] && pfs_ready; }; then
         say "a Slurm already answers ($(sinfo -h -o '%P %D %T' | tr '\n' ';')); nothing to start"
         exit 0
@@ -53,8 +62,9 @@ fi
 
 fabric_nodes=""
 if [ "$FABRIC" != 0 ]; then
-    if bash "$HERE/fabric.sh" up; then
-        fabric_nodes="n3 n4"
+    if FABRIC_NODES="$FABRIC_NODES" bash "$HERE/fabric.sh" up; then
+        fabric_nodes=$(for x in $FABRIC_NODES; do printf 'n%s ' "$x"; done)
+        echo "$FABRIC_NODES" > "$STATE/fabric-nodes"  # fabric.sh's later calls (down.sh) take every node
     elif [ "${CI:-}" = true ]; then
         die "CI needs the shaped fabric (partition fabric); see what fabric.sh says is missing above"
     else
@@ -137,10 +147,10 @@ fabric_conf=""
 if [ -n "$fabric_nodes" ]; then
     fabric_conf="# The shaped fabric (slurm/local/fabric.sh): each node in its namespace hX, hostname nX, at 10.77.0.X,
 # bound to half the cores (CPUs counts them all, so that a node takes 2 tasks on a 2-core host).
-NodeName=n3 NodeHostname=n3 NodeAddr=10.77.0.3 Port=7003 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
-NodeName=n4 NodeHostname=n4 NodeAddr=10.77.0.4 Port=7004 CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN
+$(for x in $FABRIC_NODES; do echo "NodeName=n$x NodeHostname=n$x NodeAddr=10.77.0.$x Port=$(( 7000 + x )) CPUs=$ncpu RealMemory=$mem_mb State=UNKNOWN"; done)
 PartitionName=fabric Nodes=n[3-4] MaxTime=INFINITE State=UP
-# On n3 and n4, MPICH's UCX must use TCP (the script says why).
+$([ "$fabric_count" = 2 ] || echo "PartitionName=fabric-all Nodes=$(echo $fabric_nodes | tr ' ' ',') MaxTime=INFINITE State=UP")
+# On the fabric's nodes, MPICH's UCX must use TCP (the script says why).
 TaskProlog=$STATE/fabric-task-prolog.sh"
     install -m 755 "$HERE/fabric-task-prolog.sh" "$STATE/fabric-task-prolog.sh"  # outlives the checkout
 fi
@@ -196,10 +206,10 @@ if ! pid_alive "$STATE/slurmctld.pid"; then /usr/sbin/slurmctld; fi
 for n in n1 n2 $wide_nodes; do
     pid_alive "$STATE/slurmd-$n.pid" || /usr/sbin/slurmd -N "$n"
 done
-if [ -n "$fabric_nodes" ]; then bash "$HERE/fabric.sh" slurmd; fi
+if [ -n "$fabric_nodes" ]; then FABRIC_NODES="$FABRIC_NODES" bash "$HERE/fabric.sh" slurmd; fi
 wait_for 30 slurmctld scontrol ping
 all_nodes="n1 n2 $fabric_nodes $wide_nodes"
 node_ready() { [ "$(up_nodes)" -eq "$(echo $all_nodes | wc -w)" ]; }
 for _ in $(seq 150); do node_ready && break; scontrol update nodename="$(echo $all_nodes | tr ' ' ,)" state=resume >/dev/null 2>&1 || true; sleep 0.2; done
 node_ready || die "nodes $all_nodes are not all idle: $(sinfo -N -h -o '%N %T %E' | tr '\n' ';')"
-say "up: partition debug, nodes n1 n2${fabric_nodes:+; partition fabric, nodes $fabric_nodes over links shaped to $(cat "$STATE/hpcdl-fab0.rate")}$([ ! -e "$STATE/pfs/up" ] || echo "; shared filesystem at $STATE/scratch") ($ncpu CPUs each); partition wide, nodes n[11-$wide_last] sharing this host's cores; accounting in slurmdbd; state in $STATE"
+say "up: partition debug, nodes n1 n2${fabric_nodes:+; partition fabric, nodes ${fabric_nodes% } over links shaped to $(cat "$STATE/hpcdl-fab0.rate")}$([ ! -e "$STATE/pfs/up" ] || echo "; shared filesystem at $STATE/scratch") ($ncpu CPUs each); partition wide, nodes n[11-$wide_last] sharing this host's cores; accounting in slurmdbd; state in $STATE"

@@ -15,7 +15,8 @@ from hpcdl.bench.reports.base import Machine, Provenance, Report
 from hpcdl.bench.reports.comm import (AllreduceMeta, AllreduceReport, AllreduceRow, DDPPart, NoFit, Placement,
                                       PluginImports, PluginMeta, PluginReport, PluginRow, PluginWorkerReport, RingFit,
                                       SyncFigures, SyncHook, SyncReport, WeakScaling, fit_ring)
-from hpcdl.bench.reports.data import DataReport, FeedReport, FeedRow, FeedRun, ReaderRow, RecipeRates
+from hpcdl.bench.reports.data import (DataPathReport, DataReport, FeedReport, FeedRow, FeedRun, PathEpoch, ReaderRow,
+                                      RecipeRates)
 from hpcdl.bench.reports.startup import CountFit, StartupReport, StartupRow, StoreCapacity
 from hpcdl.bench.reports.train import (Breakdown, ClassTime, Compiled, LargeBatchCell, LargeBatchReport, NodeRound,
                                        NotCompiled, OptimReport, Phases, PrecisionCase, RankSetup, ScalingMeta,
@@ -23,9 +24,10 @@ from hpcdl.bench.reports.train import (Breakdown, ClassTime, Compiled, LargeBatc
                                        StepTimes, StepTuning, TopOperator)
 
 __all__ = ["AllreduceMeta", "AllreduceReport", "AllreduceRow", "Breakdown", "ClassTime", "Compiled", "CountFit",
-           "DDPPart", "DataReport", "FeedReport", "FeedRow", "FeedRun", "LargeBatchCell", "LargeBatchReport", "Machine",
-           "NoFit", "NodeRound", "NotCompiled", "OptimReport", "Phases", "Placement", "PluginImports", "PluginMeta",
-           "PluginReport", "PluginRow", "PluginWorkerReport", "PrecisionCase", "Provenance", "RankSetup", "ReaderRow",
-           "RecipeRates", "Report", "RingFit", "ScalingMeta", "ScalingPoint", "ScalingReport", "StartupReport",
-           "StartupRow", "StepCurve", "StepOverhead", "StepPrecision", "StepReport", "StepTimes", "StepTuning",
-           "StoreCapacity", "SyncFigures", "SyncHook", "SyncReport", "TopOperator", "WeakScaling", "fit_ring"]
+           "DDPPart", "DataPathReport", "DataReport", "FeedReport", "FeedRow", "FeedRun", "LargeBatchCell",
+           "LargeBatchReport", "Machine", "NoFit", "NodeRound", "NotCompiled", "OptimReport", "PathEpoch", "Phases",
+           "Placement", "PluginImports", "PluginMeta", "PluginReport", "PluginRow", "PluginWorkerReport",
+           "PrecisionCase", "Provenance", "RankSetup", "ReaderRow", "RecipeRates", "Report", "RingFit", "ScalingMeta",
+           "ScalingPoint", "ScalingReport", "StartupReport", "StartupRow", "StepCurve", "StepOverhead", "StepPrecision",
+           "StepReport", "StepTimes", "StepTuning", "StoreCapacity", "SyncFigures", "SyncHook", "SyncReport",
+           "TopOperator", "WeakScaling", "fit_ring"]

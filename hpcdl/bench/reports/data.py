@@ -1,14 +1,14 @@
-"""The data benchmarks' reports: bench feed and data."""
+"""The data benchmarks' reports: bench feed, data and data-path."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
 
-from hpcdl.bench.configs import DataBench, FeedBench
+from hpcdl.bench.configs import DataBench, DataPathBench, FeedBench
 from hpcdl.bench.reports.base import Provenance, Report
 
-__all__ = ["DataReport", "FeedReport", "FeedRow", "FeedRun", "ReaderRow", "RecipeRates"]
+__all__ = ["DataPathReport", "DataReport", "FeedReport", "FeedRow", "FeedRun", "PathEpoch", "ReaderRow", "RecipeRates"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -22,10 +22,10 @@ class FeedRun:
 class FeedRow:
     layout: str  # RANKSxTHREADS on this node
     precision: str
-    images_per_s: dict[str, float]  # medians: "jpeg", "memory"
-    ratio: float  # jpeg / memory
-    data_share: float  # the last jpeg run's
-    loader: str  # the last jpeg run's
+    images_per_s: dict[str, float]  # medians: "memory", and "jpeg, N workers" for each of --workers
+    ratios: dict[str, float]  # each jpeg case / memory
+    data_share: dict[str, float]  # each jpeg case's last run's
+    loader: str  # the last run's of the jpeg case with the most workers
     runs: dict[str, tuple[FeedRun, ...]] = dataclasses.field(default_factory=dict)
 
 
@@ -69,4 +69,34 @@ class DataReport(Report):
     recipes: tuple[RecipeRates, ...]
     per_core_images: int
     config: DataBench | None = None  # filled by the runner
+    provenance: Provenance | None = None  # filled by the runner
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PathEpoch:
+    """One epoch of one path (``epoch`` -1: the stage path's copy to node-local disk)."""
+
+    path: str  # direct, stage or cache
+    epoch: int
+    seconds: float  # the slowest rank's
+    images: int  # every rank's
+    node_images_per_s: tuple[float, ...]  # each node: its ranks' images over its slowest rank's seconds
+    opens: tuple[int, ...]  # each node: files under --data opened (its ranks, their loader workers, its agent)
+    fs_bytes: int | None  # what the filesystem served meanwhile (--fs-counter's difference); None without one
+    source_bytes: int  # cache: what the agents read from the filesystem (their count); the copies' bytes for stage
+    peer_bytes: int  # cache: what the agents fetched from other nodes' agents
+    local_hits: int  # cache: samples the agents answered from their node's own copies (kept or prefetched)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DataPathReport(Report):
+    benchmark: typing.ClassVar[str] = "data-path"
+    nodes: int
+    ranks: int
+    images: int  # the dataset's
+    shards: int
+    dataset_bytes: int  # its shards' bytes (the manifest's)
+    rows: tuple[PathEpoch, ...]
+    ratios: dict[str, float]
+    config: DataPathBench | None = None  # filled by the runner
     provenance: Provenance | None = None  # filled by the runner

@@ -15,8 +15,9 @@ nodes), a request at a time:
   counters, or every node's: the job's rank 0 logs them each epoch).
 
 Kept: the samples this node owns, in RAM, up to ``budget`` bytes; the first epoch reads each sample once for the
-whole job, and later epochs read from the shared filesystem only what the budgets could not hold. A shard is
-opened at most once per node. A record is sent with the CRC32 its shard's index gives; the reader checks it.
+whole job, and later epochs read from the shared filesystem only what the budgets could not hold. A node owns
+whole shards, so a shard is opened by its owner alone (once per job), and by another node only to read around a
+lost owner. A record is sent with the CRC32 its shard's index gives; the reader checks it.
 
 A thread per connection: each local reader holds one, and each node that reads from this one holds as many as it
 has requests in flight to it (its fetch threads and its readers' waits: a pool per peer, reused). At thousands of
