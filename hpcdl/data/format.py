@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import struct
@@ -264,10 +265,15 @@ class OpenShard:
     labels: np.ndarray
     crcs: np.ndarray
     version: int  # the shard's format version: what its CRC32s cover
+    whole: bytes | None = None  # the whole file, when open_shard read it whole (its images at base + offsets)
 
 
-def open_shard(path: str, count: int, root: str) -> OpenShard:
-    """Read the index arrays through h5py, then read images with one pread each at their file offset."""
+def open_shard(path: str, count: int, root: str, whole_if=None) -> OpenShard:
+    """Read the index arrays through h5py, then read images with one pread each at their file offset.
+
+    ``whole_if(file size)`` true: read the whole file first, in one sequential pass, and its index from those bytes
+    (the node cache's owner of a shard, which serves all of it: a parallel filesystem's client reads ahead at an
+    open, bytes that are used only when the read that follows is sequential)."""
     fix = f"run 'hpcdl verify --full {root}', then repack or restore the shard"
     try:
         raw = open(path, "rb")  # kept open for the reads; h5py leaves a file object it was given open
@@ -276,12 +282,16 @@ def open_shard(path: str, count: int, root: str) -> OpenShard:
             raise storage_error(path, exc) from None
         raise DataError(f"{path}: cannot open the shard ({exc.strerror or exc}); {fix}") from None
     try:
-        with open_h5(raw) as h5:
+        whole = None
+        if whole_if is not None and whole_if(length := os.fstat(raw.fileno()).st_size):
+            whole = read_at(raw.fileno(), 0, length, path)
+        with open_h5(io.BytesIO(whole) if whole is not None else raw) as h5:
             version = shard_version(h5, path)
             base = h5["images"].id.get_offset()
             if base is None:
                 raise DataError(f"{path}: the images dataset is not stored contiguously; repack it with hpcdl pack")
-            s = OpenShard(raw.fileno(), raw, int(base), h5["offsets"][:], h5["labels"][:], h5["crc32"][:], version)
+            s = OpenShard(raw.fileno(), raw, int(base), h5["offsets"][:], h5["labels"][:], h5["crc32"][:], version,
+                          whole)
             size = int(h5["images"].shape[0])
     except DataError:
         raw.close()
@@ -323,13 +333,28 @@ def storage_error(path: str, exc: OSError) -> StorageError:
 def read_record(s: OpenShard, i: int, path: str) -> bytes:
     """Image ``i``'s bytes from shard ``s`` (opened from ``path``): one pread at its offset; a read the filesystem
     fails is a :class:`~hpcdl.errors.StorageError` naming ``path``."""
-    start, stop = int(s.offsets[i]), int(s.offsets[i + 1])
+    return read_span(s, int(s.offsets[i]), int(s.offsets[i + 1]), path)
+
+
+def read_span(s: OpenShard, start: int, stop: int, path: str) -> bytes:
+    """The image bytes ``start:stop`` of shard ``s`` (offsets into its images): from the bytes it was read whole
+    into, else read; a read the filesystem fails is a :class:`~hpcdl.errors.StorageError` naming ``path``."""
+    if s.whole is not None:
+        return s.whole[s.base + start:s.base + stop]
+    return read_at(s.fd, s.base + start, s.base + stop, path)
+
+
+def read_at(fd: int, start: int, stop: int, path: str, block: int = 8 << 20) -> bytes:
+    """Bytes ``start:stop`` of the file ``fd`` (opened from ``path``), in preads of at most ``block``."""
+    parts = []
     try:
-        return os.pread(s.fd, stop - start, s.base + start)
+        for at in range(start, stop, block):
+            parts.append(os.pread(fd, min(block, stop - at), at))
     except OSError as exc:
         if storage_failed(exc):
             raise storage_error(path, exc) from None
         raise
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def record_key(path: str, i: int) -> str:

@@ -16,8 +16,8 @@ import sys
 
 import numpy as np
 
-from hpcdl.data.cache.agent import ANNOUNCE, ERROR, GET, GET_SOURCE, OK, PEER_GET, PEERS, REPLY, REQUEST, STATS, \
-    Agent, AgentSpec, recv_exact
+from hpcdl.data.cache.agent import Agent, AgentSpec
+from hpcdl.data.cache.wire import ANNOUNCE, ERROR, GET, GET_SOURCE, OK, PEER_GET, PEERS, REPLY, REQUEST, STATS, recv_exact
 
 
 class _Handler(socketserver.BaseRequestHandler):
