@@ -35,8 +35,9 @@ class DataConfig:
     in_memory: int = 0
     sampler: str = "global"  # global | shard (see hpcdl.data.sampler)
     # none: each rank's loader reads the shards; node: one agent per node reads them, each sample from the shared
-    # filesystem once per job, kept by the node that read it and served to the others (hpcdl.data.cache)
-    cache: str = "none"
+    # filesystem once per job, kept by the node that owns its shard and served to the others (hpcdl.data.cache);
+    # auto: node when the job has more than one node and data.train is not on node-local storage (ext4, xfs, tmpfs..)
+    cache: str = "auto"
     # the node cache's RAM for the samples its node owns: a share of the node's memory ("25%") or bytes ("8G")
     cache_budget: str = "25%"
     seed: int = 0  # the shuffle and each sample's augmentation (seed, epoch, index)

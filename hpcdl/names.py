@@ -132,7 +132,9 @@ HOOKS = ("none", "fp16", "bf16", "hierarchical", "chunk_sparse")
 PRECISIONS = ("auto", "fp32", "bf16")
 MEMORY_FORMATS = ("auto", "true", "false")  # loop.channels_last
 SAMPLERS = ("global", "shard")
-DATA_CACHES = ("none", "node")  # data.cache: read the shards directly, or through the node cache (hpcdl.data.cache)
+# data.cache: auto (node on more than one node when the training set is not on node-local storage), read the
+# shards directly, or through the node cache (hpcdl.data.cache)
+DATA_CACHES = ("auto", "none", "node")
 RESUME_RANKS = ("any", "same")  # checkpoint.resume_ranks
 VERIFY = ("none", "quick", "full")
 NORMALIZE = ("auto", "dataset", "imagenet", "model")

@@ -90,6 +90,23 @@ def format_duration(td: timedelta) -> str:
     return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"
 
 
+def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """The type of the filesystem ``path`` is on (``lustre``, ``gpfs``, ``nfs4``, ``fuse``, ``ext4``...): the mount
+    whose point is the longest prefix of its real path; ``?`` when none is found."""
+    real, best, kind = os.path.realpath(path), "", "?"
+    try:
+        lines = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return kind
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        point = fields.split()[4].encode().decode("unicode_escape") if len(fields.split()) > 4 else ""
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best) and rest:
+            best, kind = point, rest.split()[0]
+    return kind
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo, for benchmark reports; "unknown" where there is none."""
     try:

@@ -45,6 +45,33 @@ def test_each_shard_is_owned_by_one_node_and_the_nodes_hold_as_many_samples_as_t
         shard_owners(SIZES, 0)
 
 
+def test_data_cache_auto_reads_through_the_node_cache_only_on_several_nodes_off_node_local_storage(tmp_path):
+    """data.cache=auto (the default): the node cache on a job of more than one node whose training set is on a
+    filesystem the nodes share (Lustre, GPFS, NFS, a FUSE mount), direct reads on one node or from the node's own
+    disk. The filesystem is found from the mount table (a written one here: no Lustre on this machine)."""
+    from types import SimpleNamespace
+
+    from hpcdl.train.build import LOCAL_FILESYSTEMS, node_cache_wanted
+    from hpcdl.utils import filesystem_type
+
+    table = tmp_path / "mountinfo"
+    table.write_text("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                     "40 22 0:50 / /scratch rw - lustre 10.0.0.1@o2ib:/scratch rw\n"
+                     "41 40 0:51 / /scratch/local\\040copy rw - xfs /dev/nvme0n1 rw\n"
+                     "42 22 0:52 / /tmp rw - tmpfs tmpfs rw\n")
+    assert filesystem_type("/scratch/imagenet/train", str(table)) == "lustre"
+    assert filesystem_type("/scratch/local copy/train", str(table)) == "xfs"  # the longest mount point holds it
+    assert filesystem_type("/scratchy", str(table)) == "ext4" and filesystem_type("/tmp/x", str(table)) == "tmpfs"
+    assert filesystem_type("/x", str(tmp_path / "no-such-table")) == "?"
+    assert {"ext4", "xfs", "tmpfs"} <= LOCAL_FILESYSTEMS and "lustre" not in LOCAL_FILESYSTEMS
+    one, two = (SimpleNamespace(env=SimpleNamespace(nodes=n), rank=0, group=None) for n in (1, 2))
+    lustre = lambda root: "lustre"  # noqa: E731 (the mount table above, by another name)
+    assert node_cache_wanted("node", "/scratch/x", one, lustre) and not node_cache_wanted("none", "/x", two, lustre)
+    assert not node_cache_wanted("auto", "/scratch/x", one, lustre)  # one node: nothing to share, no collective
+    # auto on two nodes agrees over the ranks (an all-reduce): the Slurm tests run it (tests/test_pfs.py: on the
+    # local cluster's MooseFS it chooses node; on the wide partition's local disk, none)
+
+
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("cache")

@@ -19,7 +19,8 @@ FABRIC_SH = REPO / "slurm" / "local" / "fabric.sh"
 def test_a_second_fabric_comes_up_shaped_and_goes_down_leaving_nothing(tmp_path):
     if os.geteuid() != 0:
         missing("root", "network namespaces and tc need it")
-    env = {**os.environ, "FABRIC_BRIDGE": "hpcdl-fabt", "FABRIC_NET": "10.77.7", "FABRIC_NODES": "7 8",
+    env = {**os.environ, "FABRIC_BRIDGE": "hpcdl-fabt", "FABRIC_NET": "10.77.7", "FABRIC_NODES": "37 38",
+           # nodes outside n3..n10 (up.sh's FABRIC_NODES), so that a running 8-node fabric keeps its own
            "HPCDL_SLURM_STATE": str(tmp_path)}
 
     def listing() -> str:
@@ -30,18 +31,18 @@ def test_a_second_fabric_comes_up_shaped_and_goes_down_leaving_nothing(tmp_path)
     up = subprocess.run(["bash", FABRIC_SH, "up", "300mbit"], env=env, capture_output=True, text=True, timeout=60)
     try:
         assert up.returncode == 0, up.stderr
-        assert "h7" in listing() and "hpcdl-fabt" in listing()
-        shaped = subprocess.run(["tc", "-n", "h8", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
+        assert "h37" in listing() and "hpcdl-fabt" in listing()
+        shaped = subprocess.run(["tc", "-n", "h38", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
         assert "tbf" in shaped and "rate 300Mbit" in shaped, shaped
-        hosts = Path("/etc/netns/h7/hosts").read_text()
-        assert "10.77.7.7 n7" in hosts and "10.77.7.8 n8" in hosts
+        hosts = Path("/etc/netns/h37/hosts").read_text()
+        assert "10.77.7.37 n37" in hosts and "10.77.7.38 n38" in hosts
         bad = subprocess.run(["bash", FABRIC_SH, "rate", "fast"], env=env, capture_output=True, text=True)
         assert bad.returncode != 0 and "rate 'fast'" in bad.stderr and "1gbit" in bad.stderr
     finally:
         down = subprocess.run(["bash", FABRIC_SH, "down"], env=env, capture_output=True, text=True, timeout=60)
     assert down.returncode == 0, down.stderr
     assert listing() == before
-    assert not Path("/etc/netns/h7").exists() and not (tmp_path / "hpcdl-fabt.rate").exists()
+    assert not Path("/etc/netns/h37").exists() and not (tmp_path / "hpcdl-fabt.rate").exists()
 
 
 def test_two_nodes_over_the_shaped_link_measure_its_rate(fabric_link, tmp_path):

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 from hpcdl.bench.configs import DataPathBench as Config
@@ -83,10 +82,10 @@ def _path(cfg: Config, job, path: str, root: str) -> list[PathEpoch]:
     overrides = [f"data.train={read_from}", "data.val=", f"data.workers={cfg.workers}",
                  f"data.cache={'node' if path == 'cache' else 'none'}", f"data.cache_budget={cfg.cache_budget}",
                  f"ranks={ctx.world_size}", f"global_batch={cfg.batch * ctx.world_size}", f"crop={cfg.crop}"]
-    run_cfg = resolve("demo_tiny_lars", overrides)
-    parts = build_data(run_cfg, ctx, read_manifests(run_cfg, ctx), channels_last=False)
-    cache = getattr(parts.train_loader.dataset, "cache", None) if env.local_rank == 0 else None
     try:
+        run_cfg = resolve("demo_tiny_lars", overrides)
+        parts = build_data(run_cfg, ctx, read_manifests(run_cfg, ctx), channels_last=False)
+        cache = getattr(parts.train_loader.dataset, "cache", None) if env.local_rank == 0 else None
         for epoch in range(cfg.epochs):
             parts.sampler.set_epoch(epoch)
             mark = _mark(cfg, ctx, cache)
@@ -94,11 +93,11 @@ def _path(cfg: Config, job, path: str, root: str) -> list[PathEpoch]:
             for _, labels in parts.train_loader:
                 images += len(labels)
             rows.append(_row(cfg, ctx, env, path, epoch, mark, time.perf_counter() - t0, images, cache))
-    finally:
         dist.barrier(group=ctx.group)  # no agent ends while another node's reads may still ask it
+    finally:  # on an error too (no collective then: the other ranks are elsewhere), the agent and the copy go
         stop_node_cache()
-    if path == "stage" and env.local_rank == 0:
-        shutil.rmtree(read_from, ignore_errors=True)
+        if path == "stage" and env.local_rank == 0:
+            shutil.rmtree(read_from, ignore_errors=True)
     return rows
 
 
@@ -116,6 +115,7 @@ def _mark(cfg: Config, ctx, cache=None) -> tuple[int | None, dict]:
 def _row(cfg: Config, ctx, env, path: str, epoch: int, mark, seconds: float, images: int, cache) -> PathEpoch:
     """Every rank's figures of the epoch just ended, gathered; rank 0 reads the filesystem's counter again."""
     mine = {"node": env.node_rank, "seconds": seconds, "images": images, "opens": _opened.value, "agent": {}}
+    dist.barrier(group=ctx.group)  # the other nodes' requests to this node's agent are over too
     if cache is not None:
         after = cache.stats()[0]
         mine["agent"] = {k: after[k] - mark[1].get(k, 0) for k in ("source_bytes", "source_opens", "peer_bytes",
@@ -166,17 +166,19 @@ def _ratios(rows: list[PathEpoch], dataset: int) -> dict[str, float]:
     first = [r for r in rows if r.path == "cache" and r.epoch == 0]
     if first and first[0].fs_bytes is not None:
         out["cache, 1st epoch: filesystem bytes / dataset"] = first[0].fs_bytes / dataset
-        out["cache, later epochs: filesystem bytes / dataset"] = max(r.fs_bytes for r in later("cache")) / dataset \
-            if later("cache") else 0.0
+        if later("cache"):
+            out["cache, later epochs (the most): filesystem bytes / dataset"] = \
+                max(r.fs_bytes for r in later("cache")) / dataset
     for path in ("direct", "stage"):
         got = [r for r in rows if r.path == path and r.fs_bytes is not None]
         if got:
             out[f"{path}: filesystem bytes / dataset, whole path"] = sum(r.fs_bytes for r in got) / dataset
     if later("cache"):
-        staged = [r for r in rows if r.path == "stage" and r.epoch >= 0]  # every epoch reads the local copy
+        staged = [r for r in rows if r.path == "stage" and r.epoch >= 0]  # each of its epochs reads the local copy
         for other, rs in (("stage", staged), ("direct", later("direct"))):
             if rs:
-                out[f"cache / {other}: images/s per node after the 1st epoch"] = per_node(later("cache")) / per_node(rs)
+                out[f"cache after its 1st epoch / {other}: images/s of the slowest node"] = \
+                    per_node(later("cache")) / per_node(rs)
     return out
 
 
@@ -187,13 +189,13 @@ def format_report(report: DataPathReport) -> str:
              f"{c.crop}, cache budget {c.cache_budget} a node; filesystem bytes "
              + (f"from {c.fs_counter!r}" if c.fs_counter else "not measured (no --fs-counter)"),
              f"{'path':7s} {'epoch':>5s} {'s':>7s} {'img/s per node (min..max)':>26s} {'FS MB':>8s} {'x data':>7s} "
-             f"{'opens per node':>15s} {'agents: FS MB':>13s} {'peers MB':>9s} {'local hits':>10s}"]
+             f"{'opens, most/node':>16s} {'agents: FS MB':>13s} {'peers MB':>9s} {'local hits':>10s}"]
     for r in report.rows:
         fs = "-" if r.fs_bytes is None else f"{r.fs_bytes / mb:8.1f}"
         times = "-" if r.fs_bytes is None else f"{r.fs_bytes / report.dataset_bytes:6.2f}x"
         rate = "copy" if r.epoch < 0 else f"{min(r.node_images_per_s):.0f}..{max(r.node_images_per_s):.0f}"
         lines.append(f"{r.path:7s} {'copy' if r.epoch < 0 else r.epoch:>5} {r.seconds:7.1f} {rate:>26s} {fs:>8s} "
-                     f"{times:>7s} {max(r.opens):15d} {r.source_bytes / mb:13.1f} {r.peer_bytes / mb:9.1f} "
+                     f"{times:>7s} {max(r.opens):16d} {r.source_bytes / mb:13.1f} {r.peer_bytes / mb:9.1f} "
                      f"{r.local_hits:10d}")
     lines += [f"{k}: {v:.2f}x" for k, v in report.ratios.items()]
     return "\n".join(lines) + "\n"

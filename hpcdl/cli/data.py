@@ -102,6 +102,8 @@ def verify(cmd: VerifyCommand) -> int:
 
 
 def stage(cmd: StageCommand) -> int:
+    if cmd.epochs < 0:
+        raise HpcdlError(f"--epochs {cmd.epochs}: give the run's epochs (0: weigh staging against the cache alone)")
     env = discover()
     if env.node_rank == 0 and env.local_rank == 0:  # on standard error: standard output is the staged root alone
         print(verdict(sum(s.bytes for s in load_manifest(cmd.root).shards), env.nodes, cmd.epochs), file=sys.stderr,

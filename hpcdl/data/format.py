@@ -345,11 +345,17 @@ def read_span(s: OpenShard, start: int, stop: int, path: str) -> bytes:
 
 
 def read_at(fd: int, start: int, stop: int, path: str, block: int = 8 << 20) -> bytes:
-    """Bytes ``start:stop`` of the file ``fd`` (opened from ``path``), in preads of at most ``block``."""
-    parts = []
+    """Bytes ``start:stop`` of the file ``fd`` (opened from ``path``), in preads of at most ``block``; a read that
+    ends short of ``stop`` (the file shorter than its index says) is a DataError, never a shifted record."""
+    parts, at = [], start
     try:
-        for at in range(start, stop, block):
-            parts.append(os.pread(fd, min(block, stop - at), at))
+        while at < stop:
+            part = os.pread(fd, min(block, stop - at), at)
+            if not part:
+                raise DataError(f"{path}: the file ends at byte {at}, short of the {stop} its index needs; run "
+                                f"'hpcdl verify --full' on its dataset, then repack or restore it")
+            parts.append(part)
+            at += len(part)
     except OSError as exc:
         if storage_failed(exc):
             raise storage_error(path, exc) from None

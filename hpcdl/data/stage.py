@@ -43,7 +43,7 @@ def verdict(dataset_bytes: int, nodes: int, epochs: int = 0) -> str:
             f"data.cache=node would read it once")
     if not epochs:
         return line + " (give --epochs to weigh staging against direct reads)"
-    line += f", direct reads {_size(epochs * d)} over {epochs} epochs"
+    line += f", direct reads at least {_size(epochs * d)} over {epochs} epochs (a client's readahead adds to it)"
     if nodes > 1 and nodes >= epochs:
         return (line + f": staging costs more than it saves here ({nodes} nodes >= {epochs} epochs); set "
                 f"data.cache=node instead ('hpcdl plan --nodes {nodes}' times each path at the filesystem's bandwidth)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A shaped network for the local Slurm: nodes n3 and n4, each in its own network namespace (h3, h4) and
-# its own UTS namespace (hostname n3, n4), on a private bridge, each node's link shaped by tc tbf.
+# A shaped network for the local Slurm: nodes n3 and n4 (FABRIC_NODES: up to n10), each in its own network
+# namespace (h3, h4) and its own UTS namespace (hostname n3, n4), on a private bridge, each link shaped by tc tbf.
 #
 #   fabric.sh check          say what this machine lacks for the fabric (root, ip netns, veth, bridge, tbf)
 #   fabric.sh up [RATE]      create the bridge, the namespaces and the shaped links (RATE: FABRIC_RATE, 1gbit)
@@ -24,6 +24,8 @@ NET=${FABRIC_NET:-10.77.0}
 CONTROLLER=$NET.254
 # node nX lives in namespace hX at $NET.X; up.sh records the nodes it started (FABRIC_NODES), for down.sh
 NODES=${FABRIC_NODES:-$(cat "$STATE/fabric-nodes" 2>/dev/null || echo 3 4)}
+# down removes what up.sh recorded too: a FABRIC_NODES inherited from the caller may name fewer nodes
+[ "${1:-}" != down ] || NODES=$(printf '%s\n' $NODES $(cat "$STATE/fabric-nodes" 2>/dev/null) | sort -nu | tr '\n' ' ')
 RATE=${FABRIC_RATE:-1gbit}
 
 say() { echo "fabric: $*"; }
@@ -105,7 +107,7 @@ slurmd() {
         # a UTS namespace for its own hostname: MPI, oneCCL and gloo then see two hosts, as on a cluster.
         # Each node owns its share of the cores (n3 the first half, n4 the second), as separate machines
         # would: its slurmd, and so every task it starts, is bound there.
-        local ncpu i; ncpu=$(nproc); i=$(( (x - ${NODES%% *}) % 2 ))  # nodes beyond n4 share those halves
+        local ncpu i; ncpu=$(nproc); i=$(( (x + 1) % 2 ))  # n3, n5... the first half; n4, n6... the second
         local cores="$(( i * ncpu / 2 ))-$(( (i + 1) * ncpu / 2 - 1 ))"
         [ "$ncpu" -ge 2 ] || cores=0
         # The shared filesystem's client (slurm/local/pfs.sh), when it is up, mounts in the node's namespaces,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A shared filesystem for the local Slurm, as a cluster's /scratch is: MooseFS, its metadata server and its
 # storage servers each in a network namespace of its own on the fabric's bridge (slurm/local/fabric.sh),
-# their links shaped by tc tbf, and FUSE clients on the host and on the fabric nodes n3 and n4.
+# their links shaped by tc tbf, and FUSE clients on the host and on the fabric's nodes (n3 and n4; FABRIC_NODES).
 #
 #   pfs.sh check             say what this machine lacks for it (the fabric's needs, FUSE, the packages)
 #   pfs.sh up                install MooseFS if missing, start the metadata server and the storage servers,
@@ -259,5 +259,5 @@ case "${1:-}" in
         echo "$total" ;;
     status) status ;;
     down) down ;;
-    *) sed -n '5,14p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '5,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -39,14 +39,18 @@ FABRIC_NODES=${FABRIC_NODES:-3 4}
 for x in $FABRIC_NODES; do
     [[ "$x" =~ ^([3-9]|10)$ ]] || die "FABRIC_NODES='$FABRIC_NODES': fabric nodes are numbered 3 to 10 (n3..n10)"
 done
-[[ " $FABRIC_NODES " == *" 3 "*" 4 "* ]] || die "FABRIC_NODES='$FABRIC_NODES' must begin with 3 4 (partition fabric)"
+[ "$(printf '%s\n' $FABRIC_NODES | sort -u | wc -l)" = "$(echo $FABRIC_NODES | wc -w)" ] \
+    || die "FABRIC_NODES='$FABRIC_NODES' names a node twice"
+[[ " $FABRIC_NODES " == *" 3 "* && " $FABRIC_NODES " == *" 4 "* ]] \
+    || die "FABRIC_NODES='$FABRIC_NODES' must hold 3 and 4 (partition fabric, n3 and n4)"
 fabric_count=$(echo $FABRIC_NODES | wc -w)
 # ready: up and mounted, or (outside CI) recorded as impossible here, so that a machine without it does not restart
 # Slurm at every call
 pfs_ready() { [ "$PFS" = 0 ] || { [ -e "$STATE/pfs/up" ] && grep -qs "^mfs.* $STATE/scratch fuse " /proc/self/mounts \
                                     && timeout 10 stat -f "$STATE/scratch" >/dev/null 2>&1; } \
               || { [ "${CI:-}" != true ] && [ -e "$STATE/pfs/unavailable" ]; }; }
-up_nodes() { timeout 10 sinfo -h -N ${1:+-p "$1"} -o %T 2>/dev/null | grep -c -E '^(idle|mixed|allocated)$' || true; }
+# a node in two partitions (fabric-all) is listed twice by sinfo -N: counted once
+up_nodes() { timeout 10 sinfo -h -N ${1:+-p "$1"} -o '%N %T' 2>/dev/null | sort -u | grep -c -E ' (idle|mixed|allocated)$' || true; }
 
 if slurm_answers && [ "$(up_nodes)" -gt 0 ]; then
     if ! grep -qF "$MARK" "$CONF" 2>/dev/null || { { [ "$FABRIC" = 0 ] || { [ "$(up_nodes fabric)" -ge 2 ] \

@@ -25,7 +25,6 @@ A thread per connection (a local reader's, or one of a peer's pool): thousands a
 from __future__ import annotations
 
 import collections
-import json
 import socket
 import sys
 import threading
@@ -35,12 +34,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpcdl.data.cache.wire import GET_SOURCE, OK, PEER_GET, REPLY, REQUEST, STATS, recv_exact
-from hpcdl.data.format import OpenShard, open_shard, read_record, read_span
+from hpcdl.data.cache.wire import GET_SOURCE, OK, PEER_GET, REPLY, REQUEST, recv_exact
+from hpcdl.data.format import OpenShard, open_shard, read_record, read_span, record_crc
 
 PEER_TIMEOUT_S = 30.0  # a peer's answer waited for this long, then the sample is read from the shard
 PEER_RETRY_S = 60.0  # a peer that refused or dropped a connection is asked again after this
 PEERS_WAIT_S = 120.0  # a request for another node's sample waits this long for the peers' addresses
+WHOLE_MAX = 64 << 20  # an owned shard up to this size is read whole at its open (a larger one, record by record)
 
 
 @dataclass
@@ -107,6 +107,7 @@ class Agent:
         self.idle: dict[int, list[socket.socket]] = collections.defaultdict(list)  # open connections to each peer
         self.said: set[str] = set()
         self.counters = Counters()
+        self.reserved = 0  # bytes of shards being read whole, held in the budget until kept
         self.pool = ThreadPoolExecutor(spec.fetchers, thread_name_prefix="fetch")
         threading.Thread(target=self._prefetch, name="prefetch", daemon=True).start()
 
@@ -207,7 +208,7 @@ class Agent:
 
     def _source(self, index: int, fresh: bool = False) -> Record:
         """``index`` from its shard on the shared filesystem (``fresh``: read again, the kept copy was damaged). The
-        first read of a shard this node owns reads all of it when the budget holds it (:meth:`_read_whole`)."""
+        first read of a shard this node owns reads all of it when the budget holds it (:meth:`_keep_whole`)."""
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         s = self.shards.get(shard)
         if s is None:
@@ -216,11 +217,15 @@ class Agent:
             with lock:  # one open per shard; other shards open beside it
                 s = self.shards.get(shard)
                 if s is None:
-                    whole = np.all(self.spec.owners[self.starts[shard]:self.starts[shard + 1]] == self.spec.node)
-                    s = open_shard(self.spec.paths[shard], self.spec.counts[shard], self.spec.root,
-                                   whole_if=self._fits if whole else None)
-                    if s.whole is not None:
-                        self._keep_whole(shard, s)
+                    whole, held = np.all(self.spec.owners[self.starts[shard]:self.starts[shard + 1]] == self.spec.node), []
+                    try:
+                        s = open_shard(self.spec.paths[shard], self.spec.counts[shard], self.spec.root,
+                                       whole_if=(lambda size: self._reserve(size, held)) if whole else None)
+                        if s.whole is not None:
+                            self._keep_whole(shard, s)
+                    finally:
+                        with self.cond:
+                            self.reserved -= sum(held)
                     with self.cond:
                         self.shards[shard] = s
                         self.counters.source_opens += 1
@@ -237,24 +242,34 @@ class Agent:
             self.read_once[index] = True
         return Record(data, int(s.labels[i]), int(s.crcs[i]), s.version)
 
-    def _fits(self, size: int) -> bool:
+    def _reserve(self, size: int, held: list) -> bool:
+        """Whether a shard of ``size`` bytes is read whole: at most WHOLE_MAX (a request waits for the read), and its
+        bytes reserved in the budget until kept (shards opened at once do not all pass against the same room)."""
         with self.cond:
-            return self.counters.kept_bytes + size <= self.spec.budget
+            if size > WHOLE_MAX or self.counters.kept_bytes + self.reserved + size > self.spec.budget:
+                return False
+            self.reserved += size
+            held.append(size)
+            return True
 
     def _keep_whole(self, shard: int, s: OpenShard) -> None:
-        """A shard this node owns whole, read whole by its open in one sequential pass (the budget holding it), every
-        record kept: the owner serves all of them. The client's readahead that an open starts (1.6 MB of an 8.4 MB
-        shard on the local MooseFS) is then used, not dropped (record by record, the first epoch read 1.13x the
-        dataset on 2 nodes)."""
-        first = int(self.starts[shard])
+        """A shard this node owns whole, read whole by its open in one sequential pass, every record kept: the owner
+        serves all of them. The client's readahead that an open starts (1.6 MB of an 8.4 MB shard on the local
+        MooseFS) is then used, not dropped (record by record, the first epoch read 1.13x the dataset on 2 nodes).
+        The records are cut outside the agent's lock; a record whose CRC32 fails is not kept (read again when asked,
+        and named by the reader)."""
+        first, n = int(self.starts[shard]), len(s.labels)
+        records = [Record(read_span(s, int(s.offsets[i]), int(s.offsets[i + 1]), ""), int(s.labels[i]),
+                          int(s.crcs[i]), s.version) for i in range(n)]
+        good = [record_crc(r.data, r.label, r.version) == r.crc for r in records]
         with self.cond:  # a reentrant lock: _keep takes it again
             c = self.counters
-            c.source_reads, c.source_bytes = c.source_reads + len(s.labels), c.source_bytes + len(s.whole)
-            for i in range(len(s.labels)):
+            c.source_reads, c.source_bytes = c.source_reads + n, c.source_bytes + len(s.whole)
+            for i in range(n):
                 c.source_again += int(self.read_once[first + i])
                 self.read_once[first + i] = True
-                self._keep(first + i, Record(read_span(s, int(s.offsets[i]), int(s.offsets[i + 1]), ""),
-                                             int(s.labels[i]), int(s.crcs[i]), s.version))
+                if good[i]:
+                    self._keep(first + i, records[i])
         s.whole = None  # the kept records are copies
 
     def _from_peer(self, owner: int, index: int) -> Record | None:
@@ -380,20 +395,3 @@ class Agent:
         with self.cond:
             return {**self.counters.__dict__, "peers_lost": list(self.counters.peers_lost), "node": self.spec.node,
                     "budget": self.spec.budget, "held_ahead": len(self.ahead)}
-
-    def stats_of_all(self) -> list[dict]:
-        """This node's counters and every peer's (one request each, a connection of its own: once an epoch, from
-        the job's rank 0); a peer that does not answer is left out."""
-        found = [self.stats()]
-        for node, address in sorted(self.peers.items()):
-            try:
-                with socket.create_connection(address, timeout=10) as sock:
-                    sock.sendall(REQUEST.pack(STATS, 0))
-                    status, _, _, _, _, length = REPLY.unpack(recv_exact(sock, REPLY.size))
-                    body = recv_exact(sock, length)
-                if status == OK:
-                    found.extend(json.loads(body))
-            except OSError:
-                continue
-        return found
-

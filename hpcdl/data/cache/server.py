@@ -47,7 +47,7 @@ class _Handler(socketserver.BaseRequestHandler):
                     agent.peers_known.set()
                     body = b""
                 elif op == STATS:  # argument 1: every node's
-                    body = json.dumps(agent.stats_of_all() if arg else [agent.stats()]).encode()
+                    body = json.dumps(stats_of_all(agent) if arg else [agent.stats()]).encode()
                 else:
                     raise ValueError(f"unknown request {op}")
                 sock.sendall(REPLY.pack(OK, arg, 0, 0, 0, len(body)) + body)
@@ -87,6 +87,23 @@ def main() -> None:
     server.agent = Agent(spec)
     print(server.server_address[1], flush=True)
     server.serve_forever(poll_interval=1.0)
+
+
+def stats_of_all(agent: Agent) -> list[dict]:
+    """This node's counters and every peer's (one request each, a connection of its own: once an epoch, from the
+    job's rank 0); a peer that does not answer is left out."""
+    found = [agent.stats()]
+    for node, address in sorted(agent.peers.items()):
+        try:
+            with socket.create_connection(address, timeout=10) as sock:
+                sock.sendall(REQUEST.pack(STATS, 0))
+                status, _, _, _, _, length = REPLY.unpack(recv_exact(sock, REPLY.size))
+                body = recv_exact(sock, length)
+            if status == OK:
+                found.extend(json.loads(body))
+        except OSError:
+            continue
+    return found
 
 
 if __name__ == "__main__":
