@@ -125,3 +125,42 @@ def test_a_stuck_collective_fails_within_the_timeout_naming_the_rank(backend, mp
     library = {"mpi": "MPI", "ccl": "oneCCL"}[backend]
     assert f"rank 0: {library} allreduce of 3 elements (torch.float32) did not complete within 0:00:02" in rank0["error"]
     assert rank0["after_s"] < 6
+
+
+LEAVING = """
+import json, os, sys, time
+from hpcdl.distributed.group.lifecycle import init_distributed, leave_together
+ctx = init_distributed("gloo")
+late, within = float(sys.argv[1]), float(sys.argv[2])
+started = time.monotonic()
+if ctx.rank == 2:
+    time.sleep(late)
+together = leave_together(ctx, within) if ctx.rank != 2 or late < within else None  # or never comes
+print(json.dumps({"rank": ctx.rank, "together": together, "waited": time.monotonic() - started}), flush=True)
+os._exit(0)  # as hpcdl's main leaves on an error (leave_now): a store call left on a thread aborts finalization
+"""
+
+
+@pytest.mark.ranks
+def test_ranks_that_stop_on_one_error_leave_together_and_alone_after_the_bound(tmp_path):
+    """leave_together, the way out of an error every rank raised (hpcdl.train.finish.leaving_together), on 3 real
+    ranks: with rank 2 there 3 s late, ranks 0 and 1 wait for it, and every rank learns that all are there; with
+    rank 2 never coming (the error is the others' alone), they go after the 4 s bound, not at rank 2's exit."""
+    script = tmp_path / "leaving.py"
+    script.write_text(LEAVING)
+
+    def start(late: float, within: float) -> list[dict]:
+        port = free_port()
+        procs = [subprocess.Popen([PYTHON, script, str(late), str(within)], cwd=tmp_path,
+                                  env={**rank_env(r, 3, port), "PYTHONPATH": str(REPO)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(3)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0], outs
+        return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+    ranks = start(late=3.0, within=30.0)
+    assert [r["together"] for r in ranks] == [True, True, True], ranks
+    assert all(r["waited"] >= 3.0 for r in ranks[:2]) and all(r["waited"] < 25 for r in ranks), ranks
+    ranks = start(late=12.0, within=4.0)
+    assert [r["together"] for r in ranks[:2]] == [False, False], ranks
+    assert all(3.9 <= r["waited"] < 11.0 for r in ranks[:2]), ranks

@@ -10,11 +10,13 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import PYTHON, REPO, sbatch_wait, start_ranks
@@ -121,3 +123,50 @@ def test_survivors_wait_for_the_writer_under_srun_kill_on_bad_exit(slurm, data, 
     saved = torch.load(result["checkpoint"], map_location="cpu", weights_only=True)
     assert saved["counters"]["step"] == result["step"] == 2 and saved["jit"]["lost"] == [3]
     assert Path(result["checkpoint"]).name == "ckpt-000000002.pt"
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("bad, backend", [(0, "auto"), (2, "gloo")])
+def test_an_image_that_fails_its_crc_mid_epoch_stops_every_rank_with_status_2_naming_it(data, tmp_path, bad, backend):
+    """3 ranks with the default 4 loader workers; one image of the training set is damaged (the start-up's quick
+    check does not read images), the 7th batch of rank ``bad`` holds it. That rank stops with status 2 naming the
+    shard and the image; the two others, blocked in step 7's collectives, stop with status 2 too, naming its error,
+    after saving step 6 just in time (before, they stopped as after a lost peer, status 4, which a supervisor
+    restarts into the same image). Rank 0 the victim serves the store; on gloo, rank 2."""
+    from hpcdl.data.format import open_h5
+    from hpcdl.data.verify import load_manifest
+    from hpcdl.train.loader_sizing import PROBE_IMAGES
+    from hpcdl.data.sampler import DistributedShardSampler
+
+    damaged = tmp_path / "data"
+    shutil.copytree(data, damaged)  # the damaged image: one of rank BAD's 7th batch, not one the loader probe reads
+    manifest = load_manifest(str(damaged / "train"))
+    sampler = DistributedShardSampler([s.count for s in manifest.shards], 3, bad, "global", shuffle=True, seed=0)
+    total = sum(s.count for s in manifest.shards)
+    stride = max(1, total // PROBE_IMAGES[1])  # the loader's probe reads these on every rank at start-up
+    probed = {0, *((1 + d) * stride % total for d in range(PROBE_IMAGES[1]))}
+    index = next(int(i) for i in list(sampler)[36:42] if int(i) not in probed)  # micro-batch 6: the 7th batch
+    starts = np.cumsum([0] + [s.count for s in manifest.shards])
+    shard_no = int(np.searchsorted(starts, index, side="right")) - 1
+    shard, record = damaged / "train" / manifest.shards[shard_no].file, index - int(starts[shard_no])
+    with open_h5(str(shard)) as f:
+        at = f["images"].id.get_offset() + int(f["offsets"][record]) + 40
+    raw = bytearray(shard.read_bytes())
+    raw[at] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    run = tmp_path / "run"
+    args = args_for(damaged, run, "--set", "global_batch=18", "--set", f"loop.backend={backend}",
+                    "--set", "checkpoint.every_minutes=0")
+    codes = [p.wait(timeout=180) for p in start_ranks(3, args, tmp_path)]
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(3)]
+    named = f"{shard}: image {record} ("
+    assert codes == [2, 2, 2], (codes, logs[bad][-3000:])
+    assert named in logs[bad] and "fails its CRC32" in logs[bad], logs[bad][-3000:]
+    others = [r for r in range(3) if r != bad]
+    for r in others:
+        assert re.search(rf"rank {r} stops \(status 2\), a rank's input failed: rank {bad}'s input failed: "
+                         + re.escape(named), logs[r]), logs[r][-3000:]
+    [result] = [json.loads(p.read_text()) for p in (run / "jit").glob("*/result.json")]
+    assert result["step"] == 6 and result["survivors"] == others, result
+    saved = torch.load(result["checkpoint"], map_location="cpu", weights_only=True)
+    assert saved["counters"]["step"] == 6 and bad in saved["jit"]["rng_lost"]

@@ -20,6 +20,8 @@ import glob
 import os
 import re
 
+from hpcdl.utils import atomic_write_text
+
 __all__ = ["CHECKPOINT", "RunFolder", "checkpoint_name", "checkpoints_in", "rank_part_of"]
 
 CHECKPOINT = re.compile(r"ckpt-(\d{9})\.pt")  # a complete checkpoint's name; its step is the group
@@ -69,6 +71,15 @@ class RunFolder:
         """loop.record_samples: each rank appends "epoch index step" of every sample it trains."""
         os.makedirs(self.samples, exist_ok=True)
         return open(self.sample_record(rank), "a")
+
+    def drop_samples_after(self, step: int) -> None:
+        """loop.record_samples after a rescue: every rank writes a step's samples before its exchange, so a lost
+        rank's record holds each step it took part in, and every record may hold the step in flight: keep the steps
+        up to ``step``. Each file is replaced (a survivor still appending writes to the old one)."""
+        for path in glob.glob(os.path.join(glob.escape(self.samples), "rank*.txt")):
+            with open(path) as f:
+                kept = [line for line in f if len(line.split()) < 3 or int(line.split()[2]) <= step]
+            atomic_write_text(path, "".join(kept))
 
     def checkpoint(self, step: int) -> str:
         return os.path.join(self.checkpoints, checkpoint_name(step))

@@ -38,11 +38,11 @@ def summary_text(s: dict) -> str:
     return "\n".join(lines)
 
 
-def read_result(folder: str) -> dict | None:
+def read_result(folder: str, name: str = "result.json") -> dict | None:
     """``result.json`` of a just-in-time rescue's folder (:mod:`hpcdl.train.rescue`), or None when no rank
-    finished one there."""
+    finished one there (``name``: a rank's report in it, None while unreadable)."""
     try:
-        with open(os.path.join(folder, "result.json")) as f:
+        with open(os.path.join(folder, name)) as f:
             return json.load(f)
     except (OSError, ValueError):
         return None

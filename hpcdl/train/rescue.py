@@ -160,6 +160,23 @@ class Rescue:
     def stop_watch(self) -> None:
         self._stop.set()
 
+    def hold(self) -> None:
+        """No rescue from here on (:func:`hpcdl.train.finish.leaving_together`); one under way ends the process."""
+        if not self._started.acquire(blocking=False):
+            threading.Event().wait()
+        self._stop.set()
+
+    def leave_word(self, reason: str) -> None:
+        """The report of a rank that leaves on its own error ahead of the others (status 2, no step, no checkpoint
+        part): a peer whose collective its exit breaks, or whose watch finds it, stops with status 2 naming it."""
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            atomic_write_text(self._report_path(self.rank), json.dumps({
+                "rank": self.rank, "step": None, "reason": reason, "left": True, "status": EXIT_BAD_INPUT,
+                "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}) + "\n")
+        except OSError as exc:  # a full disk: the others stop as after a lost peer
+            log.error("rank %d: its word in %s could not be written (%s)", self.rank, self.folder, exc)
+
     def _look(self) -> None:
         probed, unreachable = 0.0, 0
         while not self._stop.wait(0.5):
@@ -209,7 +226,7 @@ class Rescue:
         failed = self._input_failed() if status == EXIT_PEER_LOST else None  # its exit broke this rank's collective
         if failed:
             status, why = EXIT_BAD_INPUT, "a rank's input failed"
-            reason = f"rank {failed['rank']}'s input failed (its report in {self.folder}; here: {reason})"
+            reason = f"rank {failed['rank']}'s input failed: {failed['reason']} (its report in {self.folder}; here: {reason})"
         try:
             self._rescue(reason, status)
         except CheckpointError as exc:  # leaving anyway: the supervisor restarts from the newest one on disk
@@ -240,7 +257,7 @@ class Rescue:
         reports = self._wait_for_reports(lost, status)
         steps = [r["step"] for r in reports.values() if r["step"] is not None]
         best = max(steps) if steps else None
-        writer = min(r for r, rep in reports.items() if rep["step"] == best)
+        writer = min(r for r, rep in reports.items() if rep["step"] == best and not rep.get("left"))
         if writer == self.rank and self._claim():
             with _touching(os.path.join(self.folder, "writer")):
                 self._write(best, reports, lost)
@@ -295,7 +312,7 @@ class Rescue:
 
     def _write(self, step: int | None, reports: dict[int, dict], lost: list[int] | None) -> None:
         started = time.monotonic()
-        survivors = sorted(reports)
+        survivors = sorted(r for r, rep in reports.items() if not rep.get("left"))  # left: its word, not its state
         rngs: list = [None] * self.world
         for r in survivors:
             if reports[r]["step"] != step:
@@ -316,12 +333,12 @@ class Rescue:
                 "residuals_lost": self.residuals_lost})
             path, wrote = self.ckpt.write_locked(step, state, "just in time"), True
         if self.record_samples and step is not None:
-            _drop_samples_after(self.run_folder.samples, step)
+            self.run_folder.drop_samples_after(step)
         where = {r: self.ctx.heartbeat.who(r) for r in lost} if lost else {}
         result = {"step": step, "checkpoint": path, "written": wrote, "writer": self.rank, "survivors": survivors,
                   "lost": lost if lost is not None else [0], "rank0_lost": lost is None, "rng_lost": missing,
                   "lost_where": where,
-                  "reports": [reports[r] for r in survivors], "write_s": round(time.monotonic() - started, 3),
+                  "reports": [reports[r] for r in sorted(reports)], "write_s": round(time.monotonic() - started, 3),
                   "time": time.time()}
         atomic_write_text(os.path.join(self.folder, "result.json"), json.dumps(result, indent=1) + "\n")
         log.error("rank %d: just-in-time checkpoint of step %s: %s (survivors %s; lost %s)", self.rank, step,
@@ -369,22 +386,8 @@ def _touching(path: str):
         done.set()
 
 
-def _drop_samples_after(folder: str, step: int) -> None:
-    """loop.record_samples: every rank writes a step's samples before its exchange, so a lost rank's record holds
-    each step it took part in, and every record may hold the step in flight: keep the steps up to ``step``.
-    Each file is replaced (a survivor still appending writes to the old one)."""
-    for path in glob.glob(os.path.join(glob.escape(folder), "rank*.txt")):
-        with open(path) as f:
-            kept = [line for line in f if len(line.split()) < 3 or int(line.split()[2]) <= step]
-        atomic_write_text(path, "".join(kept))
-
-
 def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    return read_result(os.path.dirname(path), os.path.basename(path))
 
 
 def _save(path: str, obj) -> None:

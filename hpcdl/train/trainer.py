@@ -4,9 +4,8 @@
 submitit or a single process: :mod:`hpcdl.distributed.ranks.env` tells them apart). It resumes from the newest
 readable checkpoint in the run folder, so a requeued job simply runs again.
 
-The parts follow their lifetime: :mod:`~hpcdl.train.build` (model, weights, data, loader sizing),
-:mod:`~hpcdl.train.resume` (resuming a checkpoint on this job's ranks), :mod:`~hpcdl.train.wrap` (DDP, the comm
-hook, the stepper), the loop here, :mod:`~hpcdl.train.finish` (announcement, replica check, summary, failures).
+The parts follow their lifetime: :mod:`~hpcdl.train.build` (model, data), :mod:`~hpcdl.train.resume`,
+:mod:`~hpcdl.train.wrap` (DDP, hook, stepper), the loop here, :mod:`~hpcdl.train.finish` (start, end, failures).
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from hpcdl.schema import to_dict
 from hpcdl.train.build import build_data, build_model_parts, read_manifests, size_loader_for
 from hpcdl.train.checkpoint import Checkpointer
 from hpcdl.train.evaluate import evaluate
-from hpcdl.train.finish import Facts, announce, check_replicas, diverged, on_signal, on_storage_error, write_summary
+from hpcdl.train.finish import (Facts, announce, check_replicas, diverged, leaving_together, on_signal,
+                                on_storage_error, write_summary)
 from hpcdl.train.metrics import RunLog
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal
@@ -60,7 +60,7 @@ def train(cfg: RunConfig) -> dict:
     trainer = None
     rescue = Rescue(ctx, run_dir(cfg)) if cfg.checkpoint.jit and ctx.world_size > 1 else None
     with fail_fast(ctx.heartbeat, lambda: trainer and trainer.wrapped.comm and trainer.wrapped.comm.failure,
-                   on_lost=rescue.run if rescue else None), data_workers_named(ctx.rank):
+                   on_lost=rescue.run if rescue else None), leaving_together(ctx, rescue), data_workers_named(ctx.rank):
         set_timeout(ctx, startup)  # the job's group; the step timeout follows the first completed step
         if rescue:
             rescue.start_watch()

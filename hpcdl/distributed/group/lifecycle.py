@@ -6,9 +6,11 @@ What a failed collective means is :mod:`hpcdl.distributed.group.liveness`'s to s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import threading
 from datetime import timedelta
 
 import torch
@@ -23,9 +25,8 @@ from hpcdl.distributed.ranks.env import RankEnv, discover, launcher_ends_survivo
 from hpcdl.errors import ConfigError
 from hpcdl.utils import exit_if_stuck
 
-__all__ = ["STARTUP_TIMEOUT", "DistContext", "apply_cpu_plan", "backend_groups", "init_distributed", "new_subgroup",
-           "set_group_timeout", "set_timeout",
-           "shutdown"]
+__all__ = ["STARTUP_TIMEOUT", "DistContext", "apply_cpu_plan", "backend_groups", "init_distributed", "leave_together",
+           "new_subgroup", "set_group_timeout", "set_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
 
@@ -176,3 +177,34 @@ def shutdown(ctx: DistContext) -> None:
     ctx.heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_together(ctx: DistContext, within_s: float) -> bool:
+    """For a rank that stops on an error: True once every rank of the job has called this too (they all raised the
+    error after the collective that agreed on it: start-up's check of the shards, rank 0's manifest handed round),
+    False after ``within_s`` (the error is this rank's alone, and the others wait in a collective with it).
+
+    A rank that left right after the agreeing collective could take with it a message that a peer's side of that
+    collective still waited for: on oneCCL, CI saw rank 0's all-reduce stranded so, then failed by its watchdog as
+    a lost rank (status 4, not the error's 2). Here every rank is past that collective before any leaves. Rank 0
+    serves the store, so it leaves last, once every other rank has had its answer. Over rank 0's store, flat in
+    the rank count: two or three requests and one wait per rank, on a thread of their own, so that a store that
+    does not answer (rank 0 stopped) costs ``within_s``, no more."""
+    done = threading.Event()
+    base = f"hpcdl/leaving/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # torchrun's store outlives a restart
+    others = ctx.world_size - 1
+
+    def arrive(store: dist.Store) -> None:
+        with contextlib.suppress(Exception):  # a store gone or slow: the caller's bound decides
+            if store.add(f"{base}/here", 1) == ctx.world_size:
+                store.set(f"{base}/all", "1")
+            store.wait([f"{base}/all"], timedelta(seconds=within_s))
+            if ctx.rank == 0 and others:
+                store.wait([f"{base}/heard"], timedelta(seconds=within_s))
+            elif ctx.rank and store.add(f"{base}/answered", 1) == others:
+                store.set(f"{base}/heard", "1")
+            done.set()
+
+    threading.Thread(target=arrive, args=(ctx.store,), name="hpcdl-leaving", daemon=True).start()
+    return done.wait(within_s)
+
