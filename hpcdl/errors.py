@@ -4,6 +4,10 @@
 class HpcdlError(Exception):
     """Base class: the message says what is wrong and how to fix it."""
 
+    # whether a restart may get past it (a full disk freed, a loader worker the OOM killer took): a rank that meets
+    # it alone tells the others so, and they stop as after a lost peer, which a supervisor restarts (hpcdl.train.leaving)
+    restartable = False
+
 
 class ConfigError(HpcdlError, ValueError):
     """A value the user gave (flag, field, environment variable) cannot work."""
@@ -28,6 +32,8 @@ class StorageError(DataError):
 
 class CheckpointError(HpcdlError):
     """A checkpoint could not be written; the message names the path and says which one is kept."""
+
+    restartable = True
 
 
 class TrainingDiverged(HpcdlError):

@@ -87,5 +87,7 @@ def worker_death(exc: BaseException, rank: int) -> DataError | None:
     first = (str(exc).strip().splitlines() or [""])[0]
     what = first if "DataLoader worker" in first else \
         f"a DataLoader worker died while handing over a batch ({type(exc).__name__}: {first})"
-    return DataError(f"rank {rank}: {what}; the OOM killer is the usual cause (the node's dmesg says): lower "
+    died = DataError(f"rank {rank}: {what}; the OOM killer is the usual cause (the node's dmesg says): lower "
                      "data.workers or the per-rank batch, or ask Slurm for more memory per task")
+    died.restartable = True  # the data is not at fault
+    return died

@@ -1,6 +1,5 @@
 """The run's start and end as the user reads them: the lines announced at the start, the replica check, the
-end on a signal, a loss not finite, a failed read or an error of its own, and the summary (``summary.json`` and
-its text)."""
+end on a signal, a loss not finite or a failed read, and the summary (``summary.json`` and its text)."""
 
 from __future__ import annotations
 
@@ -10,24 +9,23 @@ import hashlib
 import json
 import logging
 import os
-import re
 
 import torch
 import torch.distributed as dist
 
 from hpcdl.config import RunConfig
 from hpcdl.distributed.affinity import allocator_in_use
-from hpcdl.distributed.group.lifecycle import DistContext, leave_together
-from hpcdl.errors import HpcdlError, RankLostError, StorageError, TrainingDiverged
+from hpcdl.distributed.group.lifecycle import DistContext
+from hpcdl.errors import StorageError, TrainingDiverged
 from hpcdl.runs.folder import RunFolder
 from hpcdl.runs.outcome import EXIT_BAD_INPUT, Outcome, summary_text
+from hpcdl.train.leaving import error_text
 from hpcdl.train.metrics import phase_shares
 from hpcdl.train.preempt import hand_to_submitit, requeue, submitit_handles
 from hpcdl.train.state import Progress
 from hpcdl.utils import atomic_write_text
 
-__all__ = ["Facts", "announce", "check_replicas", "diverged", "leaving_together", "on_signal", "on_storage_error",
-           "write_summary"]
+__all__ = ["Facts", "announce", "check_replicas", "diverged", "on_signal", "on_storage_error", "write_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -165,36 +163,3 @@ def on_storage_error(rescue):
         if rescue is None:
             raise
         rescue.run(error_text(exc), EXIT_BAD_INPUT, "its input failed")
-
-
-@contextlib.contextmanager
-def leaving_together(ctx: DistContext, rescue):
-    """The start and the training under it: an :class:`~hpcdl.errors.HpcdlError` of this rank's own (bad input, a
-    damaged record, a loss not finite; not a lost peer) ends this process with status 2, and the others with the
-    same status, whichever way they meet it. The rescue's watch is stopped first (the others leaving on the same
-    error are no loss). When every rank raised it (the ranks agreed on it: a check split over them, rank 0's error
-    handed round) they leave together, none while another's side of that collective is in flight
-    (:func:`~hpcdl.distributed.group.lifecycle.leave_together`). When the others do not come within two heartbeats,
-    the error is this rank's alone: it leaves its word in the rescue's folder (``rescue``, the just-in-time
-    checkpoint) and goes; the others, their collective broken or their watch finding the word, save the last step
-    and stop with status 2 naming this rank's error, which no supervisor restarts. (A rank late to an agreed error
-    by more than the bound finds the word too: status 2 all the same.)"""
-    try:
-        yield
-    except HpcdlError as exc:
-        if isinstance(exc, RankLostError) or ctx.world_size == 1:
-            raise
-        if rescue is not None:
-            rescue.hold()
-        if not leave_together(ctx, 2 * ctx.heartbeat.interval_s) and rescue is not None:
-            rescue.leave_word(error_text(exc))
-        raise
-
-
-def error_text(exc: BaseException) -> str:
-    """An error's own message, without the traceback that a loader worker's carries (``Caught DataError in DataLoader
-    worker process 0. Original Traceback ... hpcdl.errors.DataError: MESSAGE``)."""
-    text = str(exc).strip()
-    said = list(re.finditer(r"^hpcdl\.errors\.\w+: ", text, re.MULTILINE))
-    return text[said[-1].end():] if said else text or type(exc).__name__
-

@@ -63,8 +63,9 @@ import torch
 from hpcdl.errors import CheckpointError
 from hpcdl.runs.folder import RunFolder
 from hpcdl.runs.orphan import CLAIM_STALE_S, CLAIM_WAIT_S, after_rescue
-from hpcdl.runs.outcome import EXIT_BAD_INPUT, EXIT_PEER_LOST, read_result
+from hpcdl.runs.outcome import EXIT_PEER_LOST, read_result
 from hpcdl.train.checkpoint import rng_state
+from hpcdl.train.leaving import adopt, origin
 from hpcdl.train.state import Frozen
 from hpcdl.utils import atomic_write_text, leave_now
 
@@ -122,6 +123,7 @@ class Rescue:
         self.record_samples = self.residuals_lost = False
         self._persistent: set[str] | None = None  # the model's buffers a state dict holds
         self._started = threading.Lock()
+        self.follows: int | None = None  # the rank whose own error this rescue follows (hpcdl.train.leaving)
         self.boundary: Boundary | None = None
         self._steps: deque[float] = deque(maxlen=20)  # recent step durations, for the stall bound
         self.heartbeat_s = ctx.heartbeat.interval_s  # the job's heartbeat: what a lost rank's detection takes
@@ -161,21 +163,10 @@ class Rescue:
         self._stop.set()
 
     def hold(self) -> None:
-        """No rescue from here on (:func:`hpcdl.train.finish.leaving_together`); one under way ends the process."""
+        """No rescue from here on (:func:`hpcdl.train.leaving.leaving_together`); one under way ends the process."""
         if not self._started.acquire(blocking=False):
             threading.Event().wait()
         self._stop.set()
-
-    def leave_word(self, reason: str) -> None:
-        """The report of a rank that leaves on its own error ahead of the others (status 2, no step, no checkpoint
-        part): a peer whose collective its exit breaks, or whose watch finds it, stops with status 2 naming it."""
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-            atomic_write_text(self._report_path(self.rank), json.dumps({
-                "rank": self.rank, "step": None, "reason": reason, "left": True, "status": EXIT_BAD_INPUT,
-                "host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}) + "\n")
-        except OSError as exc:  # a full disk: the others stop as after a lost peer
-            log.error("rank %d: its word in %s could not be written (%s)", self.rank, self.folder, exc)
 
     def _look(self) -> None:
         probed, unreachable = 0.0, 0
@@ -203,11 +194,6 @@ class Rescue:
     def _others_reported(self) -> bool:
         return bool(glob.glob(os.path.join(glob.escape(self.folder), "report-*.json")))
 
-    def _input_failed(self) -> dict | None:
-        """The report of a rank whose input failed (its status), if one is in the folder."""
-        reports = (_read_json(p) for p in sorted(glob.glob(os.path.join(glob.escape(self.folder), "report-*.json"))))
-        return next((r for r in reports if r and r.get("status") == EXIT_BAD_INPUT), None)
-
     def _describe(self, lost: list[int] | None) -> str:
         if lost is None:
             return "rank 0 was lost (the rendezvous store it served no longer answers)"
@@ -223,12 +209,9 @@ class Rescue:
             threading.Event().wait()
         self._stop.set()
         self.lock.acquire()  # the training thread is blocked in a collective or between steps: not in an update
-        failed = self._input_failed() if status == EXIT_PEER_LOST else None  # its exit broke this rank's collective
-        if failed:
-            status, why = EXIT_BAD_INPUT, "a rank's input failed"
-            reason = f"rank {failed['rank']}'s input failed: {failed['reason']} (its report in {self.folder}; here: {reason})"
+        reason, status, why = self._adopt(reason, status, why)  # a rank that stopped on its error broke the collective
         try:
-            self._rescue(reason, status)
+            reason, status, why = self._rescue(reason, status, why)
         except CheckpointError as exc:  # leaving anyway: the supervisor restarts from the newest one on disk
             log.error("rank %d: the just-in-time checkpoint failed: %s", self.rank, exc)
         except Exception:
@@ -242,7 +225,16 @@ class Rescue:
             after_rescue(self.folder, self.rank)  # a supervised step whose supervisor is gone: requeue the job
         leave_now(status)
 
-    def _rescue(self, reason: str, status: int = EXIT_PEER_LOST) -> None:
+    def _adopt(self, reason: str, status: int, why: str) -> tuple[str, int, str]:
+        """A rank's own error behind this rescue (:func:`~hpcdl.train.leaving.origin`: its word, or its failed read)."""
+        found = origin(self.folder) if self.follows is None and status == EXIT_PEER_LOST else None
+        if found is None:
+            return reason, status, why
+        self.follows = found["rank"]
+        return adopt(found, reason, status, why, self.folder)
+
+    def _rescue(self, reason: str, status: int = EXIT_PEER_LOST,
+                why: str = "a peer lost or stuck") -> tuple[str, int, str]:
         b = self.boundary
         lost = self.ctx.heartbeat.recent(fresh_s=15.0)
         log.error("rank %d: %s; the survivors save step %s (RUN/jit/%s)", self.rank, reason,
@@ -250,11 +242,13 @@ class Rescue:
         os.makedirs(self.folder, exist_ok=True)
         mine = {"rank": self.rank, "step": b.step if b else None, "reason": reason, "lost": lost,
                 "node": os.environ.get("SLURMD_NODENAME"), "host": socket.gethostname(), "pid": os.getpid(),
-                "slurm_step": os.environ.get("SLURM_STEP_ID"), "time": time.time(), "status": status}
+                "slurm_step": os.environ.get("SLURM_STEP_ID"), "time": time.time(), "status": status,
+                "follows": self.follows}
         if b is not None:
             _save(os.path.join(self.folder, f"rank-{self.rank:05d}.pt"), {"step": b.step, "rng": b.rng})
-        atomic_write_text(self._report_path(self.rank), json.dumps(mine) + "\n")
+        atomic_write_text(self.report_path(self.rank), json.dumps(mine) + "\n")
         reports = self._wait_for_reports(lost, status)
+        reason, status, why = self._adopt(reason, status, why)  # a word written while this rank waited
         steps = [r["step"] for r in reports.values() if r["step"] is not None]
         best = max(steps) if steps else None
         writer = min(r for r, rep in reports.items() if rep["step"] == best and not rep.get("left"))
@@ -263,6 +257,7 @@ class Rescue:
                 self._write(best, reports, lost)
         else:
             self._await_writer(writer)
+        return reason, status, why
 
     def _await_writer(self, writer: int) -> None:
         """Wait for the writer's result.json before leaving: under ``srun --kill-on-bad-exit=1`` the first rank to
@@ -282,7 +277,7 @@ class Rescue:
                     return
             time.sleep(0.2)
 
-    def _report_path(self, rank: int) -> str:
+    def report_path(self, rank: int) -> str:
         return os.path.join(self.folder, f"report-{rank:05d}.json")
 
     def _wait_for_reports(self, lost: list[int] | None, status: int = EXIT_PEER_LOST) -> dict[int, dict]:

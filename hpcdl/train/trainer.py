@@ -29,8 +29,8 @@ from hpcdl.schema import to_dict
 from hpcdl.train.build import build_data, build_model_parts, read_manifests, size_loader_for
 from hpcdl.train.checkpoint import Checkpointer
 from hpcdl.train.evaluate import evaluate
-from hpcdl.train.finish import (Facts, announce, check_replicas, diverged, leaving_together, on_signal,
-                                on_storage_error, write_summary)
+from hpcdl.train.finish import Facts, announce, check_replicas, diverged, on_signal, on_storage_error, write_summary
+from hpcdl.train.leaving import leaving_together
 from hpcdl.train.metrics import RunLog
 from hpcdl.train.precision import choose_precision
 from hpcdl.train.preempt import StopSignal

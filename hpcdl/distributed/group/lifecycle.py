@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -179,32 +180,40 @@ def shutdown(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
-def leave_together(ctx: DistContext, within_s: float) -> bool:
+def leave_together(ctx: DistContext, within_s: float, name: str | None = None,
+                   alone: Callable[[], None] = lambda: None) -> bool:
     """For a rank that stops on an error: True once every rank of the job has called this too (they all raised the
-    error after the collective that agreed on it: start-up's check of the shards, rank 0's manifest handed round),
-    False after ``within_s`` (the error is this rank's alone, and the others wait in a collective with it).
+    error after the collective that agreed on it), False after ``within_s`` (the error is this rank's alone, and the
+    others wait in a collective with it), when ``alone()`` is called before this returns.
 
-    A rank that left right after the agreeing collective could take with it a message that a peer's side of that
-    collective still waited for: on oneCCL, CI saw rank 0's all-reduce stranded so, then failed by its watchdog as
-    a lost rank (status 4, not the error's 2). Here every rank is past that collective before any leaves. Rank 0
-    serves the store, so it leaves last, once every other rank has had its answer. Over rank 0's store, flat in
-    the rank count: two or three requests and one wait per rank, on a thread of their own, so that a store that
-    does not answer (rank 0 stopped) costs ``within_s``, no more."""
-    done = threading.Event()
-    base = f"hpcdl/leaving/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # torchrun's store outlives a restart
+    Every rank is past the agreeing collective before any leaves: one that left right after it could take with it a
+    message that a peer's side of it still waited for (hpcdl.train.leaving). Rank 0 serves the store, so it leaves
+    last, once every other rank has had its answer (or ``within_s`` more). Over rank 0's store (torchrun's agent's
+    under torchrun), flat in the rank count: an add and a wait per rank, and one more add or wait; ``name``: this
+    start's own (the rescue folder's: a store that outlives a start holds an earlier start's keys). The requests run
+    on a thread, so that a store that does not answer (rank 0 stopped) costs ``within_s``; the thread is waited for,
+    ``within_s`` at most, so that none is left inside a store call when the interpreter finalizes (that aborts it)."""
+    arrived, done = threading.Event(), threading.Event()
+    base = f"hpcdl/leaving/{name or os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     others = ctx.world_size - 1
 
     def arrive(store: dist.Store) -> None:
-        with contextlib.suppress(Exception):  # a store gone or slow: the caller's bound decides
+        with contextlib.suppress(Exception):  # a store gone or slow: the bounds decide
             if store.add(f"{base}/here", 1) == ctx.world_size:
                 store.set(f"{base}/all", "1")
             store.wait([f"{base}/all"], timedelta(seconds=within_s))
+            arrived.set()
             if ctx.rank == 0 and others:
                 store.wait([f"{base}/heard"], timedelta(seconds=within_s))
             elif ctx.rank and store.add(f"{base}/answered", 1) == others:
                 store.set(f"{base}/heard", "1")
             done.set()
 
-    threading.Thread(target=arrive, args=(ctx.store,), name="hpcdl-leaving", daemon=True).start()
-    return done.wait(within_s)
-
+    thread = threading.Thread(target=arrive, args=(ctx.store,), name="hpcdl-leaving", daemon=True)
+    thread.start()
+    if arrived.wait(within_s):
+        done.wait(within_s)
+        return True
+    alone()
+    thread.join(within_s)
+    return False
