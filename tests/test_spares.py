@@ -90,12 +90,22 @@ def kill_node(job: str, node: str, whole: bool = False) -> float:
             pass
     slurmd = subprocess.run(["pgrep", "-f", f"slurmd -N {node}$"], capture_output=True, text=True).stdout.split()
     assert tasks and slurmd, (node, tasks, slurmd)
-    for pid in [*map(int, slurmd), *stepds, *tasks]:
+    # the daemons first: a batch script killed before its step daemon is reported to slurmctld, which ends the job
+    # (the test of the first node lost then found no requeue: the survivor was ended with it)
+    daemons = sorted(stepds, key=lambda pid: _comm(pid) != "slurmstepd")
+    for pid in [*map(int, slurmd), *daemons, *tasks]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     return time.time()
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def rank_pid(job: str, rank: int) -> int:
