@@ -98,6 +98,77 @@ def test_the_heartbeat_beats_on_after_a_failed_request():
             beat.stop()
 
 
+def _env(rank: int, world: int, port: int) -> RankEnv:
+    return RankEnv(launcher="test", rank=rank, world_size=world, local_rank=0, local_size=1, node_rank=rank,
+                   nodes=world, master_addr="127.0.0.1", master_port=port, hostname="here", job_id=None,
+                   restart_count=0)
+
+
+@pytest.mark.ranks
+def test_a_probe_names_a_stopped_heartbeat_not_one_held_up_by_the_store_or_for_one_window(caplog):
+    """The store's clock, not the wall's: CI's 32 ranks on 2 cores saw rank 0's store held up 6 s by the
+    rendezvous, every counter still at once, and a probe of one 5 s window named rank 0, then rank 24, lost:
+    the job ended with status 4. A probe names a rank whose counter stood still while its own rank's went on by
+    three beats, and the watch only a rank that stood still in both of its windows."""
+    from hpcdl.distributed.group.liveness import Heartbeat
+
+    port = free_port()
+    server = _store_server(port)
+    beats: dict[int, Heartbeat] = {}
+    try:
+        beats = {r: Heartbeat(_env(r, 4, port), interval_s=0.4) for r in range(4)}
+        # the store stalls (SIGSTOP of its process) for 2.5 s, longer than a window, shorter than a request's
+        # deadline, right after the probe's first read: every counter stands still together
+        bounded, reads = beats[1]._bounded, []
+
+        def stalls_after_the_first_read(request):
+            value = bounded(request)
+            if not reads:
+                server.send_signal(signal.SIGSTOP)
+                threading.Timer(2.5, server.send_signal, (signal.SIGCONT,)).start()
+            reads.append(time.monotonic())
+            return value
+
+        beats[1]._bounded = stalls_after_the_first_read
+        assert beats[1]._measure([0, 2, 3]) == [] and len(reads) >= 3, reads
+        del beats[1]._bounded
+
+        beats[3].stop()  # rank 3 stops: the rank before it names it, rank 1 (ring 0 and 2) finds nothing
+        assert beats[2].watch() == [3]
+        assert beats[1].watch() == []
+
+        # rank 3 beats again after the watch's first window: still in one window only, no loss
+        measure, windows = beats[2]._measure, []
+
+        def resumes_after_the_first_window(ranks):
+            found = measure(ranks)
+            if not windows:
+                def beat_on():
+                    while len(windows) < 2:
+                        beats[2]._store.add("hpcdl/hb/3", 1)
+                        time.sleep(0.2)
+                threading.Thread(target=beat_on, daemon=True).start()
+            windows.append(found)
+            return found
+
+        beats[2]._measure = resumes_after_the_first_window
+        assert beats[2].watch() == [] and windows[0] == [3] and windows[1] == [], windows
+        del beats[2]._measure
+
+        # rank 2's own heartbeat stopped too (its thread starved): its counter is the probe's clock, and a probe
+        # that has none names no one, after ten intervals, and says why
+        beats[2].stop()
+        with caplog.at_level("WARNING", logger="hpcdl.distributed.group.liveness"):
+            assert beats[2]._measure([3]) == []
+        assert "rank 2: its own heartbeat did not reach rank 0's store" in caplog.text
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()
+        for beat in beats.values():
+            beat.stop()
+
+
 # -- must-show: a stopped, then a killed rank 0 in a supervised job of 4 nodes + 1 spare ------------------------------
 
 def _freeze(pid: int, sig: int) -> list[int]:

@@ -1,8 +1,9 @@
 """Liveness: the heartbeat, and the naming of a lost rank when a collective fails.
 
 Every rank bumps a counter in rank 0's store every ``heartbeat_s`` seconds from a daemon thread; a probe reads
-the counters twice and names the ranks whose counters stood still, and a store that does not answer within a
-deadline is rank 0 lost. :func:`fail_fast` turns a failed collective into a :class:`RankLostError` that names the
+the counters twice and names the ranks whose counters stood still while its own rank's went on (the store's
+clock, not the wall's: :meth:`Heartbeat._measure`), and a store that does not answer within a deadline is rank 0
+lost. :func:`fail_fast` turns a failed collective into a :class:`RankLostError` that names the
 lost rank from them (:func:`explain_failure`); hpcdl's own groups' watchdogs ask them through
 :func:`group_liveness`, the just-in-time checkpoint's watch thread through :meth:`Heartbeat.watch`.
 
@@ -66,6 +67,8 @@ class Heartbeat:
         atexit.register(self.stop)
 
     def _beat(self) -> None:
+        # an interval between the end of one beat and the start of the next: a probe that sees three of them
+        # (:meth:`_measure`) has seen two intervals of this rank's time
         while not self._stop.wait(self.interval_s):
             try:
                 self._store.add(key("hb", self.env.rank), 1)
@@ -75,14 +78,19 @@ class Heartbeat:
 
     def watch(self) -> list[int] | None:
         """What a waiting rank asks: rank 0's and the next rank's counters (a stopped rank is seen by the rank
-        before it, rank 0 by every rank); when one stood still, every counter is read to name the lost ranks
-        (:meth:`lost_ranks`). None when the store does not answer."""
+        before it, rank 0 by every rank); when one stood still, every counter is read (:meth:`lost_ranks`), and
+        the lost are those of the ring that stood still in both windows: a rank whose heartbeat thread was starved
+        through one window (16 ranks to a core at start-up: up to 5 s here) is no loss. None when the store does not
+        answer."""
         ring = sorted({0, (self.env.rank + 1) % self.env.world_size} - {self.env.rank})
         found = self._measure(ring)
         if found is None:
             self.last_probe = self._last_lost = (time.monotonic(), None)
             return None
-        return found and self.lost_ranks()
+        if not found:
+            return []
+        named = self.lost_ranks()
+        return named if named is None else [r for r in named if r in found]
 
     def lost_ranks(self, fresh_s: float = 0.0) -> list[int] | None:
         """Ranks whose heartbeat stopped; ``None`` when the store (served by rank 0) is unreachable. With
@@ -104,22 +112,40 @@ class Heartbeat:
         return self.lost_ranks()
 
     def _measure(self, ranks) -> list[int] | None:
-        """Those of ``ranks`` whose counter stood still over 2.5 intervals; None when the store does not answer."""
+        """Those of ``ranks`` whose counter stood still over a window in which this rank's own went on by three
+        beats (at least 2.5 intervals); None when the store does not answer.
+
+        The store's clock, not the wall's. A store that stalls (rank 0's server shares its core with rank 0: a
+        32-rank rendezvous on 2 cores here held every counter still for 6 s at once) stops this rank's counter
+        too, and so does this rank's own heartbeat thread starved: the window grows until this rank's three beats
+        have reached the store, which then served it through two of its intervals, in which a peer whose thread
+        runs sent a beat too (a beat has one request in flight: a stall delays it once). After ten intervals
+        without them nothing can be told apart and no rank is named: the caller probes again later."""
         if self._store_refuses():
             return None
-        ranks = list(ranks)
-        keys = [key("hb", r) for r in ranks]
+        me = self.env.rank
+        ranks = [r for r in ranks if r != me]
+        keys = [key("hb", r) for r in [me, *ranks]]
         # over the heartbeat's own connection (TCPStore's client serializes its requests): a probe opens none, so
         # rank 0 serves two connections per rank whatever the probes (a new client per probe made 3 per rank in
         # a slow start-up: bench startup's count; thousands of connections at 2,048 ranks)
         store = self._store
         try:
-            before = self._bounded(lambda: store.multi_get(keys))
+            before = [int(v) for v in self._bounded(lambda: store.multi_get(keys))]
+            start = time.monotonic()
             time.sleep(2.5 * self.interval_s)
-            after = self._bounded(lambda: store.multi_get(keys))
+            while True:
+                after = [int(v) for v in self._bounded(lambda: store.multi_get(keys))]
+                if after[0] - before[0] >= 3:
+                    return [r for r, a, b in zip(ranks, before[1:], after[1:]) if a == b]
+                if time.monotonic() - start > 10 * self.interval_s:
+                    break
+                time.sleep(0.5 * self.interval_s)
         except Exception:
             return None
-        return [r for r, a, b in zip(ranks, before, after) if a == b and r != self.env.rank]
+        log.warning("rank %d: its own heartbeat did not reach rank 0's store in %.0f s: the rank's threads starved, or "
+                    "the store stalled; no rank named from this probe", me, 10 * self.interval_s)
+        return []
 
     def _bounded(self, request: Callable[[], object]) -> object:
         """``request()`` (a store call), or TimeoutError when it has not returned within :attr:`deadline_s`: it
@@ -174,10 +200,14 @@ def group_liveness(heartbeat: Heartbeat, heartbeat_s: float) -> Liveness:
     """What lets hpcdl's own groups (MPI, oneCCL) fail a collective whose peer died as soon as its heartbeat has
     stopped, instead of at the timeout (gloo notices a closed connection itself)."""
 
+    unanswered = 0
+
     def probe() -> str | None:
+        nonlocal unanswered
         lost = heartbeat.watch()
-        if lost is None:
-            return "rank 0's rendezvous store no longer answers"
+        unanswered = unanswered + 1 if lost is None else 0
+        if lost is None:  # a store busy past the deadline once (a rendezvous loads it most) is asked at the next probe
+            return "rank 0's rendezvous store no longer answers" if unanswered >= 2 else None
         return ("heartbeat stopped on " + ", ".join(f"rank {r}" for r in lost)) if lost else None
 
     return Liveness(probe, max(6.0, 3 * heartbeat_s))
