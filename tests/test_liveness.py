@@ -98,6 +98,38 @@ def test_the_heartbeat_beats_on_after_a_failed_request():
             beat.stop()
 
 
+def test_a_waiter_polls_the_heartbeats_without_blocking_one_probe_at_a_time():
+    """A probe lasts a window or two of the heartbeats. The oneCCL wait ran it inline (no timeout checked
+    meanwhile) and the watchdog started one every 6 s whether the last had ended or not (two probes of one slow
+    store counted it twice: 'rank 0's store no longer answers')."""
+    from hpcdl.distributed.group.comm_thread import Liveness
+
+    release, calls = threading.Event(), []
+
+    def slow_probe():
+        calls.append(time.monotonic())
+        release.wait(10)
+        return "heartbeat stopped on rank 3"
+
+    liveness = Liveness(slow_probe, after_s=0.2)
+    assert liveness.poll(0.1) is None and not calls  # not past after_s
+    started = time.monotonic()
+    assert liveness.poll(0.3) is None
+    for _ in range(10):  # polled every 0.1 s while the probe runs: none blocks, no second probe starts
+        time.sleep(0.1)
+        assert liveness.poll(0.4) is None
+    assert time.monotonic() - started < 5 and len(calls) == 1, calls
+    release.set()
+    deadline = time.monotonic() + 5
+    while (found := liveness.poll(time.monotonic() - started + 0.3)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert found == "heartbeat stopped on rank 3"
+    # a wait that began after that probe started does not take its finding: it asks anew
+    assert liveness.poll(0.25) is None
+    time.sleep(0.1)
+    assert len(calls) == 2
+
+
 def _env(rank: int, world: int, port: int) -> RankEnv:
     return RankEnv(launcher="test", rank=rank, world_size=world, local_rank=0, local_size=1, node_rank=rank,
                    nodes=world, master_addr="127.0.0.1", master_port=port, hostname="here", job_id=None,
@@ -154,6 +186,10 @@ def test_a_probe_names_a_stopped_heartbeat_not_one_held_up_by_the_store_or_for_o
         beats[2]._measure = resumes_after_the_first_window
         assert beats[2].watch() == [] and windows[0] == [3] and windows[1] == [], windows
         del beats[2]._measure
+
+        # rank 1 stops as well (a node of two lost): the ring's rank 3 names the loss, rank 1 is read once more
+        beats[1].stop()
+        assert beats[2].watch() == [1, 3]
 
         # rank 2's own heartbeat stopped too (its thread starved): its counter is the probe's clock, and a probe
         # that has none names no one, after ten intervals, and says why

@@ -242,7 +242,6 @@ class CCLProcessGroup(ThreadedProcessGroup):
         self._fast_allreduce = ctypes.cast(self.ccl.lib.onecclAllReduce, ctypes.c_void_p).value
         self._fast_ops = {getattr(dist.ReduceOp.RedOpType, name): op for name, op in self._ops.items()}
         self._fast_ops[_AVG] = self._ops["SUM"]
-        self._probed: dict[int, float] = {}  # the wait last asked about the heartbeats: {ticket: waited seconds}
         if hasattr(self, "_configure_fast") and self.thread.fast is not None:  # ccl_backend's C++ all-reduce
             self._configure_fast(self._fast_allreduce, self.comm.value, list(self._types.items()),
                                  {int(k): v for k, v in self._fast_ops.items() if k != _AVG}, self.fast_bytes)
@@ -273,16 +272,12 @@ class CCLProcessGroup(ThreadedProcessGroup):
     # -- BackendCallbacks: asked by the wait of a C thread's call, here and from ccl_backend.cpp (off the fast path)
     def ticket_overdue(self, ticket: int, waited_s: float, what) -> str | None:
         """The error of a wait for ``ticket`` that has run ``waited_s``: past the group's timeout, or a peer whose
-        heartbeat stopped (asked every ``after_s``, as the watchdog does); None to go on waiting."""
+        heartbeat stopped (:meth:`Liveness.poll`, as the watchdog asks: it never blocks); None to go on waiting."""
         why, liveness, limit = None, self.thread.liveness, self.timeout.total_seconds()
         if limit and waited_s > limit:
             why = self.timed_out()
-        elif liveness and waited_s > liveness.after_s:
-            probed = self._probed.get(ticket, 0.0)
-            if waited_s - probed > liveness.after_s:
-                self._probed = {ticket: waited_s}
-                lost = liveness.probe()
-                why = f"cannot complete: {lost}" if lost else None
+        elif liveness and (lost := liveness.poll(waited_s)):
+            why = f"cannot complete: {lost}"
         if not why:
             return None
         self.thread.fast.given_up = ticket  # at exit, the process leaves without finalizing oneCCL

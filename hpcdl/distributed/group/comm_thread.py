@@ -10,7 +10,6 @@ such a process leaves at once (``exit_if_stuck``) instead of crashing in the lib
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import queue
 import threading
@@ -25,6 +24,8 @@ from torch.futures import Future
 from hpcdl.utils import leave_now
 
 __all__ = ["CommThread", "Group", "Liveness", "describe"]
+
+log = logging.getLogger(__name__)
 
 
 class Group(Protocol):
@@ -41,13 +42,45 @@ class Group(Protocol):
     def timed_out(self) -> str: ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class Liveness:
-    """Whether the job's ranks are alive (from init_distributed's heartbeats): the watchdog asks ``probe`` about
-    a collective that has run longer than ``after_s``."""
+    """Whether the job's ranks are alive (from init_distributed's heartbeats): a wait for a collective that has
+    run longer than ``after_s`` asks :meth:`poll`, which never blocks.
 
-    probe: Callable[[], str | None]  # a message naming the ranks whose heartbeat stopped, or None
-    after_s: float = 6.0
+    ``probe``: a message naming the ranks whose heartbeat stopped, or None; it takes a window or two of the
+    heartbeats (about 6 to 12 s with a 2 s heartbeat, longer while rank 0's store is slow). It runs on a thread of
+    its own, one at a time for the process whoever waits (the watchdog, a oneCCL ticket's wait): a waiter that ran
+    it inline checked no timeout meanwhile, and probes started every ``after_s`` overlapped, doubling the requests
+    to rank 0's store and counting one slow store twice."""
+
+    def __init__(self, probe: Callable[[], str | None], after_s: float = 6.0):
+        self.probe, self.after_s = probe, after_s
+        self._lock = threading.Lock()
+        self._running = False
+        self._began = float("-inf")  # when the last probe started
+        self._found: tuple[str | None, float] = (None, float("-inf"))  # the last finished probe's (finding, start)
+
+    def poll(self, waited_s: float) -> str | None:
+        """The finding of a probe started during this wait of ``waited_s`` that named a lost rank, else None; a
+        probe starts when none runs, the wait is past ``after_s`` and the last began ``after_s`` ago."""
+        now = time.monotonic()
+        found, began = self._found
+        if found and began >= now - waited_s:
+            return found
+        with self._lock:
+            if waited_s > self.after_s and not self._running and now - self._began > self.after_s:
+                self._running, self._began = True, now
+                threading.Thread(target=self._run, args=(now,), name="hpcdl-liveness-probe", daemon=True).start()
+        return None
+
+    def _run(self, began: float) -> None:
+        found = None
+        try:
+            found = self.probe()
+        except Exception as exc:  # a probe that fails finds nothing; the timeout still bounds the wait
+            log.warning("a heartbeat probe failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            self._found = (found, began)
+            self._running = False
 
 
 class CommThread:
@@ -125,7 +158,6 @@ class CommThread:
                 future.set_result(result)
 
     def _watch(self) -> None:
-        probed = None  # the collective last probed, and when
         while not self._closed.wait(0.2):
             started = self._started
             if not started or started[1] is None or started[3].done():
@@ -135,19 +167,11 @@ class CommThread:
             if limit and running > limit:
                 started[3].set_exception(dist.DistBackendError(
                     f"rank {group.rank()}: {group.LIBRARY} {describe(started[2])} {group.timed_out()}"))
-            elif self.liveness and running > self.liveness.after_s and (
-                    probed is None or probed[0] is not started or time.monotonic() - probed[1] > self.liveness.after_s):
-                probed = (started, time.monotonic())
-                threading.Thread(target=self._probe, args=(started,), name=f"{self.name}-probe", daemon=True).start()
-
-    def _probe(self, started) -> None:
-        """Fail a long collective at once when a peer's heartbeat has stopped: no library here notices a dead
-        peer (oneCCL and MPI wait for it), and the timeout may be the start-up's 10 minutes."""
-        lost = self.liveness.probe()
-        if lost and not started[3].done():
-            group = started[1]
-            started[3].set_exception(dist.DistBackendError(
-                f"rank {group.rank()}: {group.LIBRARY} {describe(started[2])} cannot complete: {lost}"))
+            elif self.liveness and (lost := self.liveness.poll(running)):
+                # a long collective fails at once when a peer's heartbeat has stopped: no library here notices a
+                # dead peer (oneCCL and MPI wait for it), and the timeout may be the start-up's 10 minutes
+                started[3].set_exception(dist.DistBackendError(
+                    f"rank {group.rank()}: {group.LIBRARY} {describe(started[2])} cannot complete: {lost}"))
 
     def _close_all(self, timeout_s: float) -> None:
         """Run the registered closers on the thread, waiting at most ``timeout_s`` (a process that exits with a
@@ -160,7 +184,7 @@ class CommThread:
                 try:
                     close()
                 except Exception as exc:  # leaving anyway: say what could not be closed
-                    logging.getLogger(__name__).warning("%s: closing at exit failed: %s", self.name, exc)
+                    log.warning("%s: closing at exit failed: %s", self.name, exc)
             done.set()
 
         self._enqueue(run, Future(), None, "closing")
@@ -207,7 +231,7 @@ class CommThread:
         self._watchdog.join(timeout=1.0)
         fast_stuck = self.fast is not None and self.fast.stuck()
         if self.exit_if_stuck and (self._thread.is_alive() or fast_stuck):
-            logging.getLogger(__name__).error("%s: a collective never completed; leaving without finalizing the "
+            log.error("%s: a collective never completed; leaving without finalizing the "
                                               "library (it cannot abort the call)", self.name)
             leave_now(1)
 

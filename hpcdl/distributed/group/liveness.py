@@ -53,6 +53,7 @@ class Heartbeat:
         self.deadline_s = max(5.0, 2.5 * interval_s)
         self._last_lost = None  # (when, lost ranks or None) of the last probe that found a problem
         self.last_probe = None  # (when, finding) of the last probe of every counter
+        self.refused = False  # the last probe found nothing listening on the store's port: rank 0 gone for certain
         self._store = self._client(timedelta(seconds=max(10.0, 5 * interval_s)))
         self._store.add(key("hb", env.rank), 1)
         self.use.beat()
@@ -78,27 +79,37 @@ class Heartbeat:
 
     def watch(self) -> list[int] | None:
         """What a waiting rank asks: rank 0's and the next rank's counters (a stopped rank is seen by the rank
-        before it, rank 0 by every rank); when one stood still, every counter is read (:meth:`lost_ranks`), and
-        the lost are those of the ring that stood still in both windows: a rank whose heartbeat thread was starved
-        through one window (16 ranks to a core at start-up: up to 5 s here) is no loss. None when the store does not
-        answer."""
+        before it, rank 0 by every rank); when one stood still, every counter is read, and a rank is lost when it
+        stood still in two windows: a rank whose heartbeat thread was starved through one (16 ranks to a core at
+        start-up: up to 5 s here) is no loss. The ring's rank still in both names the loss; the others still in
+        the second window (a node's other ranks, another node lost at once) are read through one window more, so
+        that all of them are named (the supervisor leaves their nodes out). None when the store does not answer."""
         ring = sorted({0, (self.env.rank + 1) % self.env.world_size} - {self.env.rank})
         found = self._measure(ring)
-        if found is None:
-            self.last_probe = self._last_lost = (time.monotonic(), None)
-            return None
-        if not found:
-            return []
-        named = self.lost_ranks()
-        return named if named is None else [r for r in named if r in found]
+        if found == []:
+            return []  # not noted: last_probe is a probe of every counter (recent)
+        if found:
+            named = self._measure(range(self.env.world_size))
+            if named:
+                lost = [r for r in named if r in found]
+                others = [r for r in named if r not in found]
+                found = sorted(lost + ((self._measure(others) or []) if lost and others else []))
+            else:
+                found = named
+        return self._note(found)
 
     def lost_ranks(self, fresh_s: float = 0.0) -> list[int] | None:
-        """Ranks whose heartbeat stopped; ``None`` when the store (served by rank 0) is unreachable. With
-        ``fresh_s``, a finding of the last ``fresh_s`` seconds that named a lost rank is reused."""
+        """Ranks whose heartbeat stopped through one window (what a collective that failed asks: the failure
+        is the other evidence); ``None`` when the store (served by rank 0) is unreachable. With ``fresh_s``, a
+        finding of the last ``fresh_s`` seconds that named a lost rank is reused (not one of a store that did not
+        answer, which the watchdogs forgive once)."""
         last = self._last_lost
-        if fresh_s and last and time.monotonic() - last[0] < fresh_s:
+        if fresh_s and last and last[1] and time.monotonic() - last[0] < fresh_s:
             return last[1]
-        found = self._measure(range(self.env.world_size))
+        return self._note(self._measure(range(self.env.world_size)))
+
+    def _note(self, found: list[int] | None) -> list[int] | None:
+        """``found``, kept as the last probe of every counter (and as the last that found a problem)."""
         self.last_probe = (time.monotonic(), found)
         if found is None or found:
             self._last_lost = (time.monotonic(), found)
@@ -121,7 +132,8 @@ class Heartbeat:
         have reached the store, which then served it through two of its intervals, in which a peer whose thread
         runs sent a beat too (a beat has one request in flight: a stall delays it once). After ten intervals
         without them nothing can be told apart and no rank is named: the caller probes again later."""
-        if self._store_refuses():
+        self.refused = self._store_refuses()
+        if self.refused:
             return None
         me = self.env.rank
         ranks = [r for r in ranks if r != me]
@@ -206,8 +218,9 @@ def group_liveness(heartbeat: Heartbeat, heartbeat_s: float) -> Liveness:
         nonlocal unanswered
         lost = heartbeat.watch()
         unanswered = unanswered + 1 if lost is None else 0
-        if lost is None:  # a store busy past the deadline once (a rendezvous loads it most) is asked at the next probe
-            return "rank 0's rendezvous store no longer answers" if unanswered >= 2 else None
+        if lost is None:  # a store busy past the deadline once (a rendezvous loads it most) is asked at the next
+            # probe; a port that refuses the connection is rank 0 gone
+            return "rank 0's rendezvous store no longer answers" if unanswered >= 2 or heartbeat.refused else None
         return ("heartbeat stopped on " + ", ".join(f"rank {r}" for r in lost)) if lost else None
 
     return Liveness(probe, max(6.0, 3 * heartbeat_s))
