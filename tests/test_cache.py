@@ -222,6 +222,30 @@ def test_a_reader_whose_agent_is_gone_reads_the_shards_itself(packed, caplog):
             p.kill()
 
 
+def test_a_loaders_batch_is_one_exchange_with_the_agent_and_reads_as_sample_by_sample(packed, caplog):
+    """torch's fetcher hands ShardDataset a batch's indices (__getitems__): through the node's agent they go in one
+    exchange, not one round trip per sample, and give what the reads one by one give; when the agent is gone, the
+    batch is read from the shards, the agent named once."""
+    ds, owners, procs, clients = _agents(packed)
+    ds.cache = clients[0]
+    exchanges = []
+    real = clients[0]._exchange
+    clients[0]._exchange = lambda requests, args: exchanges.append(len(args)) or real(requests, args)
+    try:
+        batch = [int(i) for i in np.random.default_rng(1).permutation(len(ds))[:24]]  # both nodes' samples
+        assert {int(owners[i]) for i in batch} == {0, 1}
+        assert ds.__getitems__(batch) == [_direct(ds, i) for i in batch]
+        assert exchanges == [24]
+        procs[0].kill()
+        procs[0].wait()
+        with caplog.at_level(logging.WARNING):
+            assert ds.__getitems__(batch[:5]) == [_direct(ds, i) for i in batch[:5]]
+        assert caplog.text.count("does not answer") == 1
+    finally:
+        for p in procs:
+            p.kill()
+
+
 def test_an_agent_ends_with_the_process_that_started_it(packed, tmp_path):
     """Its rank killed outright (the OOM killer, a node's loss), the agent does not outlive it."""
     script = ("import sys, numpy as np, time\nfrom hpcdl.data.cache.agent import AgentSpec\n"

@@ -79,18 +79,33 @@ class ShardDataset(Dataset):
             raise IndexError(f"index {index} outside the {len(self)} images of {self.root}")
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         data, label = self._cached(int(index)) if self._cache_up() else self.read(shard, int(index - self.starts[shard]))
-        sample = self._transform(data, index)
-        return sample, (PADDING_LABEL if isinstance(index, Sample) and index.padding else label)
+        return self._sample(index, data, label)
+
+    def __getitems__(self, indices: list) -> list:
+        """A loader's batch (torch's fetcher calls this with the batch's indices): through the node's agent in one
+        exchange (:meth:`CacheClient.get_many`), each sample checked as one read alone is; without the cache, or
+        when the exchange fails, sample by sample."""
+        if not self._cache_up() or not all(0 <= i < len(self) for i in indices):
+            return [self[i] for i in indices]
+        try:
+            got = self.cache.get_many([int(i) for i in indices])
+        except (TimeoutError, socket.timeout, DataError, OSError):
+            return [self[i] for i in indices]  # each read says what failed, and reads the shard itself
+        return [self._sample(i, *self._cached(int(i), one)) for i, one in zip(indices, got)]
+
+    def _sample(self, index, data: bytes, label: int):
+        return self._transform(data, index), (PADDING_LABEL if isinstance(index, Sample) and index.padding else label)
 
     def _cache_up(self) -> bool:
         return self.cache is not None and self._cache_down_pid != os.getpid()
 
-    def _cached(self, index: int) -> tuple[bytes, int]:
-        """Sample ``index`` through the node's agent. An agent that refuses or drops the connection is gone: this
-        process reads the shards itself from then on. One that is slow past the client's timeout, or that failed
-        this sample (its error names it), costs this sample a direct read, which names the shard if it fails too."""
+    def _cached(self, index: int, got=None) -> tuple[bytes, int]:
+        """Sample ``index`` through the node's agent (``got``: its answer in a batch). An agent that refuses or drops
+        the connection is gone: this process reads the shards itself from then on. One that is slow past the
+        client's timeout, or that failed this sample (its error names it), costs this sample a direct read, which
+        names the shard if it fails too."""
         try:
-            return checked_read(self.cache, index, self.root)
+            return checked_read(self.cache, index, self.root, got)
         except (TimeoutError, socket.timeout, DataError) as exc:
             log.warning("data cache: sample %d of %s through the node's agent: %s; read from its shard", index,
                         self.root, exc)

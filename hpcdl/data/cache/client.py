@@ -50,28 +50,45 @@ class CacheClient:
         return self._sock
 
     def _ask(self, op: int, arg: int, body: bytes = b"") -> tuple[int, int, int, int, bytes]:
+        [answer] = self._exchange(REQUEST.pack(op, arg) + body, [arg])
+        if isinstance(answer, DataError):
+            raise answer
+        return answer
+
+    def _exchange(self, requests: bytes, args: list[int]) -> list[tuple[int, int, int, int, bytes] | DataError]:
+        """Send ``requests`` at once and read one answer per argument in ``args``, in order (the agent answers each
+        request before it reads the next); an error the agent answered is a DataError in its place. A connection
+        lost raises (OSError), and the next request starts a fresh connection, as does a stream out of step."""
+        answers: list = []
         try:
             sock = self._conn()
-            sock.sendall(REQUEST.pack(op, arg) + body)
-            status, echoed, label, crc, version, length = REPLY.unpack(recv_exact(sock, REPLY.size))
-            data = recv_exact(sock, length)
-        except OSError:
+            sock.sendall(requests)
+            for arg in args:
+                status, echoed, label, crc, version, length = REPLY.unpack(recv_exact(sock, REPLY.size))
+                data = recv_exact(sock, length)
+                if echoed != arg:
+                    raise _OutOfStep(f"the node's data cache answered request {arg} with {echoed}")
+                answers.append(DataError(f"the node's data cache at {self.address[0]}:{self.address[1]}: "
+                                         f"{data.decode()}") if status == ERROR else (status, label, crc, version, data))
+        except (OSError, _OutOfStep) as exc:
             if self._sock is not None:
                 self._sock.close()
             self._sock = None
+            if isinstance(exc, _OutOfStep):
+                raise DataError(str(exc)) from None
             raise
-        if echoed != arg:  # the stream is out of step: the next request starts a fresh connection
-            self._sock.close()
-            self._sock = None
-            raise DataError(f"the node's data cache answered request {arg} with {echoed}")
-        if status == ERROR:
-            raise DataError(f"the node's data cache at {self.address[0]}:{self.address[1]}: {data.decode()}")
-        return status, label, crc, version, data
+        return answers
 
     def get(self, index: int, source: bool = False) -> tuple[bytes, int, int, int]:
         """(bytes, label, crc32, format version) of sample ``index``; ``source``: read from the shard itself."""
         _, label, crc, version, data = self._ask(GET_SOURCE if source else GET, index)
         return data, label, crc, version
+
+    def get_many(self, indices: list[int]) -> list[tuple[bytes, int, int, int] | DataError]:
+        """:meth:`get` of each of ``indices`` (a loader's batch), the requests sent at once: one round trip to the
+        agent for the batch, not one per sample. A sample the agent failed is a DataError in its place."""
+        answers = self._exchange(b"".join(REQUEST.pack(GET, i) for i in indices), indices)
+        return [a if isinstance(a, DataError) else (a[4], a[1], a[2], a[3]) for a in answers]
 
     def announce(self, local_rank: int, epoch: int, order: list[int]) -> None:
         self._ask(ANNOUNCE, local_rank, struct.pack("!qq", epoch, len(order)) + np.asarray(order, dtype=">i8").tobytes())
@@ -85,11 +102,18 @@ class CacheClient:
         return json.loads(self._ask(STATS, int(every_node))[4])
 
 
-def checked_read(client: CacheClient, index: int, where: str) -> tuple[bytes, int]:
+class _OutOfStep(Exception):
+    pass
+
+
+def checked_read(client: CacheClient, index: int, where: str, got: tuple | DataError | None = None) -> tuple[bytes, int]:
     # a copy damaged at its owner stays so there (only the asking node's kept copy is replaced): each node that reads
     # it reads it from the shard instead, and says so, each epoch
-    """Sample ``index`` through the cache, its CRC32 checked; a damaged copy is named and read from the shard."""
-    data, label, crc, version = client.get(index)
+    """Sample ``index`` through the cache (``got``: the agent's answer, from :meth:`CacheClient.get_many`), its CRC32
+    checked; a damaged copy is named and read from the shard."""
+    if isinstance(got, DataError):
+        raise got
+    data, label, crc, version = got if got is not None else client.get(index)
     if record_crc(data, label, version) == crc:
         return data, label
     log.warning("data cache: sample %d of %s came damaged from the node's cache (CRC32 mismatch); reading it "
