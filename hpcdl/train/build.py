@@ -17,7 +17,7 @@ import socket
 import torch
 
 from hpcdl.config import RunConfig, cache_budget_bytes
-from hpcdl.data.cache.agent import AgentSpec
+from hpcdl.data.cache.spec import AgentSpec
 from hpcdl.data.cache.client import CacheClient, start_agent
 from hpcdl.data.cache.owners import sample_owners
 from hpcdl.data.dataset import InMemory, ShardDataset

@@ -30,10 +30,10 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from hpcdl.data.cache.spec import AgentSpec, Counters, Record
 from hpcdl.data.cache.wire import GET_SOURCE, OK, PEER_GET, REPLY, REQUEST, recv_exact
 from hpcdl.data.format import OpenShard, open_shard, read_record, read_span, record_crc
 
@@ -41,47 +41,7 @@ PEER_TIMEOUT_S = 30.0  # a peer's answer waited for this long, then the sample i
 PEER_RETRY_S = 60.0  # a peer that refused or dropped a connection is asked again after this
 PEERS_WAIT_S = 120.0  # a request for another node's sample waits this long for the peers' addresses
 WHOLE_MAX = 64 << 20  # an owned shard up to this size is read whole at its open (a larger one, record by record)
-
-
-@dataclass
-class AgentSpec:
-    root: str
-    paths: list[str]  # the shards, in the manifest's order
-    counts: list[int]  # their images
-    owners: np.ndarray  # the owning node of each sample (int32)
-    node: int  # this node's number
-    budget: int  # bytes of owned samples kept in RAM
-    window: int  # samples prefetched ahead of the readers
-    nodes: int = 1  # the job's nodes: with more than one, another node's sample waits for PEERS
-    host: str = "0.0.0.0"  # the address to listen on: the one the job's nodes reach this node at
-    fetchers: int = 4  # threads fetching ahead
-
-
-@dataclass(slots=True)
-class Record:
-    data: bytes
-    label: int
-    crc: int
-    version: int
-
-
-@dataclass
-class Counters:
-    source_reads: int = 0  # samples read from the shared filesystem
-    source_bytes: int = 0
-    source_opens: int = 0  # shards opened
-    source_again: int = 0  # samples read from the shared filesystem a second time or more (beyond the budget)
-    peer_reads: int = 0  # samples fetched from other nodes' agents
-    peer_bytes: int = 0
-    served_to_peers: int = 0  # samples sent to other nodes' agents
-    kept_hits: int = 0  # local reads answered from the samples kept here
-    ahead_hits: int = 0  # local reads answered from the prefetch
-    waited: int = 0  # local reads fetched while the reader waited
-    prefetch_errors: int = 0
-    peer_failures: int = 0  # samples a peer was slow on or failed: read from the shard instead
-    kept_samples: int = 0
-    kept_bytes: int = 0
-    peers_lost: list = field(default_factory=list)
+PEER_RUN = 16  # samples of one other node prefetched in one exchange with its agent
 
 
 class Agent:
@@ -164,15 +124,15 @@ class Agent:
                 self.inflight.pop(index).set()
                 self.cond.notify_all()
 
-    def _load(self, index: int, keep_ahead: bool) -> Record:
-        """Fetch ``index``, which the caller reserved in ``inflight``, from where it lives; kept when owned here; held
-        for the reader when prefetched (``keep_ahead``), else taken by the reader that asked."""
+    def _load(self, index: int, keep_ahead: bool, fetched: Record | None = None) -> Record:
+        """Fetch ``index``, which the caller reserved in ``inflight``, from where it lives (``fetched``: what its owner
+        sent in a run of samples); kept when owned here; held for the reader when prefetched (``keep_ahead``), else
+        taken by the reader that asked."""
         try:
             owner = int(self.spec.owners[index])
-            record = None
-            if owner != self.spec.node and self._peers_arrived() and owner in self.peers \
-                    and time.monotonic() - self.lost.get(owner, -PEER_RETRY_S) >= PEER_RETRY_S:
-                record = self._from_peer(owner, index)
+            record = fetched
+            if record is None and self._peer_usable(owner):
+                [record] = self._from_peer(owner, [index])
             if record is None:
                 record = self._source(index)
             if owner == self.spec.node:
@@ -187,6 +147,10 @@ class Agent:
                 if not keep_ahead:
                     self.taken.add(index)
                 self.cond.notify_all()
+
+    def _peer_usable(self, owner: int) -> bool:
+        return owner != self.spec.node and self._peers_arrived() and owner in self.peers \
+            and time.monotonic() - self.lost.get(owner, -PEER_RETRY_S) >= PEER_RETRY_S
 
     def _peers_arrived(self) -> bool:
         """Whether the peers' addresses are here, waiting for them once: after ``PEERS_WAIT_S`` without them, every
@@ -272,12 +236,14 @@ class Agent:
                     self._keep(first + i, records[i])
         s.whole = None  # the kept records are copies
 
-    def _from_peer(self, owner: int, index: int) -> Record | None:
-        """``index`` from its owner's agent, or None: the owner answered with an error (this sample is then read from
-        the shard), or its connection was refused or dropped (the owner is taken as lost for ``PEER_RETRY_S``, named
+    def _from_peer(self, owner: int, indices: list[int]) -> list[Record | None]:
+        """``indices`` from their owner's agent, the requests sent at once (a prefetched run of its samples costs one
+        round trip); None for a sample the owner answered with an error (it is then read from the shard), and for
+        every one when the connection was refused or dropped (the owner is taken as lost for ``PEER_RETRY_S``, named
         once). The connections to a peer are pooled: a request takes an idle one or opens one, and returns it."""
         with self.cond:
             sock = self.idle[owner].pop() if self.idle[owner] else None
+        got: list[Record | None] = []
         try:
             if sock is None:
                 try:
@@ -285,14 +251,23 @@ class Agent:
                 except (TimeoutError, socket.timeout) as exc:  # no answer to a connect: the node is gone or cut off
                     raise ConnectionError(f"no connection within {PEER_TIMEOUT_S:.0f} s ({exc})") from None
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(REQUEST.pack(PEER_GET, index))
-            status, echoed, label, crc, version, length = REPLY.unpack(recv_exact(sock, REPLY.size))
-            data = recv_exact(sock, length)
-        except (TimeoutError, socket.timeout) as exc:  # slow, not gone: this sample from the shard
+            sock.sendall(b"".join(REQUEST.pack(PEER_GET, i) for i in indices))
+            for index in indices:
+                status, echoed, label, crc, version, length = REPLY.unpack(recv_exact(sock, REPLY.size))
+                data = recv_exact(sock, length)
+                if echoed != index:  # out of step: not pooled
+                    raise ConnectionError(f"answered sample {index} with sample {echoed}")
+                if status != OK:
+                    self._say_once(f"failed {owner}", f"node {owner}'s cache answered sample {index} with "
+                                   f"{data.decode(errors='replace')}; read from the shard (later ones are counted, "
+                                   "not printed)")
+                got.append(Record(data, label, crc, version) if status == OK else None)
+        except (TimeoutError, socket.timeout) as exc:  # slow, not gone: these samples from the shard
             sock.close()
-            self._say_once(f"slow {owner}", f"node {owner}'s cache took over {PEER_TIMEOUT_S:.0f} s for sample {index} "
-                           f"({exc}); read from the shared filesystem (later ones are counted, not printed)")
-            return None
+            self._say_once(f"slow {owner}", f"node {owner}'s cache took over {PEER_TIMEOUT_S:.0f} s for sample "
+                           f"{indices[len(got)]} ({exc}); read from the shared filesystem (later ones are counted, "
+                           "not printed)")
+            return got + [None] * (len(indices) - len(got))
         except OSError as exc:
             if sock is not None:
                 sock.close()
@@ -305,24 +280,14 @@ class Agent:
                 self._say(f"node {owner}'s cache at {self.peers[owner][0]}:{self.peers[owner][1]} does not answer "
                           f"({exc}); its samples are read from the shared filesystem, and it is asked again every "
                           f"{PEER_RETRY_S:.0f} s")
-            return None
-        if status != OK or echoed != index:
-            if echoed != index:  # out of step: not pooled
-                sock.close()
-            else:
-                with self.cond:
-                    self.idle[owner].append(sock)
-            self._say_once(f"failed {owner}", f"node {owner}'s cache answered sample {index} with "
-                           f"{data.decode(errors='replace') if status != OK else f'sample {echoed}'}; read from the "
-                           "shard (later ones are counted, not printed)")
-            return None
+            return got + [None] * (len(indices) - len(got))
         with self.cond:
             self.idle[owner].append(sock)
             self.lost.pop(owner, None)
-        with self.cond:
-            self.counters.peer_reads += 1
-            self.counters.peer_bytes += len(data)
-        return Record(data, label, crc, version)
+            self.counters.peer_exchanges += 1
+            self.counters.peer_reads += sum(r is not None for r in got)
+            self.counters.peer_bytes += sum(len(r.data) for r in got if r is not None)
+        return got
 
     def _say(self, text: str) -> None:
         print(f"hpcdl data cache, node {self.spec.node}: {text}", file=sys.stderr, flush=True)
@@ -359,13 +324,19 @@ class Agent:
                     self.cond.wait()
                 generation = self.generation
                 orders = [o for r, (e, o) in sorted(self.orders.items()) if e == self.epoch]
+            runs: dict[int, list[int]] = collections.defaultdict(list)  # reserved samples of each owner, not yet sent
+            refill = max(1, min(PEER_RUN * max(self.spec.nodes - 1, 1), self.spec.window // 2))
             for j in range(max(map(len, orders), default=0)):
                 for order in orders:
                     if j >= len(order):
                         continue
                     index = order[j]
                     with self.cond:
-                        while (len(self.ahead) + len(self.inflight) >= self.spec.window
+                        full = len(self.ahead) + len(self.inflight) >= self.spec.window
+                    if full:
+                        self._flush(runs)  # what is reserved is sent before the window is waited for
+                    with self.cond:  # full, it is refilled by runs: once the readers took a run's worth
+                        while (full and len(self.ahead) + len(self.inflight) > self.spec.window - refill
                                and self.generation == generation):
                             self.cond.wait(0.5)
                         if self.generation != generation:
@@ -373,23 +344,38 @@ class Agent:
                         if index in self.kept or index in self.ahead or index in self.inflight or index in self.taken:
                             continue
                         self.inflight[index] = threading.Event()  # reserved: a reader asking now waits for it
-                    self.pool.submit(self._prefetch_one, index)
+                    owner = int(self.spec.owners[index])
+                    run = runs[owner]
+                    run.append(index)
+                    if owner == self.spec.node or len(run) >= PEER_RUN:
+                        self.pool.submit(self._prefetch_run, owner, run)
+                        runs[owner] = []
                 else:
                     continue
                 break
+            self._flush(runs)  # the order's end, or a newer generation's start
             with self.cond:
                 while self.generation == generation:
                     self.cond.wait()
 
-    def _prefetch_one(self, index: int) -> None:
-        try:
-            self._load(index, keep_ahead=True)
-        except Exception as exc:  # the reader that asks for it gets the error; said once for a run of them
-            with self.cond:
-                self.counters.prefetch_errors += 1
-                first = self.counters.prefetch_errors == 1
-            if first:
-                self._say(f"prefetching sample {index}: {exc} (further prefetch errors are counted, not printed)")
+    def _flush(self, runs: dict[int, list[int]]) -> None:
+        for owner, run in runs.items():
+            if run:
+                self.pool.submit(self._prefetch_run, owner, run)
+        runs.clear()
+
+    def _prefetch_run(self, owner: int, run: list[int]) -> None:
+        """A run of reserved samples of one owner: another node's in one exchange with its agent."""
+        fetched = self._from_peer(owner, run) if self._peer_usable(owner) and len(run) > 1 else [None] * len(run)
+        for index, record in zip(run, fetched):
+            try:
+                self._load(index, keep_ahead=True, fetched=record)
+            except Exception as exc:  # the reader that asks for it gets the error; said once for a run of them
+                with self.cond:
+                    self.counters.prefetch_errors += 1
+                    first = self.counters.prefetch_errors == 1
+                if first:
+                    self._say(f"prefetching sample {index}: {exc} (further prefetch errors are counted, not printed)")
 
     def stats(self) -> dict:
         with self.cond:

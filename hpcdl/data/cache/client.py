@@ -21,7 +21,7 @@ import tempfile
 
 import numpy as np
 
-from hpcdl.data.cache.agent import AgentSpec
+from hpcdl.data.cache.spec import AgentSpec
 from hpcdl.data.cache.wire import ANNOUNCE, ERROR, GET, GET_SOURCE, PEERS, REPLY, REQUEST, STATS, recv_exact
 from hpcdl.data.format import record_crc
 from hpcdl.errors import DataError

@@ -16,7 +16,8 @@ import sys
 
 import numpy as np
 
-from hpcdl.data.cache.agent import Agent, AgentSpec
+from hpcdl.data.cache.agent import Agent
+from hpcdl.data.cache.spec import AgentSpec
 from hpcdl.data.cache.wire import ANNOUNCE, ERROR, GET, GET_SOURCE, OK, PEER_GET, PEERS, REPLY, REQUEST, STATS, recv_exact
 
 
