@@ -5,7 +5,9 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +151,59 @@ def test_a_budget_keeps_what_fits_and_a_lost_peer_s_samples_come_from_the_shards
         for p in procs:
             p.kill()
             p.wait()
+
+
+def _failing_peer() -> tuple[int, list[int], threading.Event]:
+    """A fake peer agent (a real one fails a sample on demand only with a damaged shard of its own): it answers
+    every sample asked of it with an error, and lists the samples asked."""
+    from hpcdl.data.cache.wire import ERROR, REPLY, REQUEST, recv_exact
+
+    server, asked, stop = socket.create_server(("127.0.0.1", 0)), [], threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while not stop.is_set():
+                try:
+                    _, index = REQUEST.unpack(recv_exact(conn, REQUEST.size))
+                except (OSError, ConnectionError):
+                    return
+                asked.append(index)
+                message = b"fake: this peer fails every sample"
+                conn.sendall(REPLY.pack(ERROR, index, 0, 0, 0, len(message)) + message)
+
+    def accept() -> None:
+        while not stop.is_set():
+            conn, _ = server.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return server.getsockname()[1], asked, stop  # the accept thread ends with the test's process
+
+
+def test_a_run_of_samples_its_owner_failed_is_read_from_the_shards_without_asking_again(packed):
+    """The agent prefetches another node's samples in runs, one exchange each; a sample the run could not bring
+    (its owner answered an error, or was slow past the timeout) is read from its shard. Before, each was asked of
+    the owner again, alone: a slow owner cost the timeout once per sample of the run."""
+    ds = ShardDataset(str(packed), verify="none")
+    owners = (np.arange(len(ds)) % 2).astype(np.int32)
+    port, asked, stop = _failing_peer()
+    proc, agent_port = start_agent(AgentSpec(ds.root, ds.paths, ds.shard_sizes, owners, 0, 1 << 30, window=64,
+                                             nodes=2, host="127.0.0.1"))
+    try:
+        client, n = CacheClient(("127.0.0.1", agent_port)), len(ds)
+        client.peers({1: ("127.0.0.1", port)})
+        order = [int(i) for i in np.random.default_rng(2).permutation(n)]
+        client.announce(0, 0, order)
+        for i in order:
+            assert checked_read(client, i, ds.root) == _direct(ds, i)
+        stats, theirs = client.stats()[0], [i for i in order if owners[i] == 1]
+        assert sorted(asked) == sorted(theirs), (len(asked), len(theirs))  # each asked once
+        assert stats["peer_failures"] == len(theirs) and stats["peer_reads"] == 0, stats
+        assert stats["peer_exchanges"] >= 1 and stats["ahead_hits"] > 0, stats  # the runs were asked, and failed
+    finally:
+        stop.set()
+        proc.kill()
+        proc.wait()
 
 
 def test_a_rank_that_announces_late_neither_makes_the_agent_read_twice_nor_fills_its_window(packed):

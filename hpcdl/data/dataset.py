@@ -77,20 +77,24 @@ class ShardDataset(Dataset):
     def __getitem__(self, index: int):
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} outside the {len(self)} images of {self.root}")
-        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
-        data, label = self._cached(int(index)) if self._cache_up() else self.read(shard, int(index - self.starts[shard]))
-        return self._sample(index, data, label)
+        return self._sample(index, *(self._cached(int(index)) if self._cache_up() else self._direct(int(index))))
 
     def __getitems__(self, indices: list) -> list:
         """A loader's batch (torch's fetcher calls this with the batch's indices): through the node's agent in one
-        exchange (:meth:`CacheClient.get_many`), each sample checked as one read alone is; without the cache, or
-        when the exchange fails, sample by sample."""
+        exchange (:meth:`CacheClient.get_many`), each sample checked as one read alone is; without the cache, sample
+        by sample. An exchange that fails reads the batch from its shards: not each sample asked of the agent again
+        (a slow agent cost the client's timeout per sample)."""
         if not self._cache_up() or not all(0 <= i < len(self) for i in indices):
             return [self[i] for i in indices]
         try:
             got = self.cache.get_many([int(i) for i in indices])
-        except (TimeoutError, socket.timeout, DataError, OSError):
-            return [self[i] for i in indices]  # each read says what failed, and reads the shard itself
+        except (TimeoutError, socket.timeout, DataError) as exc:  # slow past the timeout, or out of step
+            log.warning("data cache: a batch of %d samples of %s through the node's agent: %s; read from their shards",
+                        len(indices), self.root, exc)
+            return [self._sample(i, *self._direct(int(i))) for i in indices]
+        except OSError as exc:
+            self._cache_lost(exc)
+            return [self._sample(i, *self._direct(int(i))) for i in indices]
         return [self._sample(i, *self._cached(int(i), one)) for i, one in zip(indices, got)]
 
     def _sample(self, index, data: bytes, label: int):
@@ -111,6 +115,10 @@ class ShardDataset(Dataset):
                         self.root, exc)
         except OSError as exc:
             self._cache_lost(exc)
+        return self._direct(index)
+
+    def _direct(self, index: int) -> tuple[bytes, int]:
+        """Sample ``index`` read from its shard by this process."""
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         return self.read(shard, int(index - self.starts[shard]))
 

@@ -42,6 +42,7 @@ PEER_RETRY_S = 60.0  # a peer that refused or dropped a connection is asked agai
 PEERS_WAIT_S = 120.0  # a request for another node's sample waits this long for the peers' addresses
 WHOLE_MAX = 64 << 20  # an owned shard up to this size is read whole at its open (a larger one, record by record)
 PEER_RUN = 16  # samples of one other node prefetched in one exchange with its agent
+UNASKED = object()  # a sample's owner not asked yet (Agent._load)
 
 
 class Agent:
@@ -55,6 +56,7 @@ class Agent:
         self.taken: set[int] = set()  # read by a local reader this epoch (the newest announced)
         self.read_once = np.zeros(int(self.starts[-1]), dtype=bool)  # read from the shared filesystem
         self.orders: dict[int, tuple[int, list[int]]] = {}  # local rank -> (epoch, its samples to come)
+        self.wanted: set[int] = set()  # the samples of those orders (a prefetched one not wanted is not held)
         self.epoch = -1  # the newest epoch announced
         self.generation = 0
         self.cond = threading.Condition()
@@ -124,21 +126,22 @@ class Agent:
                 self.inflight.pop(index).set()
                 self.cond.notify_all()
 
-    def _load(self, index: int, keep_ahead: bool, fetched: Record | None = None) -> Record:
+    def _load(self, index: int, keep_ahead: bool, fetched: Record | None | object = UNASKED) -> Record:
         """Fetch ``index``, which the caller reserved in ``inflight``, from where it lives (``fetched``: what its owner
-        sent in a run of samples); kept when owned here; held for the reader when prefetched (``keep_ahead``), else
+        sent in a run of samples, None when the run could not bring it: read from the shard, its owner not asked
+        again); kept when owned here; held for the reader when prefetched (``keep_ahead``) and still wanted, else
         taken by the reader that asked."""
         try:
             owner = int(self.spec.owners[index])
-            record = fetched
-            if record is None and self._peer_usable(owner):
+            record = None if fetched is UNASKED else fetched
+            if fetched is UNASKED and self._peer_usable(owner):
                 [record] = self._from_peer(owner, [index])
             if record is None:
                 record = self._source(index)
             if owner == self.spec.node:
                 self._keep(index, record)
             with self.cond:
-                if keep_ahead and index not in self.kept and index not in self.taken:
+                if keep_ahead and index in self.wanted and index not in self.kept and index not in self.taken:
                     self.ahead[index] = record
             return record
         finally:
@@ -255,8 +258,11 @@ class Agent:
             for index in indices:
                 status, echoed, label, crc, version, length = REPLY.unpack(recv_exact(sock, REPLY.size))
                 data = recv_exact(sock, length)
-                if echoed != index:  # out of step: not pooled
-                    raise ConnectionError(f"answered sample {index} with sample {echoed}")
+                if echoed != index:  # out of step: not pooled, the peer not taken as lost
+                    sock.close()
+                    self._say_once(f"step {owner}", f"node {owner}'s cache answered sample {index} with sample "
+                                   f"{echoed}; read from the shard")
+                    return got + [None] * (len(indices) - len(got))
                 if status != OK:
                     self._say_once(f"failed {owner}", f"node {owner}'s cache answered sample {index} with "
                                    f"{data.decode(errors='replace')}; read from the shard (later ones are counted, "
@@ -311,7 +317,7 @@ class Agent:
             if epoch > self.epoch:
                 self.epoch = epoch
                 self.taken.clear()
-            wanted = {i for e, o in self.orders.values() if e == self.epoch for i in o}
+            self.wanted = wanted = {i for e, o in self.orders.values() if e == self.epoch for i in o}
             for index in [i for i in self.ahead if i not in wanted]:
                 del self.ahead[index]
             self.generation += 1
@@ -366,7 +372,13 @@ class Agent:
 
     def _prefetch_run(self, owner: int, run: list[int]) -> None:
         """A run of reserved samples of one owner: another node's in one exchange with its agent."""
-        fetched = self._from_peer(owner, run) if self._peer_usable(owner) and len(run) > 1 else [None] * len(run)
+        fetched: list = [UNASKED] * len(run)
+        if self._peer_usable(owner) and len(run) > 1:
+            try:
+                fetched = self._from_peer(owner, run)
+            except Exception as exc:  # every reserved sample is still loaded (and released), from the shard
+                fetched = [None] * len(run)
+                self._say(f"prefetching a run of node {owner}'s samples: {type(exc).__name__}: {exc}")
         for index, record in zip(run, fetched):
             try:
                 self._load(index, keep_ahead=True, fetched=record)
