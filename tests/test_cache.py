@@ -360,3 +360,48 @@ def test_two_nodes_train_through_the_cache_as_without_it(two_nodes, data, tmp_pa
     assert sum(int(c) for _, _, c, _ in lines[:2]) == 240 and int(lines[2][2]) == 0, lines
     shards = len(list((data / "train").glob("*.h5")))
     assert sum(int(o) for _, _, _, o in lines) <= 2 * shards, lines  # each shard opened at most once per node
+
+
+def _agent_out_of_step_after(ds: ShardDataset, good: int) -> tuple[int, list[int]]:
+    """A fake node agent (a real one answers out of step only when broken): it answers the first ``good`` requests
+    with their records, then a request with another sample's index; lists the samples asked."""
+    from hpcdl.data.cache.wire import OK, REPLY, REQUEST, recv_exact
+    from hpcdl.data.format import FORMAT_VERSION
+
+    server, asked = socket.create_server(("127.0.0.1", 0)), []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while True:
+                try:
+                    _, index = REQUEST.unpack(recv_exact(conn, REQUEST.size))
+                except (OSError, ConnectionError):
+                    return
+                asked.append(index)
+                data, label = _direct(ds, index)
+                echoed = index if len(asked) <= good else index + 1
+                try:
+                    conn.sendall(REPLY.pack(OK, echoed, label, record_crc(data, label), FORMAT_VERSION, len(data)) + data)
+                except OSError:  # the client closed the connection out of step
+                    return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server.getsockname()[1], asked
+
+
+def test_a_batch_whose_exchange_fails_keeps_what_arrived_and_reads_only_the_rest_from_its_shards(packed):
+    """A loader's batch of 8 through the node's agent, which answers 3 and then out of step: the 3 answers are used,
+    the other 5 read from their shards in this process, nothing asked of the agent twice; the batch is the one the
+    shards hold. Before, the whole batch was read from the shards again."""
+    ds = ShardDataset(str(packed), verify="none")
+    port, asked = _agent_out_of_step_after(ds, good=3)
+    cached = ShardDataset(str(packed), verify="none")
+    cached.cache = CacheClient(("127.0.0.1", port))
+    batch = [5, 0, 17, 3, 9, 11, 2, 8]
+    read = []
+    cached._direct = lambda i, direct=cached._direct: read.append(i) or direct(i)  # counts the direct reads
+    got = cached.__getitems__(batch)
+    assert [(bytes(x), y) for x, y in got] == [(bytes(x), y) for x, y in (ds[i] for i in batch)]
+    # the 8 requests were sent at once; the fake read them until the client closed on the 4th answer
+    assert 4 <= len(asked) and asked == batch[:len(asked)] and read == batch[3:], (asked, read)

@@ -82,20 +82,22 @@ class ShardDataset(Dataset):
     def __getitems__(self, indices: list) -> list:
         """A loader's batch (torch's fetcher calls this with the batch's indices): through the node's agent in one
         exchange (:meth:`CacheClient.get_many`), each sample checked as one read alone is; without the cache, sample
-        by sample. An exchange that fails reads the batch from its shards: not each sample asked of the agent again
-        (a slow agent cost the client's timeout per sample)."""
+        by sample. An exchange that fails keeps the answers that arrived and reads the rest from their shards in
+        this process (a warning names the batch): not each asked of the agent again (a slow agent cost the client's
+        timeout per sample)."""
         if not self._cache_up() or not all(0 <= i < len(self) for i in indices):
             return [self[i] for i in indices]
         try:
             got = self.cache.get_many([int(i) for i in indices])
-        except (TimeoutError, socket.timeout, DataError) as exc:  # slow past the timeout, or out of step
-            log.warning("data cache: a batch of %d samples of %s through the node's agent: %s; read from their shards",
-                        len(indices), self.root, exc)
-            return [self._sample(i, *self._direct(int(i))) for i in indices]
-        except OSError as exc:
-            self._cache_lost(exc)
-            return [self._sample(i, *self._direct(int(i))) for i in indices]
-        return [self._sample(i, *self._cached(int(i), one)) for i, one in zip(indices, got)]
+        except (TimeoutError, socket.timeout, DataError, OSError) as exc:
+            got = exc.answers
+            if isinstance(exc, (TimeoutError, socket.timeout, DataError)):  # slow past the timeout, or out of step
+                log.warning("data cache: a batch of %d samples of %s through the node's agent: %s; %d arrived, the "
+                            "rest read from their shards", len(indices), self.root, exc, len(got))
+            else:
+                self._cache_lost(exc)
+        done = [self._sample(i, *self._cached(int(i), one)) for i, one in zip(indices, got)]
+        return done + [self._sample(i, *self._direct(int(i))) for i in indices[len(done):]]
 
     def _sample(self, index, data: bytes, label: int):
         return self._transform(data, index), (PADDING_LABEL if isinstance(index, Sample) and index.padding else label)

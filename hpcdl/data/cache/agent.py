@@ -25,6 +25,7 @@ A thread per connection (a local reader's, or one of a peer's pool): thousands a
 from __future__ import annotations
 
 import collections
+import contextlib
 import socket
 import sys
 import threading
@@ -127,10 +128,9 @@ class Agent:
                 self.cond.notify_all()
 
     def _load(self, index: int, keep_ahead: bool, fetched: Record | None | object = UNASKED) -> Record:
-        """Fetch ``index``, which the caller reserved in ``inflight``, from where it lives (``fetched``: what its owner
-        sent in a run of samples, None when the run could not bring it: read from the shard, its owner not asked
-        again); kept when owned here; held for the reader when prefetched (``keep_ahead``) and still wanted, else
-        taken by the reader that asked."""
+        """Fetch ``index``, reserved in ``inflight``, from where it lives (``fetched``: what its owner sent in a run,
+        None when the run could not bring it: read from the shard, its owner not asked again); kept when owned here;
+        held for the reader when prefetched (``keep_ahead``) and still wanted, else taken by the reader that asked."""
         try:
             owner = int(self.spec.owners[index])
             record = None if fetched is UNASKED else fetched
@@ -222,9 +222,8 @@ class Agent:
     def _keep_whole(self, shard: int, s: OpenShard) -> None:
         """A shard this node owns whole, read whole by its open in one sequential pass, every record kept: the owner
         serves all of them. The client's readahead that an open starts (1.6 MB of an 8.4 MB shard on the local
-        MooseFS) is then used, not dropped (record by record, the first epoch read 1.13x the dataset on 2 nodes).
-        The records are cut outside the agent's lock; a record whose CRC32 fails is not kept (read again when asked,
-        and named by the reader)."""
+        MooseFS) is then used, not dropped (record by record, the first epoch read 1.13x the dataset on 2 nodes). Cut
+        outside the agent's lock; a record whose CRC32 fails is not kept (read again, named by the reader)."""
         first, n = int(self.starts[shard]), len(s.labels)
         records = [Record(read_span(s, int(s.offsets[i]), int(s.offsets[i + 1]), ""), int(s.labels[i]),
                           int(s.crcs[i]), s.version) for i in range(n)]
@@ -261,8 +260,8 @@ class Agent:
                 if echoed != index:  # out of step: not pooled, the peer not taken as lost
                     sock.close()
                     self._say_once(f"step {owner}", f"node {owner}'s cache answered sample {index} with sample "
-                                   f"{echoed}; read from the shard")
-                    return got + [None] * (len(indices) - len(got))
+                                   f"{echoed}; read from the shard", len(indices) - len(got))
+                    return self._counted(got, len(indices))
                 if status != OK:
                     self._say_once(f"failed {owner}", f"node {owner}'s cache answered sample {index} with "
                                    f"{data.decode(errors='replace')}; read from the shard (later ones are counted, "
@@ -272,8 +271,8 @@ class Agent:
             sock.close()
             self._say_once(f"slow {owner}", f"node {owner}'s cache took over {PEER_TIMEOUT_S:.0f} s for sample "
                            f"{indices[len(got)]} ({exc}); read from the shared filesystem (later ones are counted, "
-                           "not printed)")
-            return got + [None] * (len(indices) - len(got))
+                           "not printed)", len(indices) - len(got))
+            return self._counted(got, len(indices))
         except OSError as exc:
             if sock is not None:
                 sock.close()
@@ -286,21 +285,28 @@ class Agent:
                 self._say(f"node {owner}'s cache at {self.peers[owner][0]}:{self.peers[owner][1]} does not answer "
                           f"({exc}); its samples are read from the shared filesystem, and it is asked again every "
                           f"{PEER_RETRY_S:.0f} s")
-            return got + [None] * (len(indices) - len(got))
+            return self._counted(got, len(indices))
+        return self._counted(got, len(indices), owner, sock)
+
+    def _counted(self, got: list, asked: int, owner: int = -1, sock=None) -> list:
+        """The records an exchange brought (those it did not: None), counted as the peer's reads and bytes; ``sock``:
+        the exchange went through, its connection back to the pool."""
         with self.cond:
-            self.idle[owner].append(sock)
-            self.lost.pop(owner, None)
-            self.counters.peer_exchanges += 1
+            if sock is not None:
+                self.idle[owner].append(sock)
+                self.lost.pop(owner, None)
+                self.counters.peer_exchanges += 1
             self.counters.peer_reads += sum(r is not None for r in got)
             self.counters.peer_bytes += sum(len(r.data) for r in got if r is not None)
-        return got
+        return got + [None] * (asked - len(got))
 
     def _say(self, text: str) -> None:
-        print(f"hpcdl data cache, node {self.spec.node}: {text}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):  # stderr gone: never why a prefetch leaves samples reserved
+            print(f"hpcdl data cache, node {self.spec.node}: {text}", file=sys.stderr, flush=True)
 
-    def _say_once(self, key: str, text: str) -> None:
+    def _say_once(self, key: str, text: str, samples: int = 1) -> None:
         with self.cond:
-            self.counters.peer_failures += 1
+            self.counters.peer_failures += samples
             first = key not in self.said
             self.said.add(key)
         if first:
@@ -309,9 +315,8 @@ class Agent:
     # -- the prefetch
     def announce(self, local_rank: int, epoch: int, order: list[int]) -> None:
         """``local_rank``'s samples still to come in ``epoch``, in its order. A newer epoch than any announced
-        before starts that epoch's prefetch: what is held ahead and no longer in any rank's order is dropped, and
-        the samples taken are forgotten. The same epoch announced again (a rank's loader restarted) only replaces
-        that rank's order."""
+        before starts that epoch's prefetch: what is held ahead and no longer in any rank's order is dropped, and the
+        samples taken are forgotten. The same epoch announced again (a rank's loader restarted) replaces its order."""
         with self.cond:
             self.orders[local_rank] = (epoch, order)
             if epoch > self.epoch:
@@ -373,12 +378,12 @@ class Agent:
     def _prefetch_run(self, owner: int, run: list[int]) -> None:
         """A run of reserved samples of one owner: another node's in one exchange with its agent."""
         fetched: list = [UNASKED] * len(run)
-        if self._peer_usable(owner) and len(run) > 1:
-            try:
+        try:
+            if len(run) > 1 and self._peer_usable(owner):
                 fetched = self._from_peer(owner, run)
-            except Exception as exc:  # every reserved sample is still loaded (and released), from the shard
-                fetched = [None] * len(run)
-                self._say(f"prefetching a run of node {owner}'s samples: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # every reserved sample is still loaded (and released), from the shard
+            fetched = [None] * len(run)
+            self._say(f"prefetching a run of node {owner}'s samples: {type(exc).__name__}: {exc}")
         for index, record in zip(run, fetched):
             try:
                 self._load(index, keep_ahead=True, fetched=record)

@@ -58,7 +58,8 @@ class CacheClient:
     def _exchange(self, requests: bytes, args: list[int]) -> list[tuple[int, int, int, int, bytes] | DataError]:
         """Send ``requests`` at once and read one answer per argument in ``args``, in order (the agent answers each
         request before it reads the next); an error the agent answered is a DataError in its place. A connection
-        lost raises (OSError), and the next request starts a fresh connection, as does a stream out of step."""
+        lost raises (OSError), and the next request starts a fresh connection, as does a stream out of step; the
+        exception then carries the answers read before it (``answers``)."""
         answers: list = []
         try:
             sock = self._conn()
@@ -75,8 +76,9 @@ class CacheClient:
                 self._sock.close()
             self._sock = None
             if isinstance(exc, _OutOfStep):
-                raise DataError(str(exc)) from None
-            raise
+                exc = DataError(str(exc))
+            exc.answers = answers
+            raise exc from None
         return answers
 
     def get(self, index: int, source: bool = False) -> tuple[bytes, int, int, int]:
@@ -86,9 +88,16 @@ class CacheClient:
 
     def get_many(self, indices: list[int]) -> list[tuple[bytes, int, int, int] | DataError]:
         """:meth:`get` of each of ``indices`` (a loader's batch), the requests sent at once: one round trip to the
-        agent for the batch, not one per sample. A sample the agent failed is a DataError in its place."""
-        answers = self._exchange(b"".join(REQUEST.pack(GET, i) for i in indices), indices)
-        return [a if isinstance(a, DataError) else (a[4], a[1], a[2], a[3]) for a in answers]
+        agent for the batch, not one per sample. A sample the agent failed is a DataError in its place. An exchange
+        that fails raises with the batch's first answers, those that arrived, as its ``answers``."""
+        def got(answers: list) -> list:
+            return [a if isinstance(a, DataError) else (a[4], a[1], a[2], a[3]) for a in answers]
+
+        try:
+            return got(self._exchange(b"".join(REQUEST.pack(GET, i) for i in indices), indices))
+        except (OSError, DataError) as exc:
+            exc.answers = got(getattr(exc, "answers", []))
+            raise
 
     def announce(self, local_rank: int, epoch: int, order: list[int]) -> None:
         self._ask(ANNOUNCE, local_rank, struct.pack("!qq", epoch, len(order)) + np.asarray(order, dtype=">i8").tobytes())
