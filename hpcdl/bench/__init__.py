@@ -67,6 +67,9 @@ BENCHMARKS = {b.name: b for b in (
               on_ranks=True),
     Benchmark("optim", configs.OptimBench, "hpcdl.bench.optim",
               "one optimizer step: each of hpcdl's optimizers against torch SGD(foreach)"),
+    Benchmark("optim-shard", configs.OptimShardBench, "hpcdl.bench.optim_shard",
+              "the optimizer step replicated on every rank vs sharded over the ranks (optimizer.shard): time and "
+              "state bytes per rank (run it on a job's ranks)", on_ranks=True),
     Benchmark("step", configs.StepBench, "hpcdl.bench.step",
               "a training step through hpcdl vs a bare loop; ResNet-50 tuned vs untuned"),
     Benchmark("sync", configs.SyncBench, "hpcdl.bench.sync",

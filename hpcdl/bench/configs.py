@@ -194,6 +194,26 @@ class OptimBench:
     threads: int = 0  # torch threads (0: torch's default)
 
 
+# hpcdl bench optim-shard
+@dataclass(kw_only=True, slots=True)
+class OptimShardBench:
+    model: str = "resnet50"  # whose parameters the step updates
+    optimizers: str = "sgd,lars,lamb,adamw,muon"  # comma-separated rows of hpcdl.names.OPTIMIZER_TABLE
+    steps: int = 3  # steps per round
+    rounds: int = 5  # rounds per optimizer and layout, alternating; the median counts
+
+    def optimizer_list(self) -> list[str]:
+        chosen = [o.strip() for o in self.optimizers.split(",") if o.strip()]
+        for name in chosen:
+            names.check("--optimizers", name, names.OPTIMIZER_TABLE)
+            if names.OPTIMIZER_TABLE[name].schedule_free:
+                raise ConfigError(f"--optimizers {name}: a Schedule-Free optimizer is not sharded (its modes move "
+                                  "every weight with its state); leave it out")
+        if not chosen or self.steps < 1 or self.rounds < 1:
+            raise ConfigError("--optimizers names at least one optimizer; --steps and --rounds are at least 1")
+        return chosen
+
+
 # hpcdl bench step
 PARTS = ("precision", "overhead", "tuning", "curve")
 

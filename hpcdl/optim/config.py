@@ -31,6 +31,8 @@ class OptimConfig:
     trust_clip: bool = False
     semantics: str = "mlperf"
     groups: tuple[GroupRule, ...] = ()
+    # each tensor's update and state on one rank, the updated tensors all-gathered (hpcdl.optim.shard)
+    shard: bool = False
 
     def __post_init__(self):
         table = names.OPTIMIZER_TABLE  # read now: a row added after import counts
@@ -41,6 +43,10 @@ class OptimConfig:
             raise ConfigError(f"optimizer.eps=0 with {self.name}: its step divides by sqrt(v) + eps, 0/0 where a "
                               f"gradient element has been 0 (NaN weights). Set optimizer.eps=null (its default, "
                               f"{row.eps:g}); LARS's eps is 0, and does not carry over")
+        if self.shard and row.schedule_free:
+            raise ConfigError(f"optimizer.shard=true with {self.name}: a Schedule-Free optimizer's train and eval "
+                              "modes move every weight with its state, which sharding deals over the ranks; set "
+                              "optimizer.shard=false or choose another optimizer")
         if self.trust_clip and not row.trust_ratio:
             raise ConfigError(f"optimizer {self.name!r} has no trust ratio: trust_clip needs one of "
                               f"{', '.join(n for n, r in table.items() if r.trust_ratio)}")

@@ -50,6 +50,13 @@ def orthogonalize(update: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
 
 
 class Muon(MultiTensorOptimizer):
+    orthogonalize_steps = NS_STEPS  # what a sharded step counts the cost of an adapted matrix by (hpcdl.optim.shard)
+
+    @staticmethod
+    def state_elements(p: torch.Tensor, group: dict) -> int:
+        """The elements of ``p``'s state: a momentum buffer where it adapts, AdamW's two moments elsewhere."""
+        return p.numel() * (1 if group["adapt"] else 2)
+
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
                  betas=(0.9, 0.999), eps: float = 1e-8, nesterov: bool = True, adapt: bool = True):
         for name, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps)):

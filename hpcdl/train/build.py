@@ -35,6 +35,7 @@ from hpcdl.errors import ConfigError, DataError
 from hpcdl.models import build_model, model_info
 from hpcdl.models.finetune import load_weights, lr_scales, read_weights
 from hpcdl.optim.factory import build_optimizer
+from hpcdl.optim.shard import ShardedOptimizer
 from hpcdl.optim.schedule import LRSchedule
 from hpcdl.train.accel import apply_ipex
 from hpcdl.train.checkpoint import rank_seed, seed_rng
@@ -79,6 +80,8 @@ def build_model_parts(cfg: RunConfig, ctx: DistContext, precision: str, *, resum
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, cfg.optimizer, scales, body)
     model, optimizer, note = apply_ipex(model, optimizer, precision=precision, mode=cfg.loop.ipex)
+    if cfg.optimizer.shard and ctx.world_size > 1:
+        optimizer = ShardedOptimizer(optimizer, ctx.group)
     freeze = round(tuned.freeze_body_epochs * cfg.schedule.steps_per_epoch)
     return ModelParts(model, optimizer, LRSchedule(optimizer, cfg.schedule, freeze_steps=freeze),
                       make_criterion(cfg.label_smoothing), note, channels_last, channels_last_why)

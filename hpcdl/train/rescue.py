@@ -318,10 +318,13 @@ class Rescue:
             except Exception as exc:
                 log.warning("rescue: %s unreadable (%s); rank %d's RNG streams are seeded afresh", path, exc, r)
         missing = [r for r in range(self.world) if rngs[r] is None]
+        sharded = False
         if not step or self.ckpt is None:  # no step in this start (lost during start-up), or none trained yet
             path, wrote = None, False
         elif self.ckpt.has(step):  # the periodic checkpoint of this very step is on disk (a write waited for)
             path, wrote = self.run_folder.checkpoint(step), False
+        elif sharded := getattr(self.ckpt.parts.get("optimizer"), "collective", False):
+            path, wrote = None, False  # optimizer.shard: the lost ranks' shares of the optimizer state went with them
         else:
             state = self.ckpt.compose(self._boundary_parts(rngs), rank_states=False, jit={
                 "survivors": survivors, "lost": lost if lost is not None else [0], "rng_lost": missing,
@@ -338,7 +341,8 @@ class Rescue:
         atomic_write_text(os.path.join(self.folder, "result.json"), json.dumps(result, indent=1) + "\n")
         log.error("rank %d: just-in-time checkpoint of step %s: %s (survivors %s; lost %s)", self.rank, step,
                   f"written to {path}" if wrote else f"the periodic one, {path}" if path else
-                  "none (no step trained in this start): the run resumes from its newest checkpoint",
+                  "none (%s): the run resumes from its newest checkpoint" % ("optimizer.shard=true: the lost ranks' "
+                  "optimizer state went with them" if sharded else "no step trained in this start"),
                   _ranges(survivors), result["lost"])
 
     def _boundary_parts(self, rngs: list) -> dict:

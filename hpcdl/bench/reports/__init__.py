@@ -19,13 +19,13 @@ from hpcdl.bench.reports.data import (DataPathReport, DataReport, FeedReport, Fe
                                       RecipeRates)
 from hpcdl.bench.reports.startup import CountFit, StartupReport, StartupRow, StoreCapacity
 from hpcdl.bench.reports.train import (Breakdown, ClassTime, Compiled, LargeBatchCell, LargeBatchReport, NodeRound,
-                                       NotCompiled, OptimReport, Phases, PrecisionCase, RankSetup, ScalingMeta,
+                                       NotCompiled, OptimReport, OptimShardReport, OptimShardRow, Phases, PrecisionCase, RankSetup, ScalingMeta,
                                        ScalingPoint, ScalingReport, StepCurve, StepOverhead, StepPrecision, StepReport,
                                        StepTimes, StepTuning, TopOperator)
 
 __all__ = ["AllreduceMeta", "AllreduceReport", "AllreduceRow", "Breakdown", "ClassTime", "Compiled", "CountFit",
            "DDPPart", "DataPathReport", "DataReport", "FeedReport", "FeedRow", "FeedRun", "LargeBatchCell",
-           "LargeBatchReport", "Machine", "NoFit", "NodeRound", "NotCompiled", "OptimReport", "PathEpoch", "Phases",
+           "LargeBatchReport", "Machine", "NoFit", "NodeRound", "NotCompiled", "OptimReport", "OptimShardReport", "OptimShardRow", "PathEpoch", "Phases",
            "Placement", "PluginImports", "PluginMeta", "PluginReport", "PluginRow", "PluginWorkerReport",
            "PrecisionCase", "Provenance", "RankSetup", "ReaderRow", "RecipeRates", "Report", "RingFit", "ScalingMeta",
            "ScalingPoint", "ScalingReport", "StartupReport", "StartupRow", "StepCurve", "StepOverhead", "StepPrecision",

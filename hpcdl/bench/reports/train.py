@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from hpcdl.bench.configs import LargeBatchBench, OptimBench, ScalingBench, StepBench
+from hpcdl.bench.configs import LargeBatchBench, OptimBench, OptimShardBench, ScalingBench, StepBench
 from hpcdl.bench.reports.base import Provenance, Report
 
 __all__ = ["Breakdown", "ClassTime", "Compiled", "LargeBatchCell", "LargeBatchReport", "NodeRound", "NotCompiled",
-           "OptimReport", "Phases", "PrecisionCase", "RankSetup", "ScalingMeta", "ScalingPoint", "ScalingReport",
+           "OptimReport", "OptimShardReport", "OptimShardRow", "Phases", "PrecisionCase", "RankSetup", "ScalingMeta", "ScalingPoint", "ScalingReport",
            "StepCurve", "StepOverhead", "StepPrecision", "StepReport", "StepTimes", "StepTuning", "TopOperator"]
 
 
@@ -22,6 +22,27 @@ class OptimReport(Report):
     ratio_to_sgd: dict[str, float]
     rounds_ms: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     config: OptimBench | None = None  # filled by the runner
+    provenance: Provenance | None = None  # filled by the runner
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OptimShardRow:
+    optimizer: str
+    replicated_ms: float  # the whole update on every rank (median of rounds, the slowest rank's)
+    sharded_ms: float  # this rank's share of the update and the all-gather of the updated tensors (the same)
+    replicated_state_bytes: int  # one rank's optimizer state, replicated
+    sharded_state_bytes: tuple[int, ...]  # each rank's, sharded (measured: the tensors its optimizer holds)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OptimShardReport(Report):
+    benchmark: typing.ClassVar[str] = "optim-shard"
+    parameters: int
+    world_size: int
+    backend: str
+    threads: int
+    rows: tuple[OptimShardRow, ...]
+    config: OptimShardBench | None = None  # filled by the runner
     provenance: Provenance | None = None  # filled by the runner
 
 

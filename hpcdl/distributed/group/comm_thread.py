@@ -231,8 +231,8 @@ class CommThread:
         self._watchdog.join(timeout=1.0)
         fast_stuck = self.fast is not None and self.fast.stuck()
         if self.exit_if_stuck and (self._thread.is_alive() or fast_stuck):
-            log.error("%s: a collective never completed; leaving without finalizing the "
-                                              "library (it cannot abort the call)", self.name)
+            log.error("%s: a collective never completed; leaving without finalizing the library (it cannot abort "
+                      "the call)", self.name)
             leave_now(1)
 
 

@@ -66,17 +66,17 @@ class _Slot:
     shape: tuple[int, ...]
 
 
-def broadcast_state(state, group, *, chunk_bytes: int = CHUNK_BYTES):
-    """Collective: rank 0's ``state`` (dicts, lists and tuples of tensors and plain values) on every rank; the
-    others pass anything (None) and get a copy whose tensors are fresh, contiguous CPU tensors. Tensors that
-    shared storage on rank 0 arrive as separate tensors."""
-    root = dist.get_rank(group) == 0
+def broadcast_state(state, group, *, chunk_bytes: int = CHUNK_BYTES, src: int = 0):
+    """Collective: rank ``src``'s ``state`` (dicts, lists and tuples of tensors and plain values; ``src`` is a rank
+    of ``group``) on every rank; the others pass anything (None) and get a copy whose tensors are fresh, contiguous
+    CPU tensors. Tensors that shared storage on rank ``src`` arrive as separate tensors."""
+    root = dist.get_rank(group) == src
     tensors: list[torch.Tensor] = []
     skeleton = [_hollow(state, tensors) if root else None]
-    dist.broadcast_object_list(skeleton, src=0, group=group)
+    dist.broadcast_object_list(skeleton, group=group, group_src=src)
     if not root:
         state = _fill(skeleton[0], tensors)
-    _stream([_bytes(t) for t in tensors], root, group, chunk_bytes)
+    _stream([_bytes(t) for t in tensors], root, group, chunk_bytes, src)
     return state
 
 
@@ -110,10 +110,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
-def _stream(views: list[torch.Tensor], root: bool, group, chunk_bytes: int) -> None:
-    """Broadcast the concatenation of ``views`` (flat byte tensors) from rank 0 in chunks of ``chunk_bytes``:
-    small tensors share a chunk, a large one spans several. Rank 0 copies its bytes into the staging buffer,
-    the others copy out of it."""
+def _stream(views: list[torch.Tensor], root: bool, group, chunk_bytes: int, src: int = 0) -> None:
+    """Broadcast the concatenation of ``views`` (flat byte tensors) from rank ``src`` of ``group`` in chunks of
+    ``chunk_bytes``: small tensors share a chunk, a large one spans several. The root copies its bytes into the
+    staging buffer, the others copy out of it."""
     total = sum(v.numel() for v in views)
     if not total:
         return
@@ -131,7 +131,7 @@ def _stream(views: list[torch.Tensor], root: bool, group, chunk_bytes: int) -> N
         if offset == view.numel():
             i, offset = i + 1, 0
         if filled == staging.numel() or (i == len(views) and filled):
-            dist.broadcast(staging[:filled], src=0, group=group)
+            dist.broadcast(staging[:filled], group=group, group_src=src)
             if not root:
                 for dest, at, start, n in pending:
                     dest[at:at + n].copy_(staging[start:start + n])

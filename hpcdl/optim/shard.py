@@ -1,0 +1,164 @@
+"""The optimizer step once per job: each parameter tensor's update, and its state, on one rank (``optimizer.shard``).
+
+Every rank still receives the whole averaged gradient (DDP's all-reduce, with any comm hook), so the owner of a
+tensor computes exactly the update every rank computed before: the weights are the replicated run's, bit for bit.
+What changes is who computes it. The tensors are dealt out whole, never split, so LARS, LARC and LAMB keep their
+per-tensor trust ratios and Muon orthogonalizes each matrix on one rank; they are dealt by their counted cost
+(:func:`update_cost`: Muon's Newton-Schulz on a matrix costs far more than an element-wise update of the same
+size), the costliest first, each to the rank with the least so far (longest processing time first). After the
+update, one all-gather per dtype brings every rank the tensors the others updated (each rank's share padded to
+the largest share's size): the same bytes as one pass of the parameters, one collective whatever the rank count.
+
+The anchors: ZeRO stage 1 (Rajbhandari et al. 2020) and torch's ``ZeroRedundancyOptimizer`` shard the state by
+parameter; Moonlight's distributed Muon (Liu et al. 2025) deals each matrix's Newton-Schulz to one rank. Unlike
+ZeRO, the gradients are all-reduced rather than reduce-scattered: DDP's buckets and hpcdl's hooks stay as they
+are, at the cost of one more all-gather of the weights each step (docs/performance.md measures it).
+
+The state is the inner optimizer's for the tensors this rank owns. :meth:`ShardedOptimizer.state_dict` is
+collective (every rank calls it, as for the RNG streams' part): each rank's share is streamed to rank 0, which
+returns the whole optimizer state in the replicated layout, so a checkpoint loads on any rank count, sharded or
+not. :meth:`ShardedOptimizer.load_state_dict` takes a whole state and keeps this rank's share.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from hpcdl.distributed.group.share import broadcast_state
+from hpcdl.errors import ConfigError
+
+__all__ = ["ShardedOptimizer", "deal", "update_cost"]
+
+# torch 2.14 renamed all_gather_into_tensor (and warns on the old name); earlier releases have only that one
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+ELEMENTWISE = 10  # an element-wise update's cost per element, in the units of a matrix product's multiply-adds
+
+
+def update_cost(p: torch.Tensor, group: dict, optimizer: torch.optim.Optimizer) -> float:
+    """The counted cost of ``p``'s update: ``ELEMENTWISE`` per element, plus, where the optimizer orthogonalizes
+    it (Muon's adapted matrices), the Newton-Schulz iteration's multiply-adds on its ``out x rest`` view."""
+    cost = ELEMENTWISE * p.numel()
+    steps = getattr(optimizer, "orthogonalize_steps", 0)
+    if steps and group.get("adapt") and p.ndim >= 2:
+        m, n = sorted((p.shape[0], math.prod(p.shape[1:])))  # x is m x n, m <= n
+        cost += steps * (2 * m * m * n + m ** 3)  # x x^T, gram @ gram, (..) @ x
+    return float(cost)
+
+
+def deal(costs: list[float], ranks: int, sizes: list[float] | None = None) -> list[int]:
+    """Each tensor's owner, the same on every rank: the costliest first, each to the rank whose larger share (of the
+    cost dealt so far, and of the ``sizes``, the state's bytes, when given) stays smallest with it (ties: the lower
+    rank, then the tensor's place). Where the cost follows the size (an element-wise update) this is longest
+    processing time first; where it does not (Muon's matrices), neither the time nor the memory of a rank runs far
+    past its 1/N."""
+    sizes = sizes or costs
+    total_cost, total_size = sum(costs) or 1.0, sum(sizes) or 1.0
+    cost, size, owner = [0.0] * ranks, [0.0] * ranks, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(ranks), key=lambda r: (max((cost[r] + costs[i]) / total_cost, (size[r] + sizes[i]) / total_size),
+                                             cost[r], r))
+        owner[i], cost[r], size[r] = r, cost[r] + costs[i], size[r] + sizes[i]
+    return owner
+
+
+class ShardedOptimizer:
+    """``optimizer`` with each tensor's update on its owner (:func:`deal`), the updated tensors all-gathered over
+    ``group``. The schedule sets the lr on :attr:`param_groups`, which are the inner optimizer's."""
+
+    collective = True  # state_dict() gathers the shares: every rank calls it (hpcdl.train.checkpoint)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group=None):
+        self.optimizer, self.group = optimizer, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.costs = [update_cost(p, g, optimizer) for g in optimizer.param_groups for p in g["params"]]
+        elements = getattr(optimizer, "state_elements", lambda p, g: p.numel())  # where the state is not one shape
+        self.owner = deal(self.costs, self.size, [float(elements(p, g)) for g in optimizer.param_groups
+                                                  for p in g["params"]])
+        self.mine = {id(p) for p, o in zip(self.params, self.owner) if o == self.rank}
+        dtypes = sorted({p.dtype for p in self.params}, key=str)
+        self._shares = {dt: [[p for p, o in zip(self.params, self.owner) if o == r and p.dtype == dt]
+                             for r in range(self.size)] for dt in dtypes}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """The inner optimizer's step on this rank's tensors (the others' gradients hidden from it), then every
+        rank's updated tensors on every rank. A group none of whose tensors this rank owns still counts the step
+        where the optimizer counts steps per group (LAMB's and Muon's ``step``), as on the tensors' owners."""
+        if closure is not None:
+            raise ConfigError("optimizer.shard=true: the sharded step takes no closure")
+        hidden, counted = [], []
+        for g in self.optimizer.param_groups:
+            had = any(p.grad is not None for p in g["params"])
+            for p in g["params"]:
+                if p.grad is not None and id(p) not in self.mine:
+                    hidden.append((p, p.grad))
+                    p.grad = None
+            if had and "step" in g and not any(p.grad is not None for p in g["params"]):
+                counted.append(g)
+        try:
+            self.optimizer.step()
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+        for g in counted:
+            g["step"] += 1
+        self.gather()
+
+    def gather(self) -> None:
+        """Collective: each rank's tensors, as its owner holds them, on every rank (one all-gather per dtype)."""
+        for shares in self._shares.values():
+            sizes = [sum(p.numel() for p in share) for share in shares]
+            width = max(sizes)
+            if not width:
+                continue
+            mine = shares[self.rank]
+            send = torch.zeros(width, dtype=shares[self.rank][0].dtype if mine else next(
+                s[0].dtype for s in shares if s))
+            if mine:
+                send[:sizes[self.rank]].copy_(_flatten_dense_tensors([p.detach() for p in mine]))
+            out = torch.empty(width * self.size, dtype=send.dtype)
+            ALL_GATHER(out, send, group=self.group)
+            for r, share in enumerate(shares):
+                if r != self.rank and share:
+                    flat = out[r * width:r * width + sizes[r]]
+                    for p, value in zip(share, _unflatten_dense_tensors(flat, share)):
+                        p.copy_(value)
+
+    def state_dict(self) -> dict | None:
+        """Collective: the whole optimizer state, in the replicated layout, on rank 0 (None on the others)."""
+        own = self.optimizer.state_dict()
+        whole = own if self.rank == 0 else None
+        for r in range(1, self.size):
+            got = broadcast_state(own["state"] if self.rank == r else None, self.group, src=r)
+            if self.rank == 0:
+                whole["state"].update(got)
+        return whole
+
+    def load_state_dict(self, state: dict) -> None:
+        """A whole optimizer state (a checkpoint's, written sharded or not, on any rank count): this rank keeps the
+        state of the tensors it owns."""
+        self.optimizer.load_state_dict(state)
+        for p in self.params:
+            if id(p) not in self.mine:
+                self.optimizer.state.pop(p, None)
+
+    def state_bytes(self) -> int:
+        """The bytes of tensor state this rank holds."""
+        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+                   if torch.is_tensor(t))

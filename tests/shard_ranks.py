@@ -1,0 +1,79 @@
+"""One rank of test_shard: each optimizer that can be sharded, replicated and sharded side by side over the same
+gradients (every rank draws the same ones, as an all-reduce leaves them), three steps; rank r writes what it saw to
+OUT/rank-r.json: whether the weights and (rank 0) the gathered state equal the replicated ones bit for bit, the
+bytes of state it holds against the replicated optimizer's, and whether a whole state loaded back keeps only its
+share and steps on alike."""
+
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hpcdl import names
+from hpcdl.optim.config import OptimConfig
+from hpcdl.optim.factory import build_optimizer
+from hpcdl.optim.shard import ShardedOptimizer
+
+out, backend = sys.argv[1], sys.argv[2]
+dist.init_process_group(backend)
+rank, world = dist.get_rank(), dist.get_world_size()
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)  # the same weights on every rank
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 16, 3), nn.BatchNorm2d(16), nn.Conv2d(16, 16, 3),
+                         nn.Flatten(), nn.Linear(16, 12), nn.Linear(12, 10))
+
+
+def steps(net: nn.Module, optimizer, n: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        for p in net.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(torch.equal(x, y) if torch.is_tensor(x) else same(x, y) if isinstance(x, dict) else x == y
+               for x, y in ((a[k], b[k]) for k in a))
+
+
+def state_bytes(optimizer) -> int:
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+seen = {}
+for name, row in names.OPTIMIZER_TABLE.items():
+    if row.schedule_free:
+        continue
+    cfg = OptimConfig(name=name, lr=0.01, shard=True)
+    plain, dealt = model(), model()
+    replicated = build_optimizer(plain, cfg)
+    sharded = ShardedOptimizer(build_optimizer(dealt, cfg))
+    steps(plain, replicated, 3, seed=1)
+    steps(dealt, sharded, 3, seed=1)
+    whole = sharded.state_dict()  # collective
+    weights = same(plain.state_dict(), dealt.state_dict())
+    state = same(whole, replicated.state_dict()) if rank == 0 else whole is None
+    again = model()
+    resumed = ShardedOptimizer(build_optimizer(again, cfg))
+    again.load_state_dict(dealt.state_dict())
+    resumed.load_state_dict(copy.deepcopy(replicated.state_dict()))  # as read from a file: no tensor shared
+    steps(again, resumed, 2, seed=2)
+    steps(plain, replicated, 2, seed=2)
+    seen[name] = {
+        "weights": weights, "state": state,
+        "bytes": sharded.state_bytes(), "replicated_bytes": state_bytes(replicated),
+        "resumed": all(torch.equal(p, q) for p, q in zip(plain.parameters(), again.parameters())),
+        "resumed_bytes": resumed.state_bytes(), "owners": sorted(set(sharded.owner)),
+    }
+with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+    json.dump(seen, f)
+dist.destroy_process_group()

@@ -1,0 +1,123 @@
+"""optimizer.shard: each tensor's update and state on one rank, the updated tensors all-gathered. The weights and
+the gathered state are the replicated run's bit for bit; a checkpoint written sharded resumes on another rank
+count; a lost rank takes its share of the state with it, and the survivors say so and leave the newest checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from conftest import PYTHON, REPO, free_port, rank_env, same_states, start_ranks
+from test_train import args_for, start_faulty, wait_all
+
+from hpcdl.errors import ConfigError
+from hpcdl.optim.config import OptimConfig
+from hpcdl.optim.muon import Muon
+from hpcdl.optim.shard import ELEMENTWISE, deal, update_cost
+from hpcdl.train.rescue import EXIT_PEER_LOST
+
+
+def test_tensors_are_dealt_costliest_first_to_the_least_loaded_rank_alike_on_every_rank():
+    costs = [5.0, 1.0, 9.0, 3.0, 3.0, 8.0, 2.0]
+    owner = deal(costs, 3)
+    assert owner == deal(list(costs), 3)  # a function of the costs alone
+    loads = [sum(c for c, o in zip(costs, owner) if o == r) for r in range(3)]
+    assert sorted(loads) == [10.0, 10.0, 11.0]  # 9+1, 8+2, 5+3+3: within the smallest tensor of even
+    assert deal(costs, 1) == [0] * len(costs) and set(deal(costs, 9)) == set(range(7))  # more ranks than tensors
+    assert deal([1.0, 1.0], 2) == [0, 1]  # ties: the lower rank, then the tensor's place
+
+
+def test_a_muon_matrix_costs_its_newton_schulz_an_adamw_tensor_its_elements():
+    matrix, flat = torch.nn.Parameter(torch.zeros(64, 32, 3, 3)), torch.nn.Parameter(torch.zeros(64 * 32 * 9))
+    muon = Muon([{"params": [matrix], "adapt": True}, {"params": [flat], "adapt": False}])
+    adapted, plain = (update_cost(p, g, muon) for g in muon.param_groups for p in g["params"])
+    assert plain == ELEMENTWISE * flat.numel()
+    m, n = 64, 32 * 9
+    assert adapted == ELEMENTWISE * matrix.numel() + muon.orthogonalize_steps * (2 * m * m * n + m ** 3) > 20 * plain
+
+
+def test_schedule_free_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="optimizer.shard=true with schedulefree.*optimizer.shard=false"):
+        OptimConfig(name="schedulefree", shard=True)
+    assert OptimConfig(name="muon", shard=True).shard
+
+
+@pytest.mark.ranks
+def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicated(tmp_path):
+    """Three gloo ranks: each optimizer (Schedule-Free refused above) replicated and sharded over the same gradients:
+    the same weights and gathered state bit for bit, each tensor's state on one rank only, and a whole state loaded
+    back keeps only the rank's share and steps on as the replicated one."""
+    port = free_port()
+    procs = [subprocess.Popen([PYTHON, str(REPO / "tests" / "shard_ranks.py"), str(tmp_path), "gloo"],
+                              env={**rank_env(r, 3, port), "PYTHONPATH": str(REPO)}) for r in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(3)]
+    assert set(seen[0]) == {"sgd", "nesterov", "lars", "larc", "lamb", "adamw", "muon"}
+    for name in seen[0]:
+        ranks = [s[name] for s in seen]
+        assert all(r["weights"] and r["state"] and r["resumed"] for r in ranks), (name, ranks)
+        assert all(r["owners"] == [0, 1, 2] for r in ranks)
+        replicated = ranks[0]["replicated_bytes"]
+        # each tensor's state on its owner alone (Adam's step counters, 4 bytes a tensor, excepted: they are
+        # per tensor too), none on the others
+        assert sum(r["bytes"] for r in ranks) <= replicated and all(0 < r["bytes"] < replicated for r in ranks)
+        assert [r["resumed_bytes"] for r in ranks] == [r["bytes"] for r in ranks]
+
+
+@pytest.mark.ranks
+def test_a_sharded_run_trains_the_replicated_weights_and_resumes_on_another_rank_count(data, tmp_path):
+    """Muon (Newton-Schulz dealt out, its AdamW part per group) on 2 ranks of the default backend, sharded and not,
+    6 steps with a checkpoint at 3: the same checkpoints bit for bit, the optimizer state whole in both. The sharded
+    checkpoint of step 3 then goes on, sharded, on 3 ranks to the end: the replicas identical."""
+    extra = ["--set", "optimizer.name=muon", "--set", "schedule.base_lr=0.01", "--set", "loop.max_steps=6",
+             "--set", "checkpoint.every_steps=3", "--set", "checkpoint.every_minutes=0", "--set", "data.workers=0",
+             "--set", "loop.eval_every=0", "--set", "global_batch=24"]  # 24: on 2 ranks and on 3
+    runs = {}
+    for shard in ("false", "true"):
+        (tmp_path / shard).mkdir()
+        runs[shard] = start_ranks(2, args_for(data, tmp_path / f"run-{shard}", *extra, "--set",
+                                              f"optimizer.shard={shard}"), tmp_path / shard)
+    assert wait_all(runs["false"] + runs["true"]) == [0] * 4, (tmp_path / "true" / "rank0.log").read_text()[-3000:]
+    for step in (3, 6):
+        a, b = (torch.load(tmp_path / f"run-{s}" / "checkpoints" / f"ckpt-{step:09d}.pt", weights_only=True)
+                for s in ("false", "true"))
+        assert same_states(a["model"], b["model"]) == [] and same_states(a["optimizer"], b["optimizer"]) == []
+    assert set(b["optimizer"]["state"]) == {i for g in b["optimizer"]["param_groups"] for i in g["params"]}  # whole
+    run = tmp_path / "run-true"
+    for later in (run / "checkpoints").glob("ckpt-000000006*"):
+        later.unlink()
+    (tmp_path / "three").mkdir()
+    again = start_ranks(3, args_for(data, run, *extra, "--set", "optimizer.shard=true"), tmp_path / "three")
+    assert wait_all(again) == [0, 0, 0], (tmp_path / "three" / "rank0.log").read_text()[-3000:]
+    log = (tmp_path / "three" / "rank0.log").read_text()
+    assert "written by 2 ranks, on 3" in log and "replicas: identical on 3 ranks" in log, log[-3000:]
+
+
+@pytest.mark.ranks
+def test_a_rank_lost_with_the_state_sharded_leaves_the_newest_checkpoint_and_says_why(data, tmp_path):
+    """Rank 1 SIGKILLed with a gradient bucket of step 5 in flight, the optimizer sharded: its share of the state is
+    gone, so the survivor writes no just-in-time checkpoint of step 4, says why, exits with status 4; the newest
+    checkpoint (step 3) loads, its optimizer state whole."""
+    from hpcdl.train.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    args = args_for(data, run, "--set", "loop.max_steps=20", "--set", "data.workers=0", "--set", "loop.timeout_s=10",
+                    "--set", "checkpoint.every_steps=3", "--set", "loop.eval_every=0", "--set", "optimizer.shard=true")
+    procs = start_faulty(tmp_path, {"HPCDL_TEST_KILL": "allreduce:1"}, *args)
+    try:
+        assert procs[1].wait(timeout=120) < 0
+        code = procs[0].wait(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    log = (tmp_path / "rank0.log").read_text()
+    assert code == EXIT_PEER_LOST and "optimizer.shard=true: the lost ranks' optimizer state went with them" in log, \
+        log[-3000:]
+    [result] = [json.loads(p.read_text()) for p in (run / "jit").glob("*/result.json")]
+    assert result["step"] == 4 and result["checkpoint"] is None and not result["written"] and result["lost"] == [1], \
+        result
+    path, newest = CheckpointManager(str(run / "checkpoints")).load_latest()
+    state = newest["optimizer"]
+    assert newest["counters"]["step"] == 3 and set(state["state"]) == {i for g in state["param_groups"] for i in g["params"]}
