@@ -16,7 +16,7 @@ import torch.nn as nn
 from hpcdl import names
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.factory import build_optimizer
-from hpcdl.optim.shard import ShardedOptimizer
+from hpcdl.optim.shard import ShardedOptimizer, state_bytes
 
 out, backend = sys.argv[1], sys.argv[2]
 dist.init_process_group(backend)
@@ -43,10 +43,6 @@ def same(a: dict, b: dict) -> bool:
         return False
     return all(torch.equal(x, y) if torch.is_tensor(x) else same(x, y) if isinstance(x, dict) else x == y
                for x, y in ((a[k], b[k]) for k in a))
-
-
-def state_bytes(optimizer) -> int:
-    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 
 
 seen = {}

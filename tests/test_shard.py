@@ -121,3 +121,19 @@ def test_a_rank_lost_with_the_state_sharded_leaves_the_newest_checkpoint_and_say
     path, newest = CheckpointManager(str(run / "checkpoints")).load_latest()
     state = newest["optimizer"]
     assert newest["counters"]["step"] == 3 and set(state["state"]) == {i for g in state["param_groups"] for i in g["params"]}
+
+
+@pytest.mark.ranks
+def test_bench_optim_shard_measures_both_layouts_side_by_side_with_each_ranks_state(tmp_path):
+    """2 ranks, a small model, SGD and Muon: both layouts timed, every rank's state measured; each rank holds some
+    of the state, together the replicated state's (Muon's counted per tensor alike)."""
+    procs = start_ranks(2, ["bench", "optim-shard", "--model", "tiny_cnn", "--optimizers", "sgd,muon", "--rounds", "1",
+                            "--steps", "1", "--backend", "gloo", "--json", str(tmp_path / "report.json")], tmp_path)
+    assert wait_all(procs) == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["world_size"] == 2 and [r["optimizer"] for r in report["rows"]] == ["sgd", "muon"]
+    for row in report["rows"]:
+        assert row["replicated_ms"] > 0 and row["sharded_ms"] > 0
+        assert all(b > 0 for b in row["sharded_state_bytes"]) and sum(row["sharded_state_bytes"]) == \
+            row["replicated_state_bytes"], row
+    assert "sharded max" in (tmp_path / "rank0.log").read_text()

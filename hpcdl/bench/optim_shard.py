@@ -20,7 +20,7 @@ from hpcdl.distributed.group.liveness import fail_fast
 from hpcdl.models import build_model
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.factory import build_optimizer
-from hpcdl.optim.shard import ShardedOptimizer
+from hpcdl.optim.shard import ShardedOptimizer, state_bytes
 
 
 def run(cfg: Config, job) -> OptimShardReport | None:
@@ -34,7 +34,7 @@ def run(cfg: Config, job) -> OptimShardReport | None:
             cases[f"{name} {layout}"] = timed_ms(optimizer.step, cfg.steps)
     with fail_fast(ctx.heartbeat):
         times = alternate(cases, cfg.rounds, before=lambda: dist.barrier(group=ctx.group))
-        mine = {name: [_state_bytes(optimizers[name, "sharded"])] for name in chosen}
+        mine = {name: [state_bytes(optimizers[name, "sharded"])] for name in chosen}
         slowest = {}
         for case, values in times.items():
             t = torch.tensor(values, dtype=torch.float64)
@@ -46,7 +46,7 @@ def run(cfg: Config, job) -> OptimShardReport | None:
         return None
     rows = tuple(OptimShardRow(optimizer=name, replicated_ms=slowest[f"{name} replicated"],
                                sharded_ms=slowest[f"{name} sharded"],
-                               replicated_state_bytes=_state_bytes(optimizers[name, "replicated"]),
+                               replicated_state_bytes=state_bytes(optimizers[name, "replicated"]),
                                sharded_state_bytes=tuple(g[name][0] for g in gathered)) for name in chosen)
     params = sum(p.numel() for p in build_model(cfg.model).parameters())
     return OptimShardReport(parameters=params, world_size=ctx.world_size, backend=ctx.backend.name,
@@ -60,10 +60,6 @@ def _optimizer(model_name: str, oc: OptimConfig, layout: str, group):
         p.grad = torch.randn_like(p) * 1e-2
     optimizer = build_optimizer(model, oc)
     return ShardedOptimizer(optimizer, group) if layout == "sharded" else optimizer
-
-
-def _state_bytes(optimizer) -> int:
-    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 
 
 def format_report(r: OptimShardReport) -> str:

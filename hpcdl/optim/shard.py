@@ -31,7 +31,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from hpcdl.distributed.group.share import broadcast_state
 from hpcdl.errors import ConfigError
 
-__all__ = ["ShardedOptimizer", "deal", "update_cost"]
+__all__ = ["ShardedOptimizer", "deal", "state_bytes", "update_cost"]
 
 # torch 2.14 renamed all_gather_into_tensor (and warns on the old name); earlier releases have only that one
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -160,5 +160,9 @@ class ShardedOptimizer:
 
     def state_bytes(self) -> int:
         """The bytes of tensor state this rank holds."""
-        return sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
-                   if torch.is_tensor(t))
+        return state_bytes(self.optimizer)
+
+
+def state_bytes(optimizer) -> int:
+    """The bytes of the tensors an optimizer's state holds (its moments and buffers, not the weights)."""
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
