@@ -95,6 +95,12 @@ class ShardedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def register_step_pre_hook(self, hook):  # chunk_sparse's hold_back: around the inner step, on the owned tensors
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):
+        return self.optimizer.register_step_post_hook(hook)
+
     @torch.no_grad()
     def step(self, closure=None):
         """The inner optimizer's step on this rank's tensors (the others' gradients hidden from it), then every
