@@ -57,6 +57,8 @@ for name, row in names.OPTIMIZER_TABLE.items():
     steps(dealt, sharded, 3, seed=1)
     whole = sharded.state_dict()  # collective
     weights = same(plain.state_dict(), dealt.state_dict())
+    # each group's step counter on every rank, as replicated (LAMB's; Muon's AdamW groups', not its matrices')
+    steps_alike = [g.get("step") for g in sharded.param_groups] == [g.get("step") for g in replicated.param_groups]
     state = same(whole, replicated.state_dict()) if rank == 0 else whole is None
     again = model()
     resumed = ShardedOptimizer(build_optimizer(again, cfg))
@@ -65,7 +67,7 @@ for name, row in names.OPTIMIZER_TABLE.items():
     steps(again, resumed, 2, seed=2)
     steps(plain, replicated, 2, seed=2)
     seen[name] = {
-        "weights": weights, "state": state,
+        "weights": weights, "state": state, "steps": steps_alike,
         "bytes": sharded.state_bytes(), "replicated_bytes": state_bytes(replicated),
         "resumed": all(torch.equal(p, q) for p, q in zip(plain.parameters(), again.parameters())),
         "resumed_bytes": resumed.state_bytes(), "owners": sorted(set(sharded.owner)),

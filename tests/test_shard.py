@@ -57,7 +57,7 @@ def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicate
     assert set(seen[0]) == {"sgd", "nesterov", "lars", "larc", "lamb", "adamw", "muon"}
     for name in seen[0]:
         ranks = [s[name] for s in seen]
-        assert all(r["weights"] and r["state"] and r["resumed"] for r in ranks), (name, ranks)
+        assert all(r["weights"] and r["state"] and r["steps"] and r["resumed"] for r in ranks), (name, ranks)
         assert all(r["owners"] == [0, 1, 2] for r in ranks)
         replicated = ranks[0]["replicated_bytes"]
         # each tensor's state on its owner alone (Adam's step counters, 4 bytes a tensor, excepted: they are
@@ -93,18 +93,20 @@ def test_a_sharded_run_trains_the_replicated_weights_and_resumes_on_another_rank
     assert wait_all(again) == [0, 0, 0], (tmp_path / "three" / "rank0.log").read_text()[-3000:]
     log = (tmp_path / "three" / "rank0.log").read_text()
     assert "written by 2 ranks, on 3" in log and "replicas: identical on 3 ranks" in log, log[-3000:]
+    assert "ipex: not used with optimizer.shard=true" in log, log[-3000:]  # its fused step would replace this one
 
 
 @pytest.mark.ranks
 def test_a_rank_lost_with_the_state_sharded_leaves_the_newest_checkpoint_and_says_why(data, tmp_path):
     """Rank 1 SIGKILLed with a gradient bucket of step 5 in flight, the optimizer sharded: its share of the state is
-    gone, so the survivor writes no just-in-time checkpoint of step 4, says why, exits with status 4; the newest
-    checkpoint (step 3) loads, its optimizer state whole."""
+    gone, so the survivor writes no just-in-time checkpoint of step 4, says why, exits with status 4, and names the
+    newest checkpoint (step 3) as the resume's; it loads, its optimizer state whole, and the sample records end there."""
     from hpcdl.train.checkpoint import CheckpointManager
 
     run = tmp_path / "run"
     args = args_for(data, run, "--set", "loop.max_steps=20", "--set", "data.workers=0", "--set", "loop.timeout_s=10",
-                    "--set", "checkpoint.every_steps=3", "--set", "loop.eval_every=0", "--set", "optimizer.shard=true")
+                    "--set", "checkpoint.every_steps=3", "--set", "loop.eval_every=0", "--set", "optimizer.shard=true",
+                    "--set", "loop.record_samples=true")
     procs = start_faulty(tmp_path, {"HPCDL_TEST_KILL": "allreduce:1"}, *args)
     try:
         assert procs[1].wait(timeout=120) < 0
@@ -113,11 +115,14 @@ def test_a_rank_lost_with_the_state_sharded_leaves_the_newest_checkpoint_and_say
         for p in procs:
             p.kill()
     log = (tmp_path / "rank0.log").read_text()
-    assert code == EXIT_PEER_LOST and "optimizer.shard=true: the lost ranks' optimizer state went with them" in log, \
+    assert code == EXIT_PEER_LOST and "optimizer.shard=true: no survivor holds the optimizer's state whole" in log, \
         log[-3000:]
     [result] = [json.loads(p.read_text()) for p in (run / "jit").glob("*/result.json")]
-    assert result["step"] == 4 and result["checkpoint"] is None and not result["written"] and result["lost"] == [1], \
-        result
+    assert result["step"] == 3 and result["checkpoint"].endswith("ckpt-000000003.pt") and not result["written"] \
+        and result["lost"] == [1], result
+    # the records keep the steps the resume does not train again: up to the checkpoint's, not the survivor's 4
+    steps = {int(line.split()[2]) for f in (run / "samples").iterdir() for line in f.read_text().splitlines()}
+    assert steps == {1, 2, 3}, steps
     path, newest = CheckpointManager(str(run / "checkpoints")).load_latest()
     state = newest["optimizer"]
     assert newest["counters"]["step"] == 3 and set(state["state"]) == {i for g in state["param_groups"] for i in g["params"]}

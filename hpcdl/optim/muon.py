@@ -57,6 +57,11 @@ class Muon(MultiTensorOptimizer):
         """The elements of ``p``'s state: a momentum buffer where it adapts, AdamW's two moments elsewhere."""
         return p.numel() * (1 if group["adapt"] else 2)
 
+    @staticmethod
+    def counts_step(group: dict) -> bool:
+        """Whether a step moves ``group["step"]``: AdamW's bias correction does, an orthogonalized matrix does not."""
+        return not group["adapt"]
+
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
                  betas=(0.9, 0.999), eps: float = 1e-8, nesterov: bool = True, adapt: bool = True):
         for name, value in (("lr", lr), ("weight_decay", weight_decay), ("eps", eps)):

@@ -101,21 +101,27 @@ class ShardedOptimizer:
     def register_step_post_hook(self, hook):
         return self.optimizer.register_step_post_hook(hook)
 
-    @torch.no_grad()
     def step(self, closure=None):
-        """The inner optimizer's step on this rank's tensors (the others' gradients hidden from it), then every
-        rank's updated tensors on every rank. A group none of whose tensors this rank owns still counts the step
-        where the optimizer counts steps per group (LAMB's and Muon's ``step``), as on the tensors' owners."""
+        """:meth:`update`, then :meth:`gather` (the trainer runs the two apart: hpcdl.train.step)."""
+        self.update(closure)
+        self.gather()
+
+    @torch.no_grad()
+    def update(self, closure=None) -> None:
+        """The inner optimizer's step on this rank's tensors (the others' gradients hidden from it). A group none of
+        whose tensors this rank owns still counts the step where the optimizer's step would count it (LAMB's
+        ``step``, Muon's AdamW groups': its ``counts_step``), as on the tensors' owners."""
         if closure is not None:
             raise ConfigError("optimizer.shard=true: the sharded step takes no closure")
         hidden, counted = [], []
+        counts = getattr(self.optimizer, "counts_step", lambda group: True)
         for g in self.optimizer.param_groups:
             had = any(p.grad is not None for p in g["params"])
             for p in g["params"]:
                 if p.grad is not None and id(p) not in self.mine:
                     hidden.append((p, p.grad))
                     p.grad = None
-            if had and "step" in g and not any(p.grad is not None for p in g["params"]):
+            if had and "step" in g and counts(g) and not any(p.grad is not None for p in g["params"]):
                 counted.append(g)
         try:
             self.optimizer.step()
@@ -124,8 +130,8 @@ class ShardedOptimizer:
                 p.grad = grad
         for g in counted:
             g["step"] += 1
-        self.gather()
 
+    @torch.no_grad()
     def gather(self) -> None:
         """Collective: each rank's tensors, as its owner holds them, on every rank (one all-gather per dtype)."""
         for shares in self._shares.values():

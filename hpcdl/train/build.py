@@ -79,9 +79,10 @@ def build_model_parts(cfg: RunConfig, ctx: DistContext, precision: str, *, resum
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, cfg.optimizer, scales, body)
-    model, optimizer, note = apply_ipex(model, optimizer, precision=precision, mode=cfg.loop.ipex)
-    if cfg.optimizer.shard and ctx.world_size > 1:
-        optimizer = ShardedOptimizer(optimizer, ctx.group)
+    if cfg.optimizer.shard and ctx.world_size > 1:  # ipex.optimize's fused step would replace the one it wraps
+        optimizer, note = ShardedOptimizer(optimizer, ctx.group), "ipex: not used with optimizer.shard=true"
+    else:
+        model, optimizer, note = apply_ipex(model, optimizer, precision=precision, mode=cfg.loop.ipex)
     freeze = round(tuned.freeze_body_epochs * cfg.schedule.steps_per_epoch)
     return ModelParts(model, optimizer, LRSchedule(optimizer, cfg.schedule, freeze_steps=freeze),
                       make_criterion(cfg.label_smoothing), note, channels_last, channels_last_why)

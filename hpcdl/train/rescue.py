@@ -4,6 +4,7 @@ Data parallelism keeps the whole state on every rank: the weights and the optimi
 sampler's position and each sample's augmentation follow from the step. When a rank or a node is lost, each
 survivor holds that state in memory; this module writes it instead of losing everything since the last
 periodic checkpoint (Gupta et al., "Just-In-Time Checkpointing", EuroSys 2024, do the same for GPU jobs).
+Not with ``optimizer.shard=true``: no survivor holds the optimizer's state whole; its newest periodic one stands.
 
 Which step. A step updates the weights only after its control all-reduce returned (:mod:`hpcdl.train.step`:
 micro-batches with the bucket all-reduces, the control all-reduce, then the update), whatever the comm hook
@@ -61,7 +62,7 @@ from collections import deque
 import torch
 
 from hpcdl.errors import CheckpointError
-from hpcdl.runs.folder import RunFolder
+from hpcdl.runs.folder import CHECKPOINT, RunFolder
 from hpcdl.runs.orphan import CLAIM_STALE_S, CLAIM_WAIT_S, after_rescue
 from hpcdl.runs.outcome import EXIT_PEER_LOST, read_result
 from hpcdl.train.checkpoint import rng_state
@@ -317,14 +318,14 @@ class Rescue:
                 rngs[r] = torch.load(path, map_location="cpu", weights_only=True)["rng"]
             except Exception as exc:
                 log.warning("rescue: %s unreadable (%s); rank %d's RNG streams are seeded afresh", path, exc, r)
-        missing = [r for r in range(self.world) if rngs[r] is None]
-        sharded = False
+        missing, sharded = [r for r in range(self.world) if rngs[r] is None], False
         if not step or self.ckpt is None:  # no step in this start (lost during start-up), or none trained yet
             path, wrote = None, False
         elif self.ckpt.has(step):  # the periodic checkpoint of this very step is on disk (a write waited for)
             path, wrote = self.run_folder.checkpoint(step), False
         elif sharded := getattr(self.ckpt.parts.get("optimizer"), "collective", False):
-            path, wrote = None, False  # optimizer.shard: the lost ranks' shares of the optimizer state went with them
+            path, wrote = self.ckpt.newest(), False  # optimizer.shard: no survivor holds the optimizer's state whole
+            step = int(CHECKPOINT.fullmatch(os.path.basename(path)).group(1)) if path else 0  # what the run resumes
         else:
             state = self.ckpt.compose(self._boundary_parts(rngs), rank_states=False, jit={
                 "survivors": survivors, "lost": lost if lost is not None else [0], "rng_lost": missing,
@@ -335,14 +336,14 @@ class Rescue:
         where = {r: self.ctx.heartbeat.who(r) for r in lost} if lost else {}
         result = {"step": step, "checkpoint": path, "written": wrote, "writer": self.rank, "survivors": survivors,
                   "lost": lost if lost is not None else [0], "rank0_lost": lost is None, "rng_lost": missing,
-                  "lost_where": where,
-                  "reports": [reports[r] for r in sorted(reports)], "write_s": round(time.monotonic() - started, 3),
-                  "time": time.time()}
+                  "lost_where": where, "reports": [reports[r] for r in sorted(reports)],
+                  "write_s": round(time.monotonic() - started, 3), "time": time.time()}
         atomic_write_text(os.path.join(self.folder, "result.json"), json.dumps(result, indent=1) + "\n")
         log.error("rank %d: just-in-time checkpoint of step %s: %s (survivors %s; lost %s)", self.rank, step,
-                  f"written to {path}" if wrote else f"the periodic one, {path}" if path else
-                  "none (%s): the run resumes from its newest checkpoint" % ("optimizer.shard=true: the lost ranks' "
-                  "optimizer state went with them" if sharded else "no step trained in this start"),
+                  f"written to {path}" if wrote else "none (optimizer.shard=true: no survivor holds the optimizer's "
+                  f"state whole): the run resumes from {path or 'the start'}" if sharded else
+                  f"the periodic one, {path}" if path else
+                  "none (no step trained in this start): the run resumes from its newest checkpoint",
                   _ranges(survivors), result["lost"])
 
     def _boundary_parts(self, rngs: list) -> dict:

@@ -125,13 +125,16 @@ class Stepper:
         result = self._control(loss_sum, images, flags(), times)
         times["comm_wait"] += time.perf_counter() - t
         t1 = time.perf_counter()
+        gather = getattr(self.optimizer, "gather", None)  # optimizer.shard: its step's collective half
         with self.guard:
             if result.finite:
-                self.optimizer.step()
+                (self.optimizer.update if gather else self.optimizer.step)()
                 self.schedule.step()
             self.optimizer.zero_grad(set_to_none=True)
             if self.commit is not None:
                 self.commit(result)
+        if gather and result.finite:  # every rank agrees on finite; outside the guard, which a rescue takes
+            gather()
         t2 = time.perf_counter()
         times["optimizer"] = t2 - t1
         self._span("control", t, t1)

@@ -71,9 +71,10 @@ def broadcast_state(state, group, *, chunk_bytes: int = CHUNK_BYTES, src: int = 
     of ``group``) on every rank; the others pass anything (None) and get a copy whose tensors are fresh, contiguous
     CPU tensors. Tensors that shared storage on rank ``src`` arrive as separate tensors."""
     root = dist.get_rank(group) == src
+    src = src if group is None else dist.get_global_rank(group, src)  # what torch < 2.6 takes (no group_src)
     tensors: list[torch.Tensor] = []
     skeleton = [_hollow(state, tensors) if root else None]
-    dist.broadcast_object_list(skeleton, group=group, group_src=src)
+    dist.broadcast_object_list(skeleton, src=src, group=group)
     if not root:
         state = _fill(skeleton[0], tensors)
     _stream([_bytes(t) for t in tensors], root, group, chunk_bytes, src)
@@ -111,7 +112,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _stream(views: list[torch.Tensor], root: bool, group, chunk_bytes: int, src: int = 0) -> None:
-    """Broadcast the concatenation of ``views`` (flat byte tensors) from rank ``src`` of ``group`` in chunks of
+    """Broadcast the concatenation of ``views`` (flat byte tensors) from global rank ``src`` in chunks of
     ``chunk_bytes``: small tensors share a chunk, a large one spans several. The root copies its bytes into the
     staging buffer, the others copy out of it."""
     total = sum(v.numel() for v in views)
@@ -131,7 +132,7 @@ def _stream(views: list[torch.Tensor], root: bool, group, chunk_bytes: int, src:
         if offset == view.numel():
             i, offset = i + 1, 0
         if filled == staging.numel() or (i == len(views) and filled):
-            dist.broadcast(staging[:filled], group=group, group_src=src)
+            dist.broadcast(staging[:filled], src=src, group=group)
             if not root:
                 for dest, at, start, n in pending:
                     dest[at:at + n].copy_(staging[start:start + n])
