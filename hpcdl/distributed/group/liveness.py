@@ -12,6 +12,12 @@ its connection and its waits for a key, not a request to a server that accepted 
 not answer (:meth:`Heartbeat._bounded`). A stopped rank 0 (SIGSTOP, a node frozen) is such a server: before the bound, a probe that
 asked it waited for ever, and with it the rescue's watch and the oneCCL watchdog (issue 44). A request
 unanswered by its deadline reads as a store that no longer answers, rank 0 lost.
+
+Rank 0's own counter is no evidence of its loss where rank 0 serves the store (:func:`rank0_serves`): a store
+that answers is served from rank 0's process, which therefore lives. Its counter standing still means that rank
+0's Python threads did not run (20 s in a 16-rank oneCCL rehearsal on 2 cores here, where the survivors then
+took rank 0 for lost and the job failed); a rank 0 that hangs is a stuck rank, which the collective timeout ends.
+Rank 0 is lost when its store refuses or does not answer.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from hpcdl.distributed.group.comm_thread import Liveness
-from hpcdl.distributed.group.store import StoreUse, key
+from hpcdl.distributed.group.store import StoreUse, key, rank0_serves
 from hpcdl.distributed.ranks.env import RankEnv
 from hpcdl.errors import RankLostError
 
@@ -149,7 +155,8 @@ class Heartbeat:
             while True:
                 after = [int(v) for v in self._bounded(lambda: store.multi_get(keys))]
                 if after[0] - before[0] >= 3:
-                    return [r for r, a, b in zip(ranks, before[1:], after[1:]) if a == b]
+                    still = [r for r, a, b in zip(ranks, before[1:], after[1:]) if a == b]
+                    return self._alive_if_serving(still, time.monotonic() - start)
                 if time.monotonic() - start > 10 * self.interval_s:
                     break
                 time.sleep(0.5 * self.interval_s)
@@ -158,6 +165,14 @@ class Heartbeat:
         log.warning("rank %d: its own heartbeat did not reach rank 0's store in %.0f s: the rank's threads starved, or "
                     "the store stalled; no rank named from this probe", me, 10 * self.interval_s)
         return []
+
+    def _alive_if_serving(self, still: list[int], window_s: float) -> list[int]:
+        """``still`` less rank 0 where its process served every request of this window (see the module's doc)."""
+        if 0 not in still or not rank0_serves():
+            return still
+        log.warning("rank %d: rank 0's heartbeat stood still for %.0f s while the store it serves answered: its process "
+                    "lives (its threads starved or stuck), not taken as lost", self.env.rank, window_s)
+        return [r for r in still if r != 0]
 
     def _bounded(self, request: Callable[[], object]) -> object:
         """``request()`` (a store call), or TimeoutError when it has not returned within :attr:`deadline_s`: it

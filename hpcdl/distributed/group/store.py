@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hpcdl.distributed.ranks.env import RankEnv
 from hpcdl.errors import LaunchError
 
-__all__ = ["CountingStore", "StoreUse", "key", "serve_or_join"]
+__all__ = ["CountingStore", "StoreUse", "key", "rank0_serves", "serve_or_join"]
 
 _PREFIX = "hpcdl/"
 
@@ -97,11 +97,16 @@ class CountingStore(dist.Store):
 
 
 
+def rank0_serves(environ=os.environ) -> bool:
+    """Whether rank 0's process serves the rendezvous store: not under torchrun, whose agent already serves one on
+    MASTER_PORT (every rank is its client)."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
 def serve_or_join(env: RankEnv, timeout: timedelta) -> dist.TCPStore:
     """Rank 0 serves the rendezvous store on MASTER_ADDR:MASTER_PORT and every other rank is its client; an error that
     names the port or the address to fix when it cannot."""
-    # Under torchrun the agent already serves a store on MASTER_PORT: every rank is its client.
-    serve = env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    serve = env.rank == 0 and rank0_serves()
     try:
         return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=serve,
                              timeout=timeout, wait_for_workers=False)
