@@ -13,11 +13,12 @@ not answer (:meth:`Heartbeat._bounded`). A stopped rank 0 (SIGSTOP, a node froze
 asked it waited for ever, and with it the rescue's watch and the oneCCL watchdog (issue 44). A request
 unanswered by its deadline reads as a store that no longer answers, rank 0 lost.
 
-Rank 0's own counter is no evidence of its loss where rank 0 serves the store (:func:`rank0_serves`): a store
-that answers is served from rank 0's process, which therefore lives. Its counter standing still means that rank
-0's Python threads did not run (20 s in a 16-rank oneCCL rehearsal on 2 cores here, where the survivors then
-took rank 0 for lost and the job failed); a rank 0 that hangs is a stuck rank, which the collective timeout ends.
-Rank 0 is lost when its store refuses or does not answer.
+Rank 0's own counter is weak evidence where rank 0 serves the store (:func:`rank0_serves`): a store that answers
+is served from rank 0's process, which therefore lives. Its counter standing still means that rank 0's Python
+threads did not run (20 s in a 16-rank oneCCL rehearsal on 2 cores here, where the survivors then took rank 0 for
+lost and the job failed), so it is named only once it has stood still for :attr:`Heartbeat.rank0_grace_s` (a
+minute: rank 0 hung, its node the one to suspect). A store that refuses or misses its deadline is rank 0 lost at
+once.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class Heartbeat:
         self._last_lost = None  # (when, lost ranks or None) of the last probe that found a problem
         self.last_probe = None  # (when, finding) of the last probe of every counter
         self.refused = False  # the last probe found nothing listening on the store's port: rank 0 gone for certain
+        self.rank0_grace_s = 60.0  # rank 0's counter still this long while its store answers: rank 0 named
+        self._rank0_still_since: float | None = None
         self._store = self._client(timedelta(seconds=max(10.0, 5 * interval_s)))
         self._store.add(key("hb", env.rank), 1)
         self.use.beat()
@@ -156,7 +159,7 @@ class Heartbeat:
                 after = [int(v) for v in self._bounded(lambda: store.multi_get(keys))]
                 if after[0] - before[0] >= 3:
                     still = [r for r, a, b in zip(ranks, before[1:], after[1:]) if a == b]
-                    return self._alive_if_serving(still, time.monotonic() - start)
+                    return self._rank0_after_grace(ranks, still, time.monotonic() - start)
                 if time.monotonic() - start > 10 * self.interval_s:
                     break
                 time.sleep(0.5 * self.interval_s)
@@ -166,12 +169,21 @@ class Heartbeat:
                     "the store stalled; no rank named from this probe", me, 10 * self.interval_s)
         return []
 
-    def _alive_if_serving(self, still: list[int], window_s: float) -> list[int]:
-        """``still`` less rank 0 where its process served every request of this window (see the module's doc)."""
-        if 0 not in still or not rank0_serves():
+    def _rank0_after_grace(self, ranks: list[int], still: list[int], window_s: float) -> list[int]:
+        """``still``, less rank 0 where its process served this window's requests and its counter has not stood
+        still for :attr:`rank0_grace_s` (see the module's doc)."""
+        if 0 not in ranks or not rank0_serves():
             return still
-        log.warning("rank %d: rank 0's heartbeat stood still for %.0f s while the store it serves answered: its process "
-                    "lives (its threads starved or stuck), not taken as lost", self.env.rank, window_s)
+        now = time.monotonic()
+        if 0 not in still:
+            self._rank0_still_since = None
+            return still
+        since = self._rank0_still_since = self._rank0_still_since or now - window_s
+        if now - since >= self.rank0_grace_s:
+            return still
+        log.warning("rank %d: rank 0's heartbeat has stood still for %.0f s while the store it serves answered: its "
+                    "process lives (its threads starved or stuck); not taken as lost before %.0f s", self.env.rank,
+                    now - since, self.rank0_grace_s)
         return [r for r in still if r != 0]
 
     def _bounded(self, request: Callable[[], object]) -> object:
