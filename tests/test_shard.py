@@ -1,11 +1,13 @@
 """optimizer.shard: each tensor's update and state on one rank, the updated tensors all-gathered. The weights and
 the gathered state are the replicated run's bit for bit; a checkpoint written sharded resumes on another rank
-count; a lost rank takes its share of the state with it, and the survivors say so and leave the newest checkpoint."""
+count; a lost rank takes its share of the state with it: the survivors say so, and the resume from the newest
+checkpoint trains each sample once."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from collections import Counter
 
 import pytest
 import torch
@@ -97,16 +99,18 @@ def test_a_sharded_run_trains_the_replicated_weights_and_resumes_on_another_rank
 
 
 @pytest.mark.ranks
-def test_a_rank_lost_with_the_state_sharded_leaves_the_newest_checkpoint_and_says_why(data, tmp_path):
+def test_a_rank_lost_with_the_state_sharded_leaves_the_newest_checkpoint_and_the_resume_trains_each_sample_once(
+        data, tmp_path):
     """Rank 1 SIGKILLed with a gradient bucket of step 5 in flight, the optimizer sharded: its share of the state is
-    gone, so the survivor writes no just-in-time checkpoint of step 4, says why, exits with status 4, and names the
-    newest checkpoint (step 3) as the resume's; it loads, its optimizer state whole, and the sample records end there."""
+    gone, so the survivor writes no just-in-time checkpoint of step 4, says why and exits with status 4; the newest
+    checkpoint (step 3) loads, its optimizer state whole. The resume on 2 ranks starts from it and cuts the sample
+    records back to it (the survivor's step 4 is trained again): each sample of steps 1 to 6 recorded once."""
     from hpcdl.train.checkpoint import CheckpointManager
 
     run = tmp_path / "run"
-    args = args_for(data, run, "--set", "loop.max_steps=20", "--set", "data.workers=0", "--set", "loop.timeout_s=10",
-                    "--set", "checkpoint.every_steps=3", "--set", "loop.eval_every=0", "--set", "optimizer.shard=true",
-                    "--set", "loop.record_samples=true")
+    common = ("--set", "data.workers=0", "--set", "checkpoint.every_steps=3", "--set", "loop.eval_every=0",
+              "--set", "optimizer.shard=true", "--set", "loop.record_samples=true")
+    args = args_for(data, run, "--set", "loop.max_steps=20", "--set", "loop.timeout_s=10", *common)
     procs = start_faulty(tmp_path, {"HPCDL_TEST_KILL": "allreduce:1"}, *args)
     try:
         assert procs[1].wait(timeout=120) < 0
@@ -118,14 +122,20 @@ def test_a_rank_lost_with_the_state_sharded_leaves_the_newest_checkpoint_and_say
     assert code == EXIT_PEER_LOST and "optimizer.shard=true: no survivor holds the optimizer's state whole" in log, \
         log[-3000:]
     [result] = [json.loads(p.read_text()) for p in (run / "jit").glob("*/result.json")]
-    assert result["step"] == 3 and result["checkpoint"].endswith("ckpt-000000003.pt") and not result["written"] \
-        and result["lost"] == [1], result
-    # the records keep the steps the resume does not train again: up to the checkpoint's, not the survivor's 4
-    steps = {int(line.split()[2]) for f in (run / "samples").iterdir() for line in f.read_text().splitlines()}
-    assert steps == {1, 2, 3}, steps
+    assert result["step"] is None and result["checkpoint"] is None and not result["written"] and result["lost"] == [1], \
+        result
+    records = [line.split() for f in (run / "samples").iterdir() for line in f.read_text().splitlines()]
+    assert max(int(r[2]) for r in records) >= 4, records  # the survivor's steps past the checkpoint, still there
     path, newest = CheckpointManager(str(run / "checkpoints")).load_latest()
     state = newest["optimizer"]
     assert newest["counters"]["step"] == 3 and set(state["state"]) == {i for g in state["param_groups"] for i in g["params"]}
+    (tmp_path / "again").mkdir()
+    again = start_ranks(2, args_for(data, run, "--set", "loop.max_steps=6", *common), tmp_path / "again")
+    assert wait_all(again) == [0, 0], (tmp_path / "again" / "rank0.log").read_text()[-3000:]
+    assert "resuming from" in (tmp_path / "again" / "rank0.log").read_text()
+    records = [line.split() for f in (run / "samples").iterdir() for line in f.read_text().splitlines()]
+    assert {int(r[2]) for r in records} == set(range(1, 7)), records
+    assert set(Counter((r[0], r[1]) for r in records).values()) == {1}
 
 
 @pytest.mark.ranks

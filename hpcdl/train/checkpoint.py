@@ -129,9 +129,16 @@ class Checkpointer:
             self._manager = CheckpointManager(self.folder.checkpoints, self.keep, clean=False)
         return self._manager
 
-    def load_latest_shared(self, group) -> tuple[str, dict] | None:
-        """Collective: the newest readable checkpoint, read by rank 0 and streamed to the others."""
-        return load_latest_shared(self._manager, group)
+    def load_latest_shared(self, group, cut_records: bool = False) -> tuple[str, dict] | None:
+        """Collective: the newest readable checkpoint, read by rank 0 and streamed to the others. With
+        ``cut_records`` (``loop.record_samples``) rank 0 first drops the recorded samples of the steps after the
+        checkpoint's, which the run trains again (a rescue that wrote no checkpoint: ``optimizer.shard``; a newest
+        file unreadable), before any rank opens its record (after this collective and the start's next ones)."""
+        if not cut_records or self._manager is None:
+            return load_latest_shared(self._manager, group)
+        latest = self._manager.load_latest()
+        self.folder.drop_samples_after(latest[1]["counters"]["step"] if latest else 0)
+        return broadcast_state(latest, group)
 
     def newest(self) -> str | None:
         return self.folder.newest_checkpoint()

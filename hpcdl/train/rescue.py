@@ -62,7 +62,7 @@ from collections import deque
 import torch
 
 from hpcdl.errors import CheckpointError
-from hpcdl.runs.folder import CHECKPOINT, RunFolder
+from hpcdl.runs.folder import RunFolder
 from hpcdl.runs.orphan import CLAIM_STALE_S, CLAIM_WAIT_S, after_rescue
 from hpcdl.runs.outcome import EXIT_PEER_LOST, read_result
 from hpcdl.train.checkpoint import rng_state
@@ -324,26 +324,25 @@ class Rescue:
         elif self.ckpt.has(step):  # the periodic checkpoint of this very step is on disk (a write waited for)
             path, wrote = self.run_folder.checkpoint(step), False
         elif sharded := getattr(self.ckpt.parts.get("optimizer"), "collective", False):
-            path, wrote = self.ckpt.newest(), False  # optimizer.shard: no survivor holds the optimizer's state whole
-            step = int(CHECKPOINT.fullmatch(os.path.basename(path)).group(1)) if path else 0  # what the run resumes
+            path, wrote = None, False  # optimizer.shard: no survivor holds the optimizer's state whole; the resume
+            # loads the newest readable checkpoint and cuts the sample records back to it (Checkpointer.load_latest_shared)
         else:
             state = self.ckpt.compose(self._boundary_parts(rngs), rank_states=False, jit={
                 "survivors": survivors, "lost": lost if lost is not None else [0], "rng_lost": missing,
                 "residuals_lost": self.residuals_lost})
             path, wrote = self.ckpt.write_locked(step, state, "just in time"), True
-        if self.record_samples and step is not None:
+        if self.record_samples and step is not None and not sharded:
             self.run_folder.drop_samples_after(step)
         where = {r: self.ctx.heartbeat.who(r) for r in lost} if lost else {}
-        result = {"step": step, "checkpoint": path, "written": wrote, "writer": self.rank, "survivors": survivors,
+        result = {"step": None if sharded else step, "checkpoint": path, "written": wrote, "writer": self.rank, "survivors": survivors,
                   "lost": lost if lost is not None else [0], "rank0_lost": lost is None, "rng_lost": missing,
                   "lost_where": where, "reports": [reports[r] for r in sorted(reports)],
                   "write_s": round(time.monotonic() - started, 3), "time": time.time()}
         atomic_write_text(os.path.join(self.folder, "result.json"), json.dumps(result, indent=1) + "\n")
         log.error("rank %d: just-in-time checkpoint of step %s: %s (survivors %s; lost %s)", self.rank, step,
-                  f"written to {path}" if wrote else "none (optimizer.shard=true: no survivor holds the optimizer's "
-                  f"state whole): the run resumes from {path or 'the start'}" if sharded else
-                  f"the periodic one, {path}" if path else
-                  "none (no step trained in this start): the run resumes from its newest checkpoint",
+                  f"written to {path}" if wrote else f"the periodic one, {path}" if path else "none (%s): the run "
+                  "resumes from its newest checkpoint" % ("optimizer.shard=true: no survivor holds the optimizer's "
+                  "state whole" if sharded else "no step trained in this start"),
                   _ranges(survivors), result["lost"])
 
     def _boundary_parts(self, rngs: list) -> dict:

@@ -6,8 +6,9 @@ Phases, in seconds, summed over the micro-batches of the step:
 - ``forward``: the model and the loss;
 - ``backward``: gradients, with the bucket all-reduces that overlap them (DDP);
 - ``comm_wait``: backward's wait for buckets still in flight after the last gradient, plus the control
-  all-reduce below: communication that computation did not hide;
-- ``optimizer``: the update, the lr schedule and zeroing the gradients.
+  all-reduce below, plus ``optimizer.shard``'s all-gather of the updated tensors: communication that computation
+  did not hide;
+- ``optimizer``: the update (a sharded one: this rank's tensors), the lr schedule and zeroing the gradients.
 
 The control all-reduce carries four numbers: this rank's loss sum and image count, whether its loss
 was finite, and flags only rank 0 contributes (stop, checkpoint now). Every rank therefore takes the
@@ -133,10 +134,10 @@ class Stepper:
             self.optimizer.zero_grad(set_to_none=True)
             if self.commit is not None:
                 self.commit(result)
+        t2 = time.perf_counter()
         if gather and result.finite:  # every rank agrees on finite; outside the guard, which a rescue takes
             gather()
-        t2 = time.perf_counter()
-        times["optimizer"] = t2 - t1
+        times["optimizer"], times["comm_wait"] = t2 - t1, times["comm_wait"] + time.perf_counter() - t2
         self._span("control", t, t1)
         self._span("optimizer", t1, t2)
         return result

@@ -79,7 +79,7 @@ class Trainer:
         self.dir = make_run_dir(cfg)
         self.folder = RunFolder(self.dir)
         self.ckpt = Checkpointer(self.folder, cfg.checkpoint.keep, ctx.rank, rescue.lock if rescue else None)
-        restore = self.ckpt.load_latest_shared(ctx.group)  # read once, by rank 0; before the batch split
+        restore = self.ckpt.load_latest_shared(ctx.group, cfg.loop.record_samples)  # by rank 0; before the split
         self._mark("checkpoint read")
         manifests = read_manifests(cfg, ctx)  # before preflight, which needs data.train's
         cfg, model_defaults = with_model_defaults(cfg)  # crop: 0, the model's
