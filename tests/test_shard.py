@@ -68,6 +68,22 @@ def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicate
         assert [r["resumed_bytes"] for r in ranks] == [r["bytes"] for r in ranks]
 
 
+def replicated_and_sharded_alike(data, tmp_path, extra: list[str], steps: tuple[int, ...]) -> dict:
+    """Two runs on 2 ranks, optimizer.shard false and true, side by side: their checkpoints of ``steps`` the same bit
+    for bit, model and optimizer; the sharded run's last one."""
+    runs = {}
+    for shard in ("false", "true"):
+        (tmp_path / shard).mkdir()
+        runs[shard] = start_ranks(2, args_for(data, tmp_path / f"run-{shard}", *extra, "--set",
+                                              f"optimizer.shard={shard}"), tmp_path / shard)
+    assert wait_all(runs["false"] + runs["true"]) == [0] * 4, (tmp_path / "true" / "rank0.log").read_text()[-3000:]
+    for step in steps:
+        a, b = (torch.load(tmp_path / f"run-{s}" / "checkpoints" / f"ckpt-{step:09d}.pt", weights_only=True)
+                for s in ("false", "true"))
+        assert same_states(a["model"], b["model"]) == [] and same_states(a["optimizer"], b["optimizer"]) == []
+    return b
+
+
 @pytest.mark.ranks
 def test_a_sharded_run_trains_the_replicated_weights_and_resumes_on_another_rank_count(data, tmp_path):
     """Muon (Newton-Schulz dealt out, its AdamW part per group) on 2 ranks of the default backend, sharded and not,
@@ -76,16 +92,7 @@ def test_a_sharded_run_trains_the_replicated_weights_and_resumes_on_another_rank
     extra = ["--set", "optimizer.name=muon", "--set", "schedule.base_lr=0.01", "--set", "loop.max_steps=6",
              "--set", "checkpoint.every_steps=3", "--set", "checkpoint.every_minutes=0", "--set", "data.workers=0",
              "--set", "loop.eval_every=0", "--set", "global_batch=24"]  # 24: on 2 ranks and on 3
-    runs = {}
-    for shard in ("false", "true"):
-        (tmp_path / shard).mkdir()
-        runs[shard] = start_ranks(2, args_for(data, tmp_path / f"run-{shard}", *extra, "--set",
-                                              f"optimizer.shard={shard}"), tmp_path / shard)
-    assert wait_all(runs["false"] + runs["true"]) == [0] * 4, (tmp_path / "true" / "rank0.log").read_text()[-3000:]
-    for step in (3, 6):
-        a, b = (torch.load(tmp_path / f"run-{s}" / "checkpoints" / f"ckpt-{step:09d}.pt", weights_only=True)
-                for s in ("false", "true"))
-        assert same_states(a["model"], b["model"]) == [] and same_states(a["optimizer"], b["optimizer"]) == []
+    b = replicated_and_sharded_alike(data, tmp_path, extra, (3, 6))
     assert set(b["optimizer"]["state"]) == {i for g in b["optimizer"]["param_groups"] for i in g["params"]}  # whole
     run = tmp_path / "run-true"
     for later in (run / "checkpoints").glob("ckpt-000000006*"):
@@ -162,12 +169,4 @@ def test_chunk_sparse_holding_back_gradients_shards_as_it_replicates(data, tmp_p
     extra = ["--set", "sync.hook=chunk_sparse", "--set", "sync.chunk=256", "--set", "sync.dense_warmup_epochs=0.1",
              "--set", "loop.max_steps=6", "--set", "checkpoint.every_minutes=0", "--set", "data.workers=0",
              "--set", "loop.eval_every=0", "--set", "loop.backend=gloo"]
-    runs = {}
-    for shard in ("false", "true"):
-        (tmp_path / shard).mkdir()
-        runs[shard] = start_ranks(2, args_for(data, tmp_path / f"run-{shard}", *extra, "--set",
-                                              f"optimizer.shard={shard}"), tmp_path / shard)
-    assert wait_all(runs["false"] + runs["true"]) == [0] * 4, (tmp_path / "true" / "rank0.log").read_text()[-3000:]
-    a, b = (torch.load(tmp_path / f"run-{s}" / "checkpoints" / "ckpt-000000006.pt", weights_only=True)
-            for s in ("false", "true"))
-    assert same_states(a["model"], b["model"]) == [] and same_states(a["optimizer"], b["optimizer"]) == []
+    replicated_and_sharded_alike(data, tmp_path, extra, (6,))
