@@ -36,11 +36,12 @@ class ModelFacts:
     buckets: int  # DDP's all-reduces per step at hpcdl's bucket sizes
     tensors: int  # parameter tensors: the per-layer work a step does whatever its batch
     crop: int = 0  # the input size the flops are counted at: the model's stated one (hpcdl's rows: names.MODEL_TABLE)
+    largest: int = 0  # the largest parameter tensor's elements (a sharded update deals tensors whole)
 
 
 # hpcdl's own models at 1,000 classes, from the one table of what is known of them (hpcdl.names.MODEL_TABLE)
 MODEL_FACTS = {name: ModelFacts(name, row.gradient_bytes, row.train_flops, ddp_buckets(row.gradient_bytes),
-                                row.tensors, row.crop) for name, row in MODEL_TABLE.items()}
+                                row.tensors, row.crop, row.largest) for name, row in MODEL_TABLE.items()}
 
 
 def model_facts(name: str, num_classes: int = 1000) -> ModelFacts:
@@ -56,7 +57,7 @@ def model_facts(name: str, num_classes: int = 1000) -> ModelFacts:
     source = _source_stamp(name)
     known = _read_cache()
     kept = known.get(key, {})
-    if "crop" not in kept or kept.get("source") != source:  # not counted, by an older hpcdl, or the module changed
+    if "largest" not in kept or kept.get("source") != source:  # not counted, by an older hpcdl, or the module changed
         counted = subprocess.run([sys.executable, "-m", "hpcdl.models.count", name, str(num_classes)],
                                  capture_output=True, text=True)
         if counted.returncode:

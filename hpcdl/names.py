@@ -27,6 +27,7 @@ class ModelRow:
     gradient_bytes: int  # fp32 gradients, one per parameter, at 1,000 classes
     train_flops: float  # per image, forward and backward, at its crop (a multiply-add is 2)
     tensors: int  # parameter tensors
+    largest: int  # the largest parameter tensor's elements: no rank's share of a sharded update is less
 
 
 # hpcdl.models builds each (and checks its registry against these names); the counts are
@@ -34,13 +35,16 @@ class ModelRow:
 # recounts them.
 MODEL_TABLE = {
     "alexnet_bn": ModelRow(227, "AlexNet with BN after each pool/conv, as in the Stampede2 LARS runs",
-                           249_522_336, 6_600_706_176.0, 24),
-    "resnet18": ModelRow(224, "torchvision ResNet-18", 46_758_048, 10_648_412_160.0, 62),
-    "resnet50": ModelRow(224, "torchvision ResNet-50 (v1.5)", 102_228_128, 24_299_077_632.0, 161),
-    "resnet101": ModelRow(224, "torchvision ResNet-101 (v1.5)", 178_196_640, 46_572_404_736.0, 314),
-    "tiny_cnn": ModelRow(32, "a small CNN for tests and the demo; any input size", 152_544, 9_039_360.0, 8),
+                           249_522_336, 6_600_706_176.0, 24, largest=37_748_736),
+    "resnet18": ModelRow(224, "torchvision ResNet-18", 46_758_048, 10_648_412_160.0, 62, largest=2_359_296),
+    "resnet50": ModelRow(224, "torchvision ResNet-50 (v1.5)", 102_228_128, 24_299_077_632.0, 161,
+                         largest=2_359_296),
+    "resnet101": ModelRow(224, "torchvision ResNet-101 (v1.5)", 178_196_640, 46_572_404_736.0, 314,
+                          largest=2_359_296),
+    "tiny_cnn": ModelRow(32, "a small CNN for tests and the demo; any input size", 152_544, 9_039_360.0, 8,
+                         largest=32_000),
     "tiny_cnn_fc": ModelRow(32, "tiny_cnn with a 4,096-unit fully-connected layer: 8.4M parameters, 99.9% in the "
-                                "head (comm hooks)", 49_979_360, 83_755_008.0, 10),
+                                "head (comm hooks)", 49_979_360, 83_755_008.0, 10, largest=8_388_608),
 }
 MODELS = tuple(MODEL_TABLE)
 MODEL_SOURCES = ("torchvision", "timm")  # model="torchvision:NAME", "timm:NAME"; "package.module:callable" too

@@ -397,3 +397,34 @@ def test_the_failure_table_follows_its_formulas_from_the_plans_own_terms(tmp_pat
         m, c, r = f["job_mtbf_s"], f["checkpoint_write_s"], row["restart_s"]
         at = lambda tau: expected_time(row["time_to_train_s"], c, tau, tau / 2 + r, m)  # noqa: E731
         assert at(f["daly_interval_s"]) <= min(at(2 * f["daly_interval_s"]), at(f["daly_interval_s"] / 2))
+
+
+def test_the_optimizer_table_follows_its_formulas_replicated_and_sharded(tmp_path):
+    """A rank's memory and the optimizer's time per step, replicated and sharded, from the plan's own inputs: the
+    busiest rank's share 1/r until ResNet-50's largest tensor (9.2% of the weights) sets it, the all-gather a ring
+    of r - 1 steps of that share (padded), the update from hpcdl bench optim's JSON scaled by the weights. On 2
+    ranks sharding LAMB saves time; on 1,024 the padded gather costs more than the update saves."""
+    report = {"benchmark": "optim", "parameters": 10_000_000, "threads": 2, "ms_per_step": {"sgd": 10.0, "lamb": 50.0},
+              "ratio_to_sgd": {"sgd": 1.0, "lamb": 5.0}}
+    (tmp_path / "optim.json").write_text(json.dumps(report))
+    run = subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--model", "resnet50", "--optimizer", "lamb", "--nodes",
+                          "1,2,8,512", "--profile", "stampede2-skx", "--batch", "32768", "--throughput", "64:98.5",
+                          "--optim-json", str(tmp_path / "optim.json"), "--json", str(tmp_path / "p.json")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "# optimizer lamb, replicated against sharded" in run.stdout
+    facts, profile = model_facts("resnet50"), get_profile("stampede2-skx")
+    link, w = Link.of(profile), facts.gradient_bytes
+    update = 50e-3 * (w / 4) / 10_000_000
+    for row in json.loads((tmp_path / "p.json").read_text())["rows"]:
+        t, ranks = row["optimizer"], row["nodes"] * profile.sockets
+        share = max(1 / ranks, facts.largest * 4 / w)
+        gather = (ranks - 1) * (link.latency_s + share * w / link.bandwidth_bytes_s)
+        assert t["ranks"] == ranks and t["share"] == pytest.approx(share)
+        assert t["memory_replicated_bytes"] == pytest.approx(2 * w + 2 * w)  # LAMB: two moments
+        assert t["memory_sharded_bytes"] == pytest.approx(2 * w + share * 2 * w)
+        assert t["gather_s"] == pytest.approx(gather) and t["update_replicated_s"] == pytest.approx(update)
+        assert t["saved_s"] == pytest.approx(update - share * update - gather)
+        assert f"{t['saved_s'] * 1e3:.2f}" in run.stdout
+    rows = {r["nodes"]: r["optimizer"] for r in json.loads((tmp_path / "p.json").read_text())["rows"]}
+    assert rows[1]["saved_s"] > 0 > rows[512]["saved_s"] and rows[8]["share"] == rows[512]["share"] > 1 / 16

@@ -11,7 +11,9 @@ from hpcdl.cli.common import command
 from hpcdl.distributed.ranks.env import discover
 from hpcdl.launch.profiles import get_profile
 from hpcdl.plan.data_path import DataPathInputs, format_data_path, published_runs
+from hpcdl.model_facts import model_facts
 from hpcdl.plan.failures import FailureModel, format_failures
+from hpcdl.plan.optimizer_terms import OptimizerModel, format_optimizer
 from hpcdl.plan.planner import PlanInputs, PlanQuestion, format_plan, plot
 from hpcdl.plan.planner import plan as planned
 from hpcdl.plan.validate import format_validation, validate
@@ -57,6 +59,11 @@ def plan(cmd: PlanCommand, question, inputs: PlanInputs, failures: FailureModel,
                                                row["restart_s"])
     print(format_plan(rows, "\n".join(f"# {line}" for line in [title, *notes])))
     print(format_failures(rows, failures))
+    optimizer = OptimizerModel.of(inputs.optimizer, model_facts(inputs.model, inputs.classes), model.network,
+                                  model.ranks_per_node, inputs.optim_json)
+    for row in rows:
+        row["optimizer"] = optimizer.terms(row["nodes"])
+    print(format_optimizer(optimizer, [row["optimizer"] for row in rows]))
     path, why_not = data.model(get_profile(inputs.profile), inputs.fs_gb_s, inputs.fs_opens_per_s,
                                model.network.bandwidth_bytes_s, question.train_images, workers)
     published = published_runs(path) if path else []

@@ -1,6 +1,6 @@
 """A model's facts for the planner, counted by torch on the meta device (no memory, no arithmetic): its fp32
-gradient bytes, training FLOPs per image at its crop (forward and backward, a multiply-add is 2), and its
-parameter tensors. How DDP buckets the gradients is the planner's to count (:func:`hpcdl.model_facts.ddp_buckets`):
+gradient bytes, training FLOPs per image at its crop (forward and backward, a multiply-add is 2), its
+parameter tensors and the largest one's elements. How DDP buckets the gradients is the planner's to count (:func:`hpcdl.model_facts.ddp_buckets`):
 a model knows nothing of ranks.
 
 ``python -m hpcdl.models.count NAME`` prints them as JSON (exit 2 and the reason when NAME names no model):
@@ -64,7 +64,8 @@ def count(name: str, num_classes: int = 1000) -> dict:
     with flop_counter_mode() as counter:
         net(x).sum().backward()
     return {"gradient_bytes": sum(p.numel() for p in net.parameters()) * 4,
-            "train_flops": counter.get_total_flops() / 2, "tensors": sum(1 for _ in net.parameters()), "crop": crop}
+            "train_flops": counter.get_total_flops() / 2, "tensors": sum(1 for _ in net.parameters()), "crop": crop,
+            "largest": max(p.numel() for p in net.parameters())}
 
 
 if __name__ == "__main__":

@@ -224,6 +224,9 @@ class PlanInputs:
     sync_json: str | None = None
     # the optimizer (optimizer.name; --preset: the preset's): its state per weight enters the checkpoint and memory
     optimizer: str = dataclasses.field(default="lars", metadata=meta(choices=names.OPTIMIZER_TABLE))
+    # the replicated update's time, from hpcdl bench optim --json (its --optimizer's row): the optimizer table's
+    # update and what sharding it saves (default: the table gives the memory alone)
+    optim_json: str | None = None
     # the training precision: bf16 carries the compute by the profile's measured bf16 step speed-up
     precision: str = dataclasses.field(default="fp32", metadata=meta(choices=("fp32", "bf16")))
     # start-up's counts (files per rank, store requests, the store's rate) from hpcdl bench startup --json

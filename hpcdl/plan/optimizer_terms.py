@@ -1,0 +1,98 @@
+"""``hpcdl plan``'s optimizer table: a rank's memory and the optimizer's time per step, replicated and sharded
+(``optimizer.shard``, :mod:`hpcdl.optim.shard`), at each node count.
+
+With ``r`` ranks, ``W`` bytes of fp32 weights (as many of gradients), the optimizer's state ``S = c W`` (its row's
+``state_copies``, :data:`hpcdl.names.OPTIMIZER_TABLE`) and the replicated update's time ``U`` on one rank:
+
+- replicated, every rank: memory ``2 W + S``; the update ``U``;
+- sharded, the busiest rank: a share ``s = max(1 / r, L / P)`` of the tensors, ``L`` the largest tensor's elements
+  and ``P`` all of them (tensors are dealt whole, so no share is smaller than the largest tensor; the dealing, by
+  cost and state, measured 1.00-1.10x of ``1 / r`` at 2 and 4 ranks: ``s`` is a lower bound); memory
+  ``2 W + s S``; the update ``s U``; then the all-gather of every rank's share, padded to the largest share:
+  a ring of ``r - 1`` steps of ``s W`` bytes, ``(r - 1) (alpha + s W beta)`` on the network's link
+  (:mod:`hpcdl.plan.cost`; ``s W`` per step is ``W / r`` only while the tensors can be dealt evenly).
+
+The gather is what sharding adds to a step (the gradients are still all-reduced); the update's ``(1 - s) U`` is
+what it saves. Past ``r = P / L`` ranks the share stops shrinking while the gather's padding grows with ``r``:
+the table says, per node count, whether sharding saves time (``saves``) and by how much.
+
+``U`` comes from ``hpcdl bench optim --json`` (``--optim-json``: the optimizer's median step on the report's
+model, scaled by the weights' ratio, an element-wise update's cost; Muon's Newton-Schulz grows faster than its
+weights, so its scaled time is a lower bound); without it the table gives the memory alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hpcdl import names
+from hpcdl.bench.reports import OptimReport
+from hpcdl.errors import ConfigError
+from hpcdl.model_facts import ModelFacts
+from hpcdl.plan.cost import Link
+
+__all__ = ["OptimizerModel", "format_optimizer"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OptimizerModel:
+    optimizer: str
+    weight_bytes: float  # fp32: the gradients' bytes
+    share_floor: float  # the largest tensor's share of the elements, L / P
+    state_copies: float  # the optimizer's state per weight
+    update_s: float | None  # the replicated update on one rank, s; None: not measured
+    network: Link
+    ranks_per_node: int
+    source: str  # where update_s came from
+
+    @classmethod
+    def of(cls, optimizer: str, facts: ModelFacts, network: Link, ranks_per_node: int,
+           optim_json: str | None = None) -> OptimizerModel:
+        if not facts.largest:
+            raise ConfigError(f"model {facts.name}: its largest tensor is not counted (an older facts cache); remove "
+                              "~/.cache/hpcdl's model facts and plan again")
+        update_s, source = None, "not measured: give --optim-json (hpcdl bench optim --json) for the update's time"
+        if optim_json:
+            report = OptimReport.from_json(optim_json)
+            if optimizer not in report.ms_per_step:
+                raise ConfigError(f"{optim_json}: no row for optimizer {optimizer} (it has "
+                                  f"{', '.join(report.ms_per_step)}); rerun hpcdl bench optim with it")
+            scale = facts.gradient_bytes / 4 / report.parameters
+            update_s = report.ms_per_step[optimizer] / 1e3 * scale
+            source = (f"{optim_json}: {report.ms_per_step[optimizer]:.1f} ms for {report.parameters:,} parameters on "
+                      f"{report.threads} threads, x{scale:.3g} for {facts.name}'s")
+        return cls(optimizer, float(facts.gradient_bytes), facts.largest * 4 / facts.gradient_bytes,
+                   names.OPTIMIZER_TABLE[optimizer].state_copies, update_s, network, ranks_per_node, source)
+
+    def terms(self, nodes: int) -> dict:
+        r = nodes * self.ranks_per_node
+        share = max(1.0 / r, self.share_floor) if r > 1 else 1.0
+        w, state = self.weight_bytes, self.state_copies * self.weight_bytes
+        gather_s = (r - 1) * (self.network.latency_s + share * w * self.network.beta)
+        row = {"nodes": nodes, "ranks": r, "share": share, "memory_replicated_bytes": 2 * w + state,
+               "memory_sharded_bytes": 2 * w + share * state, "gather_s": gather_s,
+               "gather_bytes": (r - 1) * share * w}
+        if self.update_s is not None:
+            row |= {"update_replicated_s": self.update_s, "update_sharded_s": share * self.update_s,
+                    "saved_s": self.update_s - share * self.update_s - gather_s}
+        return row
+
+
+def format_optimizer(model: OptimizerModel, rows: list[dict]) -> str:
+    timed = model.update_s is not None
+    lines = [f"# optimizer {model.optimizer}, replicated against sharded (optimizer.shard): a rank's memory for "
+             f"the weights, gradients and state; the update and the all-gather of the shares; update time "
+             f"{model.source}",
+             f"{'nodes':>6} {'ranks':>7} {'share':>7} {'mem repl':>9} {'mem shard':>9} {'gather':>9} {'gather':>9}"
+             + (f" {'update':>9} {'update':>9} {'saves':>9}" if timed else ""),
+             f"{'':>6} {'':>7} {'':>7} {'MB':>9} {'MB':>9} {'MB':>9} {'ms':>9}"
+             + (f" {'repl ms':>9} {'shard ms':>9} {'ms':>9}" if timed else "")]
+    for t in rows:
+        line = (f"{t['nodes']:>6} {t['ranks']:>7} {t['share']:>7.4f} {t['memory_replicated_bytes'] / 1e6:>9.0f} "
+                f"{t['memory_sharded_bytes'] / 1e6:>9.0f} {t['gather_bytes'] / 1e6:>9.1f} {t['gather_s'] * 1e3:>9.2f}")
+        if timed:
+            line += (f" {t['update_replicated_s'] * 1e3:>9.2f} {t['update_sharded_s'] * 1e3:>9.2f} "
+                     f"{t['saved_s'] * 1e3:>9.2f}")
+        lines.append(line)
+    return "\n".join(lines)
+
