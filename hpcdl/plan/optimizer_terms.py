@@ -51,7 +51,7 @@ class OptimizerModel:
         if not facts.largest:
             raise ConfigError(f"model {facts.name}: its largest tensor is not counted (an older facts cache); remove "
                               "~/.cache/hpcdl's model facts and plan again")
-        update_s, source = None, "not measured: give --optim-json (hpcdl bench optim --json) for the update's time"
+        update_s, source = None, "not measured: give --optim-json, the JSON of hpcdl bench optim"
         if optim_json:
             report = OptimReport.from_json(optim_json)
             if optimizer not in report.ms_per_step:
