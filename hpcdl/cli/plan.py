@@ -48,6 +48,8 @@ def plan(cmd: PlanCommand, question, inputs: PlanInputs, failures: FailureModel,
         inputs = dataclasses.replace(inputs, model=cfg.model.name, classes=cfg.num_classes, optimizer=cfg.optimizer.name)
         workers = cfg.data.workers
     model, notes = inputs.build()
+    optimizer = OptimizerModel.of(inputs.optimizer, model_facts(inputs.model, inputs.classes), model.network,
+                                  model.ranks_per_node, inputs.optim_json)  # a bad --optim-json before any table
     startup, startup_notes = inputs.startup(model)
     notes += startup_notes
     rows = planned(model, list(question.nodes), question.batch, question.epochs, question.train_images, startup)
@@ -59,8 +61,6 @@ def plan(cmd: PlanCommand, question, inputs: PlanInputs, failures: FailureModel,
                                                row["restart_s"])
     print(format_plan(rows, "\n".join(f"# {line}" for line in [title, *notes])))
     print(format_failures(rows, failures))
-    optimizer = OptimizerModel.of(inputs.optimizer, model_facts(inputs.model, inputs.classes), model.network,
-                                  model.ranks_per_node, inputs.optim_json)
     for row in rows:
         row["optimizer"] = optimizer.terms(row["nodes"])
     print(format_optimizer(optimizer, [row["optimizer"] for row in rows]))

@@ -8,7 +8,8 @@ With ``r`` ranks, ``W`` bytes of fp32 weights (as many of gradients), the optimi
 - sharded, the busiest rank: a share ``s = max(1 / r, L / P)`` of the tensors, ``L`` the largest tensor's elements
   and ``P`` all of them (tensors are dealt whole, so no share is smaller than the largest tensor; the dealing, by
   cost and state, measured 1.00-1.10x of ``1 / r`` at 2 and 4 ranks: ``s`` is a lower bound); memory
-  ``2 W + s S``; the update ``s U``; then the all-gather of every rank's share, padded to the largest share:
+  ``2 W + s S`` between steps and ``2 W + s S + (r + 2) s W`` in the all-gather (its flattened share, the padded
+  send and the ``r`` received shares, beside the gradients); the update ``s U``; then the all-gather of every rank's share, padded to the largest share:
   a ring of ``r - 1`` steps of ``s W`` bytes, ``(r - 1) (alpha + s W beta)`` on the network's link
   (:mod:`hpcdl.plan.cost`; ``s W`` per step is ``W / r`` only while the tensors can be dealt evenly).
 
@@ -66,11 +67,16 @@ class OptimizerModel:
 
     def terms(self, nodes: int) -> dict:
         r = nodes * self.ranks_per_node
+        if names.OPTIMIZER_TABLE[self.optimizer].schedule_free:  # optimizer.shard refuses it: replicated only
+            return {"nodes": nodes, "ranks": r, "memory_replicated_bytes": (2 + self.state_copies) * self.weight_bytes}
         share = max(1.0 / r, self.share_floor) if r > 1 else 1.0
         w, state = self.weight_bytes, self.state_copies * self.weight_bytes
         gather_s = (r - 1) * (self.network.latency_s + share * w * self.network.beta)
+        # the gather's buffers beside the gradients (DDP's buckets): the flattened share, the padded send, and
+        # the received r shares
         row = {"nodes": nodes, "ranks": r, "share": share, "memory_replicated_bytes": 2 * w + state,
                "memory_sharded_bytes": 2 * w + share * state, "gather_s": gather_s,
+               "memory_sharded_peak_bytes": 2 * w + share * state + (r + 2) * share * w if r > 1 else 2 * w + state,
                "gather_bytes": (r - 1) * share * w}
         if self.update_s is not None:
             row |= {"update_replicated_s": self.update_s, "update_sharded_s": share * self.update_s,
@@ -79,17 +85,23 @@ class OptimizerModel:
 
 
 def format_optimizer(model: OptimizerModel, rows: list[dict]) -> str:
+    if names.OPTIMIZER_TABLE[model.optimizer].schedule_free:
+        return f"# optimizer {model.optimizer}: Schedule-Free, not sharded (optimizer.shard refuses it)"
     timed = model.update_s is not None
     lines = [f"# optimizer {model.optimizer}, replicated against sharded (optimizer.shard): a rank's memory for "
-             f"the weights, gradients and state; the update and the all-gather of the shares; update time "
-             f"{model.source}",
-             f"{'nodes':>6} {'ranks':>7} {'share':>7} {'mem repl':>9} {'mem shard':>9} {'gather':>9} {'gather':>9}"
-             + (f" {'update':>9} {'update':>9} {'saves':>9}" if timed else ""),
-             f"{'':>6} {'':>7} {'':>7} {'MB':>9} {'MB':>9} {'MB':>9} {'ms':>9}"
+             f"the weights, gradients and state (sharded: between steps, and at its peak in the all-gather, whose "
+             f"buffers hold r + 2 shares; rank 0 gathers the whole state for a checkpoint); the update and the "
+             f"all-gather of the shares. The busiest rank's share is a lower bound (tensors dealt whole, by cost and "
+             f"state: Muon's Newton-Schulz makes it larger), so its memory, update and gather are at least these "
+             f"and what sharding saves at most; update time {model.source}",
+             f"{'nodes':>6} {'ranks':>7} {'share':>7} {'mem repl':>9} {'shard':>9} {'peak':>9} {'gather':>9} "
+             f"{'gather':>9}" + (f" {'update':>9} {'update':>9} {'saves':>9}" if timed else ""),
+             f"{'':>6} {'':>7} {'':>7} {'MB':>9} {'MB':>9} {'MB':>9} {'MB':>9} {'ms':>9}"
              + (f" {'repl ms':>9} {'shard ms':>9} {'ms':>9}" if timed else "")]
     for t in rows:
         line = (f"{t['nodes']:>6} {t['ranks']:>7} {t['share']:>7.4f} {t['memory_replicated_bytes'] / 1e6:>9.0f} "
-                f"{t['memory_sharded_bytes'] / 1e6:>9.0f} {t['gather_bytes'] / 1e6:>9.1f} {t['gather_s'] * 1e3:>9.2f}")
+                f"{t['memory_sharded_bytes'] / 1e6:>9.0f} {t['memory_sharded_peak_bytes'] / 1e6:>9.0f} "
+                f"{t['gather_bytes'] / 1e6:>9.1f} {t['gather_s'] * 1e3:>9.2f}")
         if timed:
             line += (f" {t['update_replicated_s'] * 1e3:>9.2f} {t['update_sharded_s'] * 1e3:>9.2f} "
                      f"{t['saved_s'] * 1e3:>9.2f}")
