@@ -98,6 +98,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_a_killed_write(data, tmp_p
 
 
 @pytest.mark.ranks
+@pytest.mark.timeout(600)  # 110-165 s alone, past 300 s once on a slow box under the parallel tier's load
 def test_two_ranks_resume_exactly_after_the_requeue_signal(data, tmp_path):
     """Reference and interrupted runs side by side; the interrupted one stops on USR2 mid-epoch, then resumes."""
     extra = ("--set", "checkpoint.every_minutes=0", "--set", "data.workers=1")
@@ -134,6 +135,7 @@ HOOK_OPTIMIZERS = [("none", "lars", None), ("fp16", "nesterov", 0.05), ("bf16", 
 
 
 @pytest.mark.ranks
+@pytest.mark.timeout(600)  # three runs of 20 steps: past 300 s once on a slow box under the parallel tier's load
 @pytest.mark.parametrize("hook, optimizer, lr", HOOK_OPTIMIZERS)
 def test_a_resumed_run_is_bitwise_the_uninterrupted_one_with_every_hook_and_optimizer(data, tmp_path, hook, optimizer,
                                                                                       lr):
