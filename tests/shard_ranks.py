@@ -2,9 +2,12 @@
 gradients (every rank draws the same ones, as an all-reduce leaves them), three steps; rank r writes what it saw to
 OUT/rank-r.json: whether the weights and (rank 0) the gathered state equal the replicated ones bit for bit, the
 bytes of state it holds against the replicated optimizer's, and whether a whole state loaded back keeps only its
-share and steps on alike."""
+share and steps on alike. Then with the gradients reduce-scattered (``scatter=True``): each rank draws its own, the
+replicated optimizer steps on their mean; the largest difference of a weight, and a digest of this rank's weights
+(the replicas' must match)."""
 
 import copy
+import hashlib
 import json
 import os
 import sys
@@ -36,6 +39,25 @@ def steps(net: nn.Module, optimizer, n: int, seed: int) -> None:
             p.grad = torch.randn(p.shape, generator=g)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def scattered_steps(cfg: OptimConfig, n: int) -> tuple[float, str]:
+    """``n`` steps sharded with the gradients reduce-scattered, each rank's its own, against the replicated optimizer
+    on their mean: the largest difference of a weight, and the digest of this rank's weights."""
+    own, ref = model(), model()
+    sharded, replicated = ShardedOptimizer(build_optimizer(own, cfg), scatter=True), build_optimizer(ref, cfg)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(n):
+        for p, q in zip(own.parameters(), ref.parameters()):
+            drawn = [torch.randn(p.shape, generator=g) for _ in range(world)]  # every rank's, alike on every rank
+            p.grad, q.grad = drawn[rank].clone(), sum(d / world for d in drawn)
+        sharded.step()
+        replicated.step()
+        sharded.zero_grad(set_to_none=True)
+        replicated.zero_grad(set_to_none=True)
+    diff = max((p - q).abs().max().item() for p, q in zip(own.parameters(), ref.parameters()))
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in own.parameters())).hexdigest()
+    return diff, digest
 
 
 def same(a: dict, b: dict) -> bool:
@@ -72,6 +94,7 @@ for name, row in names.OPTIMIZER_TABLE.items():
         "resumed": all(torch.equal(p, q) for p, q in zip(plain.parameters(), again.parameters())),
         "resumed_bytes": resumed.state_bytes(), "owners": sorted(set(sharded.owner)),
     }
+    seen[name]["scatter_diff"], seen[name]["scatter_digest"] = scattered_steps(cfg, 3)
 with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
     json.dump(seen, f)
 dist.destroy_process_group()

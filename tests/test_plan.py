@@ -402,8 +402,9 @@ def test_the_failure_table_follows_its_formulas_from_the_plans_own_terms(tmp_pat
 def test_the_optimizer_table_follows_its_formulas_replicated_and_sharded(tmp_path):
     """A rank's memory and the optimizer's time per step, replicated and sharded, from the plan's own inputs: the
     busiest rank's share 1/r until ResNet-50's largest tensor (9.2% of the weights) sets it, the all-gather a ring
-    of r - 1 steps of that share (padded), the update from hpcdl bench optim's JSON scaled by the weights. On 2
-    ranks sharding LAMB saves time; on 1,024 the padded gather costs more than the update saves."""
+    of r - 1 steps of that share (padded), the padding of it and of the reduce-scatter what sharding adds to the
+    all-reduce they replace, the update from hpcdl bench optim's JSON scaled by the weights. On 2 ranks sharding
+    LAMB saves time, nothing padded; on 1,024 the padding costs more than the update saves."""
     report = {"benchmark": "optim", "parameters": 10_000_000, "threads": 2, "ms_per_step": {"sgd": 10.0, "lamb": 50.0},
               "ratio_to_sgd": {"sgd": 1.0, "lamb": 5.0}}
     (tmp_path / "optim.json").write_text(json.dumps(report))
@@ -420,15 +421,18 @@ def test_the_optimizer_table_follows_its_formulas_replicated_and_sharded(tmp_pat
         t, ranks = row["optimizer"], row["nodes"] * profile.sockets
         share = max(1 / ranks, facts.largest * 4 / w)
         gather = (ranks - 1) * (link.latency_s + share * w / link.bandwidth_bytes_s)
+        padding = 2 * (ranks - 1) * (share - 1 / ranks) * w / link.bandwidth_bytes_s
         assert t["ranks"] == ranks and t["share"] == pytest.approx(share)
         assert t["memory_replicated_bytes"] == pytest.approx(2 * w + 2 * w)  # LAMB: two moments
         assert t["memory_sharded_bytes"] == pytest.approx(2 * w + share * 2 * w)
         assert t["memory_sharded_peak_bytes"] == pytest.approx(2 * w + share * 2 * w + (ranks + 2) * share * w)
         assert t["gather_s"] == pytest.approx(gather) and t["update_replicated_s"] == pytest.approx(update)
-        assert t["saved_s"] == pytest.approx(update - share * update - gather)
+        assert t["padding_s"] == pytest.approx(padding, abs=1e-12)
+        assert t["saved_s"] == pytest.approx(update - share * update - padding)
         assert f"{t['saved_s'] * 1e3:.2f}" in run.stdout
     rows = {r["nodes"]: r["optimizer"] for r in json.loads((tmp_path / "p.json").read_text())["rows"]}
     assert rows[1]["saved_s"] > 0 > rows[512]["saved_s"] and rows[8]["share"] == rows[512]["share"] > 1 / 16
+    assert rows[1]["padding_s"] == 0 < rows[512]["padding_s"]
     # in the gather, 2 ranks already hold more than replicated; Schedule-Free is not sharded at all
     assert rows[1]["memory_sharded_peak_bytes"] > rows[1]["memory_replicated_bytes"]
     free = subprocess.run([PYTHON, "-m", "hpcdl", "plan", "--model", "resnet50", "--optimizer", "schedulefree",

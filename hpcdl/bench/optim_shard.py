@@ -1,21 +1,26 @@
-"""``hpcdl bench optim-shard``: on a job's ranks, each optimizer's step replicated (the whole update on every rank)
-against sharded (:mod:`hpcdl.optim.shard`: this rank's tensors, then the all-gather of every rank's), side by side:
-rounds alternate between the two and between optimizers, a barrier before each, and each figure is the median of
-the slowest rank's rounds. Gradients are fixed random tensors, the same on every rank (as an all-reduce leaves
-them). The state bytes are measured: the tensors each optimizer holds after its first step.
+"""``hpcdl bench optim-shard``: on a job's ranks, each optimizer's step replicated against sharded
+(:mod:`hpcdl.optim.shard`), side by side: rounds alternate between the two and between optimizers, a barrier before
+each, and each figure is the median of the slowest rank's rounds. Gradients are fixed random tensors, the same on
+every rank. The state bytes are measured: the tensors each optimizer holds after its first step.
 
-What the sharded figure holds is all that sharding changes in a training step: the forward, the backward and the
-gradients' all-reduce are the same, so a sharded figure below the replicated one is a faster whole step."""
+Each layout is timed with the gradient exchange a training step gives it: replicated, the gradients' all-reduce
+(one, over a flat copy, as DDP's buckets make) and the whole update; sharded, the reduce-scatter to the owners,
+this rank's share of the update and the all-gather of the updated tensors. The forward and the backward are the
+same in both, so the two figures differ as the whole steps do, but for the all-reduce's overlap with backward,
+which the reduce-scatter does not have. The update alone (the optimizer phase) is timed inside each."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hpcdl import names
 from hpcdl.bench.configs import OptimShardBench as Config
 from hpcdl.bench.reports import OptimShardReport, OptimShardRow
-from hpcdl.bench.rounds import alternate, timed_ms
+from hpcdl.bench.rounds import alternate
 from hpcdl.distributed.group.liveness import fail_fast
 from hpcdl.models import build_model
 from hpcdl.optim.config import OptimConfig
@@ -31,26 +36,56 @@ def run(cfg: Config, job) -> OptimShardReport | None:
         for layout in ("replicated", "sharded"):
             optimizer = _optimizer(cfg.model, oc, layout, ctx.group)
             optimizers[name, layout] = optimizer
-            cases[f"{name} {layout}"] = timed_ms(optimizer.step, cfg.steps)
+            cases[f"{name} {layout}"] = _timed_step(optimizer, layout, ctx.group, cfg.steps)
     with fail_fast(ctx.heartbeat):
         times = alternate(cases, cfg.rounds, before=lambda: dist.barrier(group=ctx.group))
         mine = {name: [state_bytes(optimizers[name, "sharded"])] for name in chosen}
         slowest = {}
         for case, values in times.items():
-            t = torch.tensor(values, dtype=torch.float64)
+            t = torch.tensor(values, dtype=torch.float64)  # rounds x (whole, update)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
-            slowest[case] = sorted(t.tolist())[len(values) // 2]
+            slowest[case] = t.median(dim=0).values.tolist()  # the lower median of an even count
         gathered: list = [None] * ctx.world_size
         dist.all_gather_object(gathered, mine, group=ctx.group)
     if ctx.rank != 0:
         return None
-    rows = tuple(OptimShardRow(optimizer=name, replicated_ms=slowest[f"{name} replicated"],
-                               sharded_ms=slowest[f"{name} sharded"],
+    rows = tuple(OptimShardRow(optimizer=name, replicated_ms=slowest[f"{name} replicated"][0],
+                               sharded_ms=slowest[f"{name} sharded"][0],
+                               replicated_update_ms=slowest[f"{name} replicated"][1],
+                               sharded_update_ms=slowest[f"{name} sharded"][1],
                                replicated_state_bytes=state_bytes(optimizers[name, "replicated"]),
                                sharded_state_bytes=tuple(g[name][0] for g in gathered)) for name in chosen)
     params = sum(p.numel() for p in build_model(cfg.model).parameters())
     return OptimShardReport(parameters=params, world_size=ctx.world_size, backend=ctx.backend.name,
                             threads=torch.get_num_threads(), rows=rows)
+
+
+def _timed_step(optimizer, layout: str, group, repeat: int):
+    """A case: ``repeat`` steps with their exchange; (whole, update) in milliseconds per step."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+    size = dist.get_world_size(group)
+
+    def case() -> tuple[float, float]:
+        update = 0.0
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            if layout == "sharded":
+                optimizer.reduce()
+                t = time.perf_counter()
+                optimizer.update()
+                update += time.perf_counter() - t
+                optimizer.gather()
+            else:  # as DDP's reduction: divided as copied into the bucket, all-reduced, read back
+                flat = _flatten_dense_tensors(grads).div_(size)
+                dist.all_reduce(flat, group=group)
+                for g, value in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                    g.copy_(value)
+                t = time.perf_counter()
+                optimizer.step()
+                update += time.perf_counter() - t
+        return (time.perf_counter() - t0) / repeat * 1e3, update / repeat * 1e3
+
+    return case
 
 
 def _optimizer(model_name: str, oc: OptimConfig, layout: str, group):
@@ -59,19 +94,24 @@ def _optimizer(model_name: str, oc: OptimConfig, layout: str, group):
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-2
     optimizer = build_optimizer(model, oc)
-    return ShardedOptimizer(optimizer, group) if layout == "sharded" else optimizer
+    return ShardedOptimizer(optimizer, group, scatter=True) if layout == "sharded" else optimizer
 
 
 def format_report(r: OptimShardReport) -> str:
     c, n = r.config, r.world_size
     lines = [f"optimizer step over {c.model} ({r.parameters / 1e6:.1f}M parameters) on {n} ranks ({r.backend}), "
              f"{r.threads} threads each; median of {c.rounds} rounds of {c.steps} steps, the slowest rank's",
-             f"{'optimizer':10s} {'replicated':>11s} {'sharded':>9s} {'ratio':>7s}  {'state/rank':>11s} "
+             "update: the optimizer phase; with exchange: replicated, all-reduce + update; sharded, reduce-scatter + "
+             "update + all-gather",
+             f"{'optimizer':10s} {'update: replicated':>19s} {'sharded':>9s} {'ratio':>6s}  "
+             f"{'with exchange: replicated':>26s} {'sharded':>9s} {'ratio':>6s}  {'state/rank':>11s} "
              f"{'sharded max':>12s} {'vs 1/N':>7s}"]
     for row in r.rows:
         most = max(row.sharded_state_bytes)
         share = row.replicated_state_bytes / n
-        lines.append(f"{row.optimizer:10s} {row.replicated_ms:9.1f}ms {row.sharded_ms:7.1f}ms "
-                     f"{row.sharded_ms / row.replicated_ms:6.2f}x  {row.replicated_state_bytes / 2**20:9.1f}MB "
-                     f"{most / 2**20:10.1f}MB {most / share if share else 0:6.2f}x")
+        lines.append(f"{row.optimizer:10s} {row.replicated_update_ms:17.1f}ms {row.sharded_update_ms:7.1f}ms "
+                     f"{row.sharded_update_ms / row.replicated_update_ms:5.2f}x  {row.replicated_ms:24.1f}ms "
+                     f"{row.sharded_ms:7.1f}ms {row.sharded_ms / row.replicated_ms:5.2f}x  "
+                     f"{row.replicated_state_bytes / 2**20:9.1f}MB {most / 2**20:10.1f}MB "
+                     f"{most / share if share else 0:6.2f}x")
     return "\n".join(lines) + "\n"

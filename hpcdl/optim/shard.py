@@ -1,18 +1,24 @@
 """The optimizer step once per job: each parameter tensor's update, and its state, on one rank (``optimizer.shard``).
 
-Every rank still receives the whole averaged gradient (DDP's all-reduce, with any comm hook), so the owner of a
-tensor computes exactly the update every rank computed before: the weights are the replicated run's, bit for bit.
-What changes is who computes it. The tensors are dealt out whole, never split, so LARS, LARC and LAMB keep their
-per-tensor trust ratios and Muon orthogonalizes each matrix on one rank; they are dealt by their counted cost
-(:func:`update_cost`: Muon's Newton-Schulz on a matrix costs far more than an element-wise update of the same
-size), the costliest first, each to the rank with the least so far (longest processing time first). After the
-update, one all-gather per dtype brings every rank the tensors the others updated (each rank's share padded to
-the largest share's size): the same bytes as one pass of the parameters, one collective whatever the rank count.
+The gradients reach the owners by one reduce-scatter per dtype (:meth:`ShardedOptimizer.reduce`, in the layout of
+the all-gather: each rank's tensors side by side, padded to the largest share), after backward: DDP exchanges
+nothing (:func:`hpcdl.distributed.gradients.ddp.data_parallel` with ``exchange=False``). The reduce-scatter and
+the all-gather carry the bytes of the one all-reduce they replace (ZeRO stage 1's and Megatron's distributed
+optimizer's exchange), so sharding adds nothing to the wire but the padding. The owner computes the update every
+rank computed before from the same averaged gradient: on 2 ranks (a sum of two is the same in either order) the
+weights are the replicated run's bit for bit; on more, within fp32's rounding of another summation order. Where the
+comm hook does more than average a bucket (``hierarchical``, ``chunk_sparse``: ``SCATTER_WIRE`` lacks them), DDP
+all-reduces the gradients through it as replicated and each owner updates from its copy (``scatter=False``): the
+all-gather is then added to the step's communication. Unlike the all-reduce, the reduce-scatter does not overlap
+backward.
+
+The tensors are dealt out whole, never split, so LARS, LARC and LAMB keep their per-tensor trust ratios and Muon
+orthogonalizes each matrix on one rank; they are dealt by their counted cost (:func:`update_cost`: Muon's
+Newton-Schulz on a matrix costs far more than an element-wise update of the same size), the costliest first, each to
+the rank with the least so far (longest processing time first).
 
 The anchors: ZeRO stage 1 (Rajbhandari et al. 2020) and torch's ``ZeroRedundancyOptimizer`` shard the state by
-parameter; Moonlight's distributed Muon (Liu et al. 2025) deals each matrix's Newton-Schulz to one rank. Unlike
-ZeRO, the gradients are all-reduced rather than reduce-scattered: DDP's buckets and hpcdl's hooks stay as they
-are, at the cost of one more all-gather of the weights each step (docs/performance.md measures it).
+parameter; Moonlight's distributed Muon (Liu et al. 2025) deals each matrix's Newton-Schulz to one rank.
 
 The state is the inner optimizer's for the tensors this rank owns. :meth:`ShardedOptimizer.state_dict` is
 collective (every rank calls it, as for the RNG streams' part): each rank's share is streamed to rank 0, which
@@ -31,10 +37,14 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from hpcdl.distributed.group.share import broadcast_state
 from hpcdl.errors import ConfigError
 
-__all__ = ["ShardedOptimizer", "deal", "state_bytes", "update_cost"]
+__all__ = ["SCATTER_WIRE", "ShardedOptimizer", "deal", "state_bytes", "update_cost"]
 
-# torch 2.14 renamed all_gather_into_tensor (and warns on the old name); earlier releases have only that one
+# torch 2.14 renamed all_gather_into_tensor and reduce_scatter_tensor (and warns on the old names); earlier releases
+# have only those
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# the comm hooks (sync.hook) whose exchange a reduce-scatter does, and its dtype on the wire (None: the gradients')
+SCATTER_WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 ELEMENTWISE = 10  # an element-wise update's cost per element, in the units of a matrix product's multiply-adds
 
 
@@ -67,12 +77,15 @@ def deal(costs: list[float], ranks: int, sizes: list[float] | None = None) -> li
 
 class ShardedOptimizer:
     """``optimizer`` with each tensor's update on its owner (:func:`deal`), the updated tensors all-gathered over
-    ``group``. The schedule sets the lr on :attr:`param_groups`, which are the inner optimizer's."""
+    ``group``; with ``scatter``, the gradients reduce-scattered to their owners first (:meth:`reduce`, in ``wire``
+    on the wire), else they arrive all-reduced. The schedule sets the lr on :attr:`param_groups`, which are the
+    inner optimizer's."""
 
     collective = True  # state_dict() gathers the shares: every rank calls it (hpcdl.train.checkpoint)
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group=None):
-        self.optimizer, self.group = optimizer, group
+    def __init__(self, optimizer: torch.optim.Optimizer, group=None, *, scatter: bool = False,
+                 wire: torch.dtype | None = None):
+        self.optimizer, self.group, self.scatter, self.wire = optimizer, group, scatter, wire
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.costs = [update_cost(p, g, optimizer) for g in optimizer.param_groups for p in g["params"]]
@@ -102,9 +115,40 @@ class ShardedOptimizer:
         return self.optimizer.register_step_post_hook(hook)
 
     def step(self, closure=None):
-        """:meth:`update`, then :meth:`gather` (the trainer runs the two apart: hpcdl.train.step)."""
+        """:meth:`reduce`, :meth:`update`, then :meth:`gather` (the trainer runs them apart: hpcdl.train.step)."""
+        self.reduce()
         self.update(closure)
         self.gather()
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Collective, with ``scatter`` (else nothing): each tensor's gradient averaged over the ranks into its
+        owner's ``grad``, one reduce-scatter per dtype in the layout of :meth:`gather`. The other tensors' gradients
+        stay this rank's own, unaveraged: :meth:`update` hides them from the optimizer. As DDP's reduction and the
+        ``fp16`` and ``bf16`` hooks do, each gradient is divided by the rank count before the sum (in ``wire``)."""
+        if not self.scatter:
+            return
+        for shares in self._shares.values():
+            sizes = [sum(p.numel() for p in share) for share in shares]
+            width = max(sizes)
+            if not width:
+                continue
+            dtype = self.wire or next(s[0].dtype for s in shares if s)
+            send = torch.zeros(width * self.size, dtype=dtype)
+            for r, share in enumerate(shares):
+                at = r * width
+                for p in share:
+                    if p.grad is not None:  # a tensor with no gradient (frozen) has none on any rank
+                        send[at:at + p.numel()].copy_(p.grad.reshape(-1))
+                    at += p.numel()
+            send.div_(self.size)
+            mine = torch.empty(width, dtype=dtype)
+            REDUCE_SCATTER(mine, send, group=self.group)
+            at = 0
+            for p in shares[self.rank]:
+                if p.grad is not None:
+                    p.grad.copy_(mine[at:at + p.numel()].view(p.grad.shape))
+                at += p.numel()
 
     @torch.no_grad()
     def update(self, closure=None) -> None:

@@ -35,7 +35,7 @@ from hpcdl.errors import ConfigError, DataError
 from hpcdl.models import build_model, model_info
 from hpcdl.models.finetune import load_weights, lr_scales, read_weights
 from hpcdl.optim.factory import build_optimizer
-from hpcdl.optim.shard import ShardedOptimizer
+from hpcdl.optim.shard import SCATTER_WIRE, ShardedOptimizer
 from hpcdl.optim.schedule import LRSchedule
 from hpcdl.train.accel import apply_ipex
 from hpcdl.train.checkpoint import rank_seed, seed_rng
@@ -80,7 +80,9 @@ def build_model_parts(cfg: RunConfig, ctx: DistContext, precision: str, *, resum
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, cfg.optimizer, scales, body)
     if cfg.optimizer.shard and ctx.world_size > 1:  # ipex.optimize's fused step would replace the one it wraps
-        optimizer, note = ShardedOptimizer(optimizer, ctx.group), "ipex: not used with optimizer.shard=true"
+        scatter = cfg.sync.hook in SCATTER_WIRE  # else the hook all-reduces and each owner updates from its copy
+        optimizer = ShardedOptimizer(optimizer, ctx.group, scatter=scatter, wire=SCATTER_WIRE.get(cfg.sync.hook))
+        note = "ipex: not used with optimizer.shard=true"
     else:
         model, optimizer, note = apply_ipex(model, optimizer, precision=precision, mode=cfg.loop.ipex)
     freeze = round(tuned.freeze_body_epochs * cfg.schedule.steps_per_epoch)

@@ -6,8 +6,8 @@ Phases, in seconds, summed over the micro-batches of the step:
 - ``forward``: the model and the loss;
 - ``backward``: gradients, with the bucket all-reduces that overlap them (DDP);
 - ``comm_wait``: backward's wait for buckets still in flight after the last gradient, plus the control
-  all-reduce below, plus ``optimizer.shard``'s all-gather of the updated tensors: communication that computation
-  did not hide;
+  all-reduce below, plus ``optimizer.shard``'s reduce-scatter of the gradients and all-gather of the updated
+  tensors: communication that computation did not hide;
 - ``optimizer``: the update (a sharded one: this rank's tensors), the lr schedule and zeroing the gradients.
 
 The control all-reduce carries four numbers: this rank's loss sum and image count, whether its loss
@@ -124,9 +124,11 @@ class Stepper:
                                "bug in hpcdl")
         t = time.perf_counter()
         result = self._control(loss_sum, images, flags(), times)
-        times["comm_wait"] += time.perf_counter() - t
+        gather = getattr(self.optimizer, "gather", None)  # optimizer.shard: its step's collective parts
+        if gather and result.finite:  # every rank agrees on finite; outside the guard, which a rescue takes
+            self.optimizer.reduce()
         t1 = time.perf_counter()
-        gather = getattr(self.optimizer, "gather", None)  # optimizer.shard: its step's collective half
+        times["comm_wait"] += t1 - t
         with self.guard:
             if result.finite:
                 (self.optimizer.update if gather else self.optimizer.step)()

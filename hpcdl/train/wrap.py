@@ -42,7 +42,8 @@ def wrap(cfg: RunConfig, ctx: DistContext, parts: ModelParts, data: DataParts, *
     net, comm = data_parallel(parts.model, ctx.env, ctx.group, hook=sync.hook, backend=ctx.backend.name,
                               bucket_cap_mb=sync.bucket_cap_mb, first_bucket_mb=sync.first_bucket_mb,
                               gradient_as_bucket_view=sync.gradient_as_bucket_view, sparse=sparse,
-                              new_group=functools.partial(new_subgroup, ctx), bucket_spans=cfg.loop.timeline)
+                              new_group=functools.partial(new_subgroup, ctx), bucket_spans=cfg.loop.timeline,
+                              exchange=not getattr(parts.optimizer, "scatter", False))
     note = "compile: off"
     if cfg.loop.compile:
         net, note = torch.compile(net), "compile: torch.compile (the first steps compile)"

@@ -28,8 +28,10 @@ class OptimReport(Report):
 @dataclasses.dataclass(frozen=True, slots=True)
 class OptimShardRow:
     optimizer: str
-    replicated_ms: float  # the whole update on every rank (median of rounds, the slowest rank's)
-    sharded_ms: float  # this rank's share of the update and the all-gather of the updated tensors (the same)
+    replicated_ms: float  # the gradients' all-reduce and the whole update (median of rounds, the slowest rank's)
+    sharded_ms: float  # the reduce-scatter, this rank's share of the update, the all-gather (the same)
+    replicated_update_ms: float  # the update alone, in ``replicated_ms``
+    sharded_update_ms: float  # this rank's share of the update alone, in ``sharded_ms``
     replicated_state_bytes: int  # one rank's optimizer state, replicated
     sharded_state_bytes: tuple[int, ...]  # each rank's, sharded (measured: the tensors its optimizer holds)
 

@@ -74,10 +74,18 @@ def _timed(timer: CommTimer, bucket):
     return future.then(done)
 
 
+def _kept(_, bucket) -> torch.futures.Future:
+    """A comm hook that exchanges nothing: the bucket stays this rank's sum (``optimizer.shard``'s reduce-scatter
+    averages the gradients after backward, :meth:`hpcdl.optim.shard.ShardedOptimizer.reduce`)."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
 def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str = "none", backend: str | None = None,
                   bucket_cap_mb: float = 25.0, first_bucket_mb: float | None = None,
                   gradient_as_bucket_view: bool = True, sparse=None, new_group=None,
-                  bucket_spans: bool = False) -> tuple[torch.nn.Module, CommTimer | None]:
+                  bucket_spans: bool = False, exchange: bool = True) -> tuple[torch.nn.Module, CommTimer | None]:
     """``model`` wrapped in DDP over ``group``, its buckets reduced by ``hook`` (:mod:`hpcdl.distributed.gradients.hooks`)
     and timed; on one rank, ``model`` itself.
 
@@ -86,13 +94,19 @@ def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str
     over the gradients for the division and two threads' hand-offs per bucket (``hpcdl bench sync``;
     docs/performance.md). ``bucket_spans`` (the timeline's per-bucket spans) keeps the timed Python hook for
     ``none`` too. ``first_bucket_mb`` caps the first bucket (the last layers' gradients, ready first) below
-    ``bucket_cap_mb`` so that communication starts sooner; ``None``: the same cap as the others.
+    ``bucket_cap_mb`` so that communication starts sooner; ``None``: the same cap as the others. ``exchange=False``
+    (``optimizer.shard``'s reduce-scatter does it): DDP exchanges no gradient and ``hook`` is not used; DDP still
+    broadcasts the weights at the start and the buffers (batch-norm statistics) before each forward.
     """
     if env.world_size == 1:
         return model, None
     with bucket_caps(bucket_cap_mb, first_bucket_mb) as caps:
         ddp = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=gradient_as_bucket_view,
                                       **caps)
+    if not exchange:
+        timer = CommTimer(None, _kept)
+        ddp.register_comm_hook(timer, _timed)
+        return ddp, timer
     if hook == "none" and not bucket_spans:
         timer = CommTimer(None, None)
         timer.watch(model)
