@@ -272,11 +272,13 @@ def test_a_lost_node_on_gloo_is_replaced_by_a_spare_within_the_job(wide, data, t
     (the ranks' Python importing hpcdl's trainer) finds it, and it is skipped and named for the second. Before, the
     supervisor took it, its start failed before any rescue existed, and the job restarted on it to its budget.
     The data comes through the node cache (data.cache=node): the lost node's agent goes with it, the spare's starts
-    empty, and each sample is still trained once."""
+    empty, and each sample is still trained once. The optimizer is sharded (optimizer.shard): the just-in-time
+    checkpoint is whole, the lost ranks' share of the state from the periodic checkpoint of step 4."""
     run = tmp_path / "run"
     script = script_for(tmp_path, data, run, nodes=4, tasks=2, partition="wide", name="gloo", spares=2,
                         extra=("--set", "loop.backend=gloo", "--set", "epochs=3", "--set", "global_batch=48",
-                               "--set", "data.cache=node"))
+                               "--set", "data.cache=node", "--set", "optimizer.shard=true",
+                               "--set", "checkpoint.every_steps=4"))
     env, fake = broken_python_env(tmp_path)
     (fake / "broken-n15").write_text("python")
     script.write_text(script.read_text().replace("#SBATCH --nodes=6", "#SBATCH --nodes=6\n#SBATCH --nodelist=n[11-16]"))
@@ -294,6 +296,10 @@ def test_a_lost_node_on_gloo_is_replaced_by_a_spare_within_the_job(wide, data, t
     assert skipped == "n15" and "spare n15 skipped: its Python cannot start the ranks" in text, text[-4000:]
     assert "fake: node n15 cannot start Python" in json.loads((run / "supervisor.json").read_text())["spares_skipped"]["n15"]
     check_restarts(run, losses, [spare])
+    [result] = [json.loads(p.read_text()) for p in (run / "jit").glob("*/result.json")]
+    account = result["optimizer_state"]  # the saved step, 6 or 7: no periodic checkpoint of its own
+    assert result["written"] and account["checkpoint"].endswith("ckpt-000000004.pt"), result
+    assert account["from_checkpoint"] > 0 and account["current"] > 0 and account["fresh"] == 0, account
     assert f"node {nodes[0]} lost, spare {spare} takes its place" in text and "from the first report of the loss" in text
     assert job_state(job).startswith("COMPLETED"), text[-3000:]
     summary = json.loads((run / "summary.json").read_text())

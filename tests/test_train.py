@@ -40,7 +40,7 @@ def steps_logged(run: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"kind": "step"' in line) if path.exists() else 0
 
 
-def wait_all(procs, timeout=240) -> list[int]:
+def wait_all(procs, timeout=480) -> list[int]:
     return [p.wait(timeout=timeout) for p in procs]
 
 

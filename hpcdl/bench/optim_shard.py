@@ -4,8 +4,9 @@ each, and each figure is the median of the slowest rank's rounds. Gradients are 
 every rank. The state bytes are measured: the tensors each optimizer holds after its first step.
 
 Each layout is timed with the gradient exchange a training step gives it: replicated, the gradients' all-reduce
-(one, over a flat copy, as DDP's buckets make) and the whole update; sharded, the reduce-scatter to the owners,
-this rank's share of the update and the all-gather of the updated tensors. The forward and the backward are the
+(one, over a flat copy, as DDP's buckets make) and the whole update; sharded, the reduce-scatter to the owners
+(on gloo, whose reduce-scatter is an all-reduce, the all-reduce: :func:`hpcdl.optim.shard.scatters`), this rank's
+share of the update and the all-gather of the updated tensors. The forward and the backward are the
 same in both, so the two figures differ as the whole steps do, but for the all-reduce's overlap with backward,
 which the reduce-scatter does not have. The update alone (the optimizer phase) is timed inside each."""
 
@@ -25,7 +26,7 @@ from hpcdl.distributed.group.liveness import fail_fast
 from hpcdl.models import build_model
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.factory import build_optimizer
-from hpcdl.optim.shard import ShardedOptimizer, state_bytes
+from hpcdl.optim.shard import ShardedOptimizer, scatters, state_bytes
 
 
 def run(cfg: Config, job) -> OptimShardReport | None:
@@ -57,7 +58,7 @@ def run(cfg: Config, job) -> OptimShardReport | None:
                                sharded_state_bytes=tuple(g[name][0] for g in gathered)) for name in chosen)
     params = sum(p.numel() for p in build_model(cfg.model).parameters())
     return OptimShardReport(parameters=params, world_size=ctx.world_size, backend=ctx.backend.name,
-                            threads=torch.get_num_threads(), rows=rows)
+                            threads=torch.get_num_threads(), rows=rows, scatter=scatters("none", ctx.group))
 
 
 def _timed_step(optimizer, layout: str, group, repeat: int):
@@ -69,17 +70,16 @@ def _timed_step(optimizer, layout: str, group, repeat: int):
         update = 0.0
         t0 = time.perf_counter()
         for _ in range(repeat):
-            if layout == "sharded":
+            if layout == "sharded":  # on gloo, as the trainer: DDP's all-reduce, then the update from a copy
+                if not optimizer.scatter:
+                    _all_reduce(grads, size, group)
                 optimizer.reduce()
                 t = time.perf_counter()
                 optimizer.update()
                 update += time.perf_counter() - t
                 optimizer.gather()
-            else:  # as DDP's reduction: divided as copied into the bucket, all-reduced, read back
-                flat = _flatten_dense_tensors(grads).div_(size)
-                dist.all_reduce(flat, group=group)
-                for g, value in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                    g.copy_(value)
+            else:
+                _all_reduce(grads, size, group)
                 t = time.perf_counter()
                 optimizer.step()
                 update += time.perf_counter() - t
@@ -88,21 +88,30 @@ def _timed_step(optimizer, layout: str, group, repeat: int):
     return case
 
 
+def _all_reduce(grads: list, size: int, group) -> None:
+    """As DDP's reduction: divided as copied into the bucket, all-reduced, read back."""
+    flat = _flatten_dense_tensors(grads).div_(size)
+    dist.all_reduce(flat, group=group)
+    for g, value in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(value)
+
+
 def _optimizer(model_name: str, oc: OptimConfig, layout: str, group):
     torch.manual_seed(0)
     model = build_model(model_name)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-2
     optimizer = build_optimizer(model, oc)
-    return ShardedOptimizer(optimizer, group, scatter=True) if layout == "sharded" else optimizer
+    return ShardedOptimizer(optimizer, group, scatter=scatters("none", group)) if layout == "sharded" else optimizer
 
 
 def format_report(r: OptimShardReport) -> str:
     c, n = r.config, r.world_size
     lines = [f"optimizer step over {c.model} ({r.parameters / 1e6:.1f}M parameters) on {n} ranks ({r.backend}), "
              f"{r.threads} threads each; median of {c.rounds} rounds of {c.steps} steps, the slowest rank's",
-             "update: the optimizer phase; with exchange: replicated, all-reduce + update; sharded, reduce-scatter + "
-             "update + all-gather",
+             "update: the optimizer phase; with exchange: replicated, all-reduce + update; sharded, "
+             f"{'reduce-scatter' if r.scatter else 'all-reduce (gloo)'} + update + all-gather; no backward to overlap "
+             "(DDP's all-reduce overlaps it, the reduce-scatter does not)",
              f"{'optimizer':10s} {'update: replicated':>19s} {'sharded':>9s} {'ratio':>6s}  "
              f"{'with exchange: replicated':>26s} {'sharded':>9s} {'ratio':>6s}  {'state/rank':>11s} "
              f"{'sharded max':>12s} {'vs 1/N':>7s}"]

@@ -4,13 +4,16 @@ The gradients reach the owners by one reduce-scatter per dtype (:meth:`ShardedOp
 the all-gather: each rank's tensors side by side, padded to the largest share), after backward: DDP exchanges
 nothing (:func:`hpcdl.distributed.gradients.ddp.data_parallel` with ``exchange=False``). The reduce-scatter and
 the all-gather carry the bytes of the one all-reduce they replace (ZeRO stage 1's and Megatron's distributed
-optimizer's exchange), so sharding adds nothing to the wire but the padding. The owner computes the update every
-rank computed before from the same averaged gradient: on 2 ranks (a sum of two is the same in either order) the
-weights are the replicated run's bit for bit; on more, within fp32's rounding of another summation order. Where the
-comm hook does more than average a bucket (``hierarchical``, ``chunk_sparse``: ``SCATTER_WIRE`` lacks them), DDP
-all-reduces the gradients through it as replicated and each owner updates from its copy (``scatter=False``): the
-all-gather is then added to the step's communication. Unlike the all-reduce, the reduce-scatter does not overlap
-backward.
+optimizer's exchange), so sharding adds nothing to the wire but the padding (and, under the ``fp16`` and ``bf16``
+hooks, the all-gather's fp32 weights against their 16-bit gradients). The owner computes the update every rank
+computed before from the same averaged gradient: on 2 ranks (a sum of two is the same in either order) the weights
+are the replicated run's bit for bit; on more, within fp32's rounding of another summation order. Unlike DDP's
+all-reduce, the reduce-scatter does not overlap backward.
+
+Where a reduce-scatter would not pay (:func:`scatters`: the ``hierarchical`` and ``chunk_sparse`` hooks do more than
+average a bucket; gloo's reduce-scatter is an all-reduce), DDP all-reduces the gradients through the hook as
+replicated and each owner updates from its copy (``scatter=False``): the all-gather is then added to the step's
+communication.
 
 The tensors are dealt out whole, never split, so LARS, LARC and LAMB keep their per-tensor trust ratios and Muon
 orthogonalizes each matrix on one rank; they are dealt by their counted cost (:func:`update_cost`: Muon's
@@ -34,10 +37,11 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from hpcdl.distributed.group.python_backend import library_group
 from hpcdl.distributed.group.share import broadcast_state
 from hpcdl.errors import ConfigError
 
-__all__ = ["SCATTER_WIRE", "ShardedOptimizer", "deal", "state_bytes", "update_cost"]
+__all__ = ["SCATTER_WIRE", "ShardedOptimizer", "deal", "scatters", "state_bytes", "update_cost"]
 
 # torch 2.14 renamed all_gather_into_tensor and reduce_scatter_tensor (and warns on the old names); earlier releases
 # have only those
@@ -45,6 +49,15 @@ ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # the comm hooks (sync.hook) whose exchange a reduce-scatter does, and its dtype on the wire (None: the gradients')
 SCATTER_WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def scatters(hook: str, group=None) -> bool:
+    """Whether a sharded step reduce-scatters the gradients: under a hook that only averages (``SCATTER_WIRE``), on a
+    group whose reduce-scatter is one (the MPI and oneCCL groups'). torch's gloo makes its reduce-scatter an
+    all-reduce of the whole buffer and a copy of this rank's part (torch 2.14.1, ``reduce_scatter_single``: twice an
+    all-reduce's time on 2 ranks here, docs/performance.md), so on gloo DDP all-reduces the gradients, overlapped with
+    backward, and each owner updates from its copy."""
+    return hook in SCATTER_WIRE and library_group(group) is not None
 ELEMENTWISE = 10  # an element-wise update's cost per element, in the units of a matrix product's multiply-adds
 
 

@@ -9,7 +9,7 @@ With ``r`` ranks, ``W`` bytes of fp32 weights (as many of gradients), the optimi
   and ``P`` all of them (tensors are dealt whole, so no share is smaller than the largest tensor; the dealing, by
   cost and state, measured 1.00-1.10x of ``1 / r`` at 2 and 4 ranks: ``s`` is a lower bound); memory
   ``2 W + s S`` between steps and ``2 W + s S + (r + 2) s W`` in the all-gather (its flattened share, the padded
-  send and the ``r`` received shares, beside the gradients; the reduce-scatter's ``r + 1`` shares are fewer); the
+  send and the ``r`` received shares, beside the gradients; the reduce-scatter's as many); the
   update ``s U``. The gradients are reduce-scattered to their owners and the updated tensors all-gathered, each a
   ring of ``r - 1`` steps of ``s W`` bytes (every share padded to the largest), ``(r - 1) (alpha + s W beta)`` on
   the network's link (:mod:`hpcdl.plan.cost`), in place of the replicated run's all-reduce, a ring of
@@ -18,8 +18,10 @@ With ``r`` ranks, ``W`` bytes of fp32 weights (as many of gradients), the optimi
 
 The update's ``(1 - s) U`` is what sharding saves, the padding what it adds. Past ``r = P / L`` ranks the share
 stops shrinking while the padding grows with ``r``: the table says, per node count, whether sharding saves time
-(``saves``) and by how much. With ``sync.hook`` ``hierarchical`` or ``chunk_sparse`` the gradients are all-reduced
-through the hook and the whole all-gather is added (the ``gather`` column).
+(``saves``) and by how much, for ``sync.hook=none`` on MPI or oneCCL. On gloo, or with ``sync.hook`` ``hierarchical``
+or ``chunk_sparse``, the gradients are all-reduced and the whole all-gather is added (the ``gather`` column); with
+``fp16`` or ``bf16`` the all-gather's fp32 weights add half an all-reduce's bytes to their 16-bit all-reduce. The
+reduce-scatter does not overlap backward, as the all-reduce it replaces partly did; the table does not count that.
 
 ``U`` comes from ``hpcdl bench optim --json`` (``--optim-json``: the optimizer's median step on the report's
 model, scaled by the weights' ratio, an element-wise update's cost; Muon's Newton-Schulz grows faster than its
@@ -96,8 +98,9 @@ def format_optimizer(model: OptimizerModel, rows: list[dict]) -> str:
     lines = [f"# optimizer {model.optimizer}, replicated against sharded (optimizer.shard): a rank's memory for "
              f"the weights, gradients and state (sharded: between steps, and at its peak in the all-gather, whose "
              f"buffers hold r + 2 shares; rank 0 gathers the whole state for a checkpoint); the update; the "
-             f"all-gather of the shares, which with the gradients' reduce-scatter replaces their all-reduce (with "
-             f"sync.hook hierarchical or chunk_sparse it is added whole) and what their padding adds to the wire. The "
+             f"all-gather of the shares, which with the gradients' reduce-scatter replaces their all-reduce (sync.hook "
+             f"none on MPI or oneCCL; on gloo, or with hierarchical or chunk_sparse, it is added whole) and what their "
+             f"padding adds to the wire. The "
              f"busiest rank's share is a lower bound (tensors dealt whole, by cost and state: Muon's Newton-Schulz "
              f"makes it larger), so its memory, update and padding are at least these and what sharding saves at "
              f"most; update time {model.source}",

@@ -35,7 +35,7 @@ from hpcdl.errors import ConfigError, DataError
 from hpcdl.models import build_model, model_info
 from hpcdl.models.finetune import load_weights, lr_scales, read_weights
 from hpcdl.optim.factory import build_optimizer
-from hpcdl.optim.shard import SCATTER_WIRE, ShardedOptimizer
+from hpcdl.optim.shard import SCATTER_WIRE, ShardedOptimizer, scatters
 from hpcdl.optim.schedule import LRSchedule
 from hpcdl.train.accel import apply_ipex
 from hpcdl.train.checkpoint import rank_seed, seed_rng
@@ -80,8 +80,8 @@ def build_model_parts(cfg: RunConfig, ctx: DistContext, precision: str, *, resum
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, cfg.optimizer, scales, body)
     if cfg.optimizer.shard and ctx.world_size > 1:  # ipex.optimize's fused step would replace the one it wraps
-        scatter = cfg.sync.hook in SCATTER_WIRE  # else the hook all-reduces and each owner updates from its copy
-        optimizer = ShardedOptimizer(optimizer, ctx.group, scatter=scatter, wire=SCATTER_WIRE.get(cfg.sync.hook))
+        optimizer = ShardedOptimizer(optimizer, ctx.group, scatter=scatters(cfg.sync.hook, ctx.group),
+                                     wire=SCATTER_WIRE.get(cfg.sync.hook))
         note = "ipex: not used with optimizer.shard=true"
     else:
         model, optimizer, note = apply_ipex(model, optimizer, precision=precision, mode=cfg.loop.ipex)

@@ -17,7 +17,7 @@ from hpcdl.config import RunConfig
 from hpcdl.distributed.affinity import allocator_in_use
 from hpcdl.distributed.group.lifecycle import DistContext
 from hpcdl.errors import StorageError, TrainingDiverged
-from hpcdl.optim.shard import SCATTER_WIRE
+from hpcdl.optim.shard import scatters
 from hpcdl.runs.folder import RunFolder
 from hpcdl.runs.outcome import EXIT_BAD_INPUT, Outcome, summary_text
 from hpcdl.train.leaving import error_text
@@ -73,7 +73,8 @@ def announce(cfg: RunConfig, ctx: DistContext, progress: Progress, facts: Facts)
         facts.ipex_note, facts.compile_note,
         shard_sync(cfg, ctx) or f"gradient sync: DDP, buckets of {sync.bucket_cap_mb:g} MB"
         + (f" (the first {sync.first_bucket_mb:g} MB)" if sync.first_bucket_mb else "")
-        + f", comm hook {sync.hook}{sparse}" + (", the optimizer sharded (all-gather after the update)"
+        + f", comm hook {sync.hook}{sparse}" + (", the optimizer sharded (an all-gather after the update; no "
+                                                "reduce-scatter with this hook or backend)"
                                                 if cfg.optimizer.shard and ctx.world_size > 1 else ""),
     ]
     for line in lines:
@@ -82,11 +83,11 @@ def announce(cfg: RunConfig, ctx: DistContext, progress: Progress, facts: Facts)
 
 def shard_sync(cfg: RunConfig, ctx: DistContext) -> str | None:
     """The gradient sync's line where ``optimizer.shard`` reduce-scatters the gradients (:mod:`hpcdl.optim.shard`)."""
-    if not (cfg.optimizer.shard and ctx.world_size > 1 and cfg.sync.hook in SCATTER_WIRE):
+    if not (cfg.optimizer.shard and ctx.world_size > 1 and scatters(cfg.sync.hook, ctx.group)):
         return None
-    wire = "" if cfg.sync.hook == "none" else f" in {cfg.sync.hook}"
-    return (f"gradient sync: optimizer.shard, one reduce-scatter{wire} after backward to each tensor's owner, one "
-            "all-gather of the updated tensors (DDP exchanges none)")
+    wire = "" if cfg.sync.hook == "none" else f" from {cfg.sync.hook}"
+    return (f"gradient sync: optimizer.shard, a reduce-scatter{wire} after backward to each tensor's owner and an "
+            "all-gather of the updated tensors, each one per dtype (DDP exchanges none)")
 
 
 def check_replicas(model: torch.nn.Module, ctx: DistContext, step: int) -> str:

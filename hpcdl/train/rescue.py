@@ -4,7 +4,7 @@ Data parallelism keeps the whole state on every rank: the weights and the optimi
 sampler's position and each sample's augmentation follow from the step. When a rank or a node is lost, each
 survivor holds that state in memory; this module writes it instead of losing everything since the last
 periodic checkpoint (Gupta et al., "Just-In-Time Checkpointing", EuroSys 2024, do the same for GPU jobs).
-Not with ``optimizer.shard=true``: no survivor holds the optimizer's state whole; its newest periodic one stands.
+With ``optimizer.shard=true`` no survivor holds the optimizer's state whole: :mod:`hpcdl.train.rescue_shard` makes it.
 
 Which step. A step updates the weights only after its control all-reduce returned (:mod:`hpcdl.train.step`:
 micro-batches with the bucket all-reduces, the control all-reduce, then the update), whatever the comm hook
@@ -67,6 +67,7 @@ from hpcdl.runs.orphan import CLAIM_STALE_S, CLAIM_WAIT_S, after_rescue
 from hpcdl.runs.outcome import EXIT_PEER_LOST, read_result
 from hpcdl.train.checkpoint import rng_state
 from hpcdl.train.leaving import adopt, origin
+from hpcdl.train.rescue_shard import compose_parts, describe, rank_share, sharded
 from hpcdl.train.state import Frozen
 from hpcdl.utils import atomic_write_text, leave_now
 
@@ -246,7 +247,8 @@ class Rescue:
                 "slurm_step": os.environ.get("SLURM_STEP_ID"), "time": time.time(), "status": status,
                 "follows": self.follows}
         if b is not None:
-            _save(os.path.join(self.folder, f"rank-{self.rank:05d}.pt"), {"step": b.step, "rng": b.rng})
+            share = rank_share(self.ckpt.parts if self.ckpt else {})  # optimizer.shard: its tensors, weights and state
+            _save(os.path.join(self.folder, f"rank-{self.rank:05d}.pt"), {"step": b.step, "rng": b.rng, **share})
         atomic_write_text(self.report_path(self.rank), json.dumps(mine) + "\n")
         reports = self._wait_for_reports(lost, status)
         reason, status, why = self._adopt(reason, status, why)  # a word written while this rank waited
@@ -318,31 +320,30 @@ class Rescue:
                 rngs[r] = torch.load(path, map_location="cpu", weights_only=True)["rng"]
             except Exception as exc:
                 log.warning("rescue: %s unreadable (%s); rank %d's RNG streams are seeded afresh", path, exc, r)
-        missing, sharded = [r for r in range(self.world) if rngs[r] is None], False
+        missing, account = [r for r in range(self.world) if rngs[r] is None], None
         if not step or self.ckpt is None:  # no step in this start (lost during start-up), or none trained yet
             path, wrote = None, False
         elif self.ckpt.has(step):  # the periodic checkpoint of this very step is on disk (a write waited for)
             path, wrote = self.run_folder.checkpoint(step), False
-        elif sharded := getattr(self.ckpt.parts.get("optimizer"), "collective", False):
-            path, wrote = None, False  # optimizer.shard: no survivor holds the optimizer's state whole; the resume
-            # loads the newest readable checkpoint and cuts the sample records back to it (Checkpointer.load_latest_shared)
         else:
-            state = self.ckpt.compose(self._boundary_parts(rngs), rank_states=False, jit={
+            parts = self._boundary_parts(rngs)
+            if sharded(self.ckpt.parts):  # optimizer.shard: the survivors' shares, the newest checkpoint's state
+                parts, account = compose_parts(self.ckpt, parts, self.folder, survivors)
+            state = self.ckpt.compose(parts, rank_states=False, jit={
                 "survivors": survivors, "lost": lost if lost is not None else [0], "rng_lost": missing,
-                "residuals_lost": self.residuals_lost})
+                "residuals_lost": self.residuals_lost, "optimizer_state": account})
             path, wrote = self.ckpt.write_locked(step, state, "just in time"), True
-        if self.record_samples and step is not None and not sharded:
+        if self.record_samples and step is not None:
             self.run_folder.drop_samples_after(step)
         where = {r: self.ctx.heartbeat.who(r) for r in lost} if lost else {}
-        result = {"step": None if sharded else step, "checkpoint": path, "written": wrote, "writer": self.rank, "survivors": survivors,
+        result = {"step": step, "checkpoint": path, "written": wrote, "writer": self.rank, "survivors": survivors,
                   "lost": lost if lost is not None else [0], "rank0_lost": lost is None, "rng_lost": missing,
                   "lost_where": where, "reports": [reports[r] for r in sorted(reports)],
-                  "write_s": round(time.monotonic() - started, 3), "time": time.time()}
+                  "optimizer_state": account, "write_s": round(time.monotonic() - started, 3), "time": time.time()}
         atomic_write_text(os.path.join(self.folder, "result.json"), json.dumps(result, indent=1) + "\n")
         log.error("rank %d: just-in-time checkpoint of step %s: %s (survivors %s; lost %s)", self.rank, step,
-                  f"written to {path}" if wrote else f"the periodic one, {path}" if path else "none (%s): the run "
-                  "resumes from its newest checkpoint" % ("optimizer.shard=true: no survivor holds the optimizer's "
-                  "state whole" if sharded else "no step trained in this start"),
+                  (f"written to {path}" if wrote else f"the periodic one, {path}" if path else "none (no step trained in "
+                   "this start): the run resumes from its newest checkpoint") + describe(account),
                   _ranges(survivors), result["lost"])
 
     def _boundary_parts(self, rngs: list) -> dict:

@@ -44,6 +44,7 @@ class OptimShardReport(Report):
     backend: str
     threads: int
     rows: tuple[OptimShardRow, ...]
+    scatter: bool = True  # the sharded layout reduce-scatters the gradients (else all-reduces them: gloo)
     config: OptimShardBench | None = None  # filled by the runner
     provenance: Provenance | None = None  # filled by the runner
 

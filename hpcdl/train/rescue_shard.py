@@ -1,0 +1,89 @@
+"""The just-in-time checkpoint with ``optimizer.shard=true`` (:mod:`hpcdl.train.rescue`), whole although a lost rank's
+share of the optimizer state is gone with it.
+
+What a survivor holds at its boundary: every weight (its own tensors as its last update left them, the others as
+the last all-gather brought them) and the optimizer state of its own tensors. Each survivor writes its share, its
+tensors' weights and state, beside its RNG streams in the rescue's folder; the writer composes the checkpoint from
+its own model with every survivor's tensors put in, and from the optimizer state of the newest checkpoint on disk
+with every survivor's share put in. So in the checkpoint:
+
+- the survivors' tensors are exactly at the step saved, weights and state;
+- a lost rank's tensors have the weights of the last all-gather the writer completed: the step saved, or the one
+  before where the lost rank's share of the step in flight never arrived (those tensors then miss that one update);
+- and the optimizer state of the newest checkpoint on disk (momentum and moments at most ``checkpoint.every_steps``
+  or ``every_minutes`` old), or none where no checkpoint exists yet (those tensors' state starts afresh, as at
+  step 0). ``result.json``'s ``optimizer_state`` counts the tensors of each kind.
+
+The choice (docs/reliability.md): nothing is paid per step, in memory or in time; a copy of each share on a buddy
+node would keep the lost state current at the price of sending each rank's state every step (as many bytes as its
+share of the weights, twice that for Adam's and LAMB's two moments). The cost is paid at a loss: each survivor
+writes its share, the writer reads the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from hpcdl.train.state import Frozen
+
+__all__ = ["compose_parts", "describe", "rank_share", "sharded"]
+
+log = logging.getLogger(__name__)
+
+
+def sharded(parts: dict) -> bool:
+    """Whether the optimizer part is sharded (its ``state_dict`` is a collective the rescue cannot make)."""
+    return getattr(parts.get("optimizer"), "collective", False)
+
+
+def rank_share(parts: dict) -> dict:
+    """This rank's share, for its file in the rescue's folder: its tensors' weights by name and their optimizer state
+    by index (the replicated layout's); nothing when the optimizer is not sharded. Under the rescue's lock."""
+    if not sharded(parts):
+        return {}
+    optimizer, model = parts["optimizer"], parts["model"].model
+    names = {id(p): name for name, p in model.named_parameters()}
+    weights = {names[id(p)]: p.detach().clone() for p in optimizer.params if id(p) in optimizer.mine and id(p) in names}
+    return {"shard": {"weights": weights, "state": optimizer.optimizer.state_dict()["state"]}}
+
+
+def compose_parts(ckpt, parts: dict, folder: str, survivors: list[int]) -> tuple[dict, dict]:
+    """``parts`` (the boundary's) with the model and optimizer parts composed, and the account of where each
+    tensor's optimizer state came from: the survivors' shares read from ``folder``, then the newest checkpoint on
+    disk."""
+    shares = {}
+    for r in survivors:
+        path = os.path.join(folder, f"rank-{r:05d}.pt")
+        try:
+            shares[r] = torch.load(path, map_location="cpu", weights_only=True)["shard"]
+        except Exception as exc:  # its tensors are then taken as a lost rank's
+            log.warning("rescue: rank %d's share %s unreadable (%s): its tensors are taken as a lost rank's", r, path,
+                        exc)
+    inner = parts["optimizer"].optimizer if "optimizer" in parts else ckpt.parts["optimizer"].optimizer
+    whole = inner.state_dict()  # the param groups (their lr and step counters, alike on every rank)
+    newest = ckpt.manager().load_latest()
+    state = dict(newest[1]["optimizer"]["state"]) if newest else {}
+    older = set(state)
+    weights = {}
+    for share in shares.values():
+        state.update(share["state"])
+        older -= set(share["state"])
+        weights.update(share["weights"])
+    whole["state"] = state
+    indices = {i for g in whole["param_groups"] for i in g["params"]}
+    account = {"current": len(indices & state.keys()) - len(older), "from_checkpoint": len(older),
+               "checkpoint": newest[0] if newest else None, "fresh": len(indices - state.keys()),
+               "shares": sorted(shares)}
+    model = parts.get("model", ckpt.parts["model"])
+    return {**parts, "model": Frozen({**model.state_dict(), **weights}), "optimizer": Frozen(whole)}, account
+
+
+def describe(account: dict | None) -> str:
+    """The rescue's line's tail: where the checkpoint's optimizer state came from (None: not sharded)."""
+    if account is None:
+        return ""
+    return (f"; optimizer state of {account['current']} tensors from the survivors, {account['from_checkpoint']} "
+            f"from {account['checkpoint']}, {account['fresh']} afresh")
