@@ -16,7 +16,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from hpcdl import names
 from hpcdl.bench.configs import OptimShardBench as Config
@@ -63,7 +63,7 @@ def run(cfg: Config, job) -> OptimShardReport | None:
 
 def _timed_step(optimizer, layout: str, group, repeat: int):
     """A case: ``repeat`` steps with their exchange; (whole, update) in milliseconds per step."""
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
+    flat = optimizer.flat_grads  # the gradients are views of it, as of DDP's buckets (gradient_as_bucket_view)
     size = dist.get_world_size(group)
 
     def case() -> tuple[float, float]:
@@ -72,14 +72,14 @@ def _timed_step(optimizer, layout: str, group, repeat: int):
         for _ in range(repeat):
             if layout == "sharded":  # on gloo, as the trainer: DDP's all-reduce, then the update from a copy
                 if not optimizer.scatter:
-                    _all_reduce(grads, size, group)
+                    _all_reduce(flat, size, group)
                 optimizer.reduce()
                 t = time.perf_counter()
                 optimizer.update()
                 update += time.perf_counter() - t
                 optimizer.gather()
             else:
-                _all_reduce(grads, size, group)
+                _all_reduce(flat, size, group)
                 t = time.perf_counter()
                 optimizer.step()
                 update += time.perf_counter() - t
@@ -88,21 +88,23 @@ def _timed_step(optimizer, layout: str, group, repeat: int):
     return case
 
 
-def _all_reduce(grads: list, size: int, group) -> None:
-    """As DDP's reduction: divided as copied into the bucket, all-reduced, read back."""
-    flat = _flatten_dense_tensors(grads).div_(size)
-    dist.all_reduce(flat, group=group)
-    for g, value in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(value)
+def _all_reduce(flat: torch.Tensor, size: int, group) -> None:
+    """As DDP's reduction of buckets the gradients are views of: divided in place, all-reduced (one bucket)."""
+    dist.all_reduce(flat.div_(size), group=group)
 
 
 def _optimizer(model_name: str, oc: OptimConfig, layout: str, group):
     torch.manual_seed(0)
     model = build_model(model_name)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p) * 1e-2
+    params = list(model.parameters())
+    flat = torch.randn(sum(p.numel() for p in params)) * 1e-2
+    for p, view in zip(params, _unflatten_dense_tensors(flat, params)):
+        p.grad = view
     optimizer = build_optimizer(model, oc)
-    return ShardedOptimizer(optimizer, group, scatter=scatters("none", group)) if layout == "sharded" else optimizer
+    if layout == "sharded":
+        optimizer = ShardedOptimizer(optimizer, group, scatter=scatters("none", group))
+    optimizer.flat_grads = flat
+    return optimizer
 
 
 def format_report(r: OptimShardReport) -> str:

@@ -8,8 +8,8 @@ With ``r`` ranks, ``W`` bytes of fp32 weights (as many of gradients), the optimi
 - sharded, the busiest rank: a share ``s = max(1 / r, L / P)`` of the tensors, ``L`` the largest tensor's elements
   and ``P`` all of them (tensors are dealt whole, so no share is smaller than the largest tensor; the dealing, by
   cost and state, measured 1.00-1.10x of ``1 / r`` at 2 and 4 ranks: ``s`` is a lower bound); memory
-  ``2 W + s S`` between steps and ``2 W + s S + (r + 2) s W`` in the all-gather (its flattened share, the padded
-  send and the ``r`` received shares, beside the gradients; the reduce-scatter's as many); the
+  ``2 W + s S + (r + 1) s W``: the buffers of the reduce-scatter and the all-gather (the ``r`` padded shares and this
+  rank's), beside the gradients, kept from step to step (fresh each step they cost their page faults); the
   update ``s U``. The gradients are reduce-scattered to their owners and the updated tensors all-gathered, each a
   ring of ``r - 1`` steps of ``s W`` bytes (every share padded to the largest), ``(r - 1) (alpha + s W beta)`` on
   the network's link (:mod:`hpcdl.plan.cost`), in place of the replicated run's all-reduce, a ring of
@@ -79,12 +79,10 @@ class OptimizerModel:
         w, state = self.weight_bytes, self.state_copies * self.weight_bytes
         gather_s = (r - 1) * (self.network.latency_s + share * w * self.network.beta)
         padding_s = 2 * (r - 1) * (share - 1.0 / r) * w * self.network.beta  # over the all-reduce it replaces
-        # the gather's buffers beside the gradients (DDP's buckets): the flattened share, the padded send, and
-        # the received r shares
+        # the exchange's buffers beside the gradients (DDP's buckets), kept: the r padded shares and this rank's
         row = {"nodes": nodes, "ranks": r, "share": share, "memory_replicated_bytes": 2 * w + state,
-               "memory_sharded_bytes": 2 * w + share * state, "gather_s": gather_s,
-               "memory_sharded_peak_bytes": 2 * w + share * state + (r + 2) * share * w if r > 1 else 2 * w + state,
-               "gather_bytes": (r - 1) * share * w, "padding_s": padding_s}
+               "memory_sharded_bytes": 2 * w + share * state + (r + 1) * share * w if r > 1 else 2 * w + state,
+               "gather_s": gather_s, "gather_bytes": (r - 1) * share * w, "padding_s": padding_s}
         if self.update_s is not None:
             row |= {"update_replicated_s": self.update_s, "update_sharded_s": share * self.update_s,
                     "saved_s": self.update_s - share * self.update_s - padding_s}
@@ -96,21 +94,21 @@ def format_optimizer(model: OptimizerModel, rows: list[dict]) -> str:
         return f"# optimizer {model.optimizer}: Schedule-Free, not sharded (optimizer.shard refuses it)"
     timed = model.update_s is not None
     lines = [f"# optimizer {model.optimizer}, replicated against sharded (optimizer.shard): a rank's memory for "
-             f"the weights, gradients and state (sharded: between steps, and at its peak in the all-gather, whose "
-             f"buffers hold r + 2 shares; rank 0 gathers the whole state for a checkpoint); the update; the "
+             f"the weights, gradients and state (sharded: with the exchange's buffers, r + 1 shares, kept from step "
+             f"to step; rank 0 gathers the whole state for a checkpoint); the update; the "
              f"all-gather of the shares, which with the gradients' reduce-scatter replaces their all-reduce (sync.hook "
              f"none on MPI or oneCCL; on gloo, or with hierarchical or chunk_sparse, it is added whole) and what their "
              f"padding adds to the wire. The "
              f"busiest rank's share is a lower bound (tensors dealt whole, by cost and state: Muon's Newton-Schulz "
              f"makes it larger), so its memory, update and padding are at least these and what sharding saves at "
              f"most; update time {model.source}",
-             f"{'nodes':>6} {'ranks':>7} {'share':>7} {'mem repl':>9} {'shard':>9} {'peak':>9} {'gather':>9} "
+             f"{'nodes':>6} {'ranks':>7} {'share':>7} {'mem repl':>9} {'shard':>9} {'gather':>9} "
              f"{'gather':>9} {'padding':>9}" + (f" {'update':>9} {'update':>9} {'saves':>9}" if timed else ""),
-             f"{'':>6} {'':>7} {'':>7} {'MB':>9} {'MB':>9} {'MB':>9} {'MB':>9} {'ms':>9} {'ms':>9}"
+             f"{'':>6} {'':>7} {'':>7} {'MB':>9} {'MB':>9} {'MB':>9} {'ms':>9} {'ms':>9}"
              + (f" {'repl ms':>9} {'shard ms':>9} {'ms':>9}" if timed else "")]
     for t in rows:
         line = (f"{t['nodes']:>6} {t['ranks']:>7} {t['share']:>7.4f} {t['memory_replicated_bytes'] / 1e6:>9.0f} "
-                f"{t['memory_sharded_bytes'] / 1e6:>9.0f} {t['memory_sharded_peak_bytes'] / 1e6:>9.0f} "
+                f"{t['memory_sharded_bytes'] / 1e6:>9.0f} "
                 f"{t['gather_bytes'] / 1e6:>9.1f} {t['gather_s'] * 1e3:>9.2f} {t['padding_s'] * 1e3:>9.2f}")
         if timed:
             line += (f" {t['update_replicated_s'] * 1e3:>9.2f} {t['update_sharded_s'] * 1e3:>9.2f} "

@@ -263,11 +263,13 @@ class ThreadedProcessGroup(_python_backend_base()):
         def run(inline):
             send, copied = self._reducible(inp)
             send = self._before(send, around, owned=copied)
-            recv = torch.empty(output.shape, dtype=send.dtype)
+            direct = output.is_contiguous() and output.dtype == send.dtype  # else received apart, then copied
+            recv = output if direct else torch.empty(output.shape, dtype=send.dtype)
             self._reduce_scatter(send, recv, op, inline)
             if around is True:
                 self._divide(recv)
-            output.copy_(recv)
+            if not direct:
+                output.copy_(recv)
             return [output]
 
         return self._submit(run, "reduce_scatter", _nbytes([inp]))
