@@ -227,28 +227,30 @@ def mpi_run(mpiexec: str, *args, n: int = 2, timeout: float = 120) -> subprocess
                           timeout=timeout)
 
 
-PORTS = (20000, 32000)  # below the kernel's ephemeral range (32768-60999 here), where no connect() takes its port
+# test rendezvous ports: above slurmd's (7000 + x) and MooseFS's (9419-9422), below the Slurm job steps' (15000-29999,
+# hpcdl/distributed/ranks/env.py) and the kernel's ephemeral range (32768-60999), where no connect() takes its port
+PORTS, BLOCK = (10000, 15000), 400
 _next_port = [0]
 
 
 def free_port() -> int:
-    """A port for a test's rendezvous that nothing takes before its rank 0 binds it: from a block of 1,000 of this
-    pytest process's own (xdist worker gwN: block N, from a random place in it), below the ephemeral range, checked
-    free. A port bind(0) gave (the ephemeral range) could be taken by any connection another test opened before rank
-    0 bound it: CI's rank 0 failed once with EADDRINUSE (2026-11-29)."""
+    """A port for a test's rendezvous that nothing takes before its rank 0 binds it: from a block of this pytest
+    process's own (xdist worker gwN: block N of 12, from a random place in it), in ``PORTS``, checked free. A port
+    bind(0) gave (the ephemeral range) could be taken by any connection another test opened before rank 0 bound it:
+    CI's rank 0 failed once with EADDRINUSE (2026-11-29)."""
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
-    low = PORTS[0] + 1000 * (worker % ((PORTS[1] - PORTS[0]) // 1000))
+    low = PORTS[0] + BLOCK * (worker % ((PORTS[1] - PORTS[0]) // BLOCK))
     if not _next_port[0]:
-        _next_port[0] = int.from_bytes(os.urandom(2), "little") % 1000
-    for _ in range(1000):
-        port, _next_port[0] = low + _next_port[0] % 1000, _next_port[0] + 1
+        _next_port[0] = int.from_bytes(os.urandom(2), "little") % BLOCK
+    for _ in range(BLOCK):
+        port, _next_port[0] = low + _next_port[0] % BLOCK, _next_port[0] + 1
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"free_port: no free port in {low}-{low + 999}")
+    raise RuntimeError(f"free_port: no free port in {low}-{low + BLOCK - 1}")
 
 
 @contextlib.contextmanager

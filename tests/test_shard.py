@@ -46,6 +46,40 @@ def test_schedule_free_is_refused_with_the_fix():
     assert OptimConfig(name="muon", shard=True).shard
 
 
+def test_the_just_in_time_state_counts_each_tensor_and_is_refused_before_any_checkpoint(tmp_path):
+    """rescue_shard.compose_parts over a 2-tensor model whose optimizer keeps state (SGD with momentum), rank 0 the
+    one survivor holding tensor 0: with a checkpoint on disk, tensor 1's state comes from it and the weights from rank
+    0's share; a survivor a step behind is counted so; with no checkpoint, tensor 1 would have no state: refused."""
+    from types import SimpleNamespace
+
+    from hpcdl.train.rescue_shard import compose_parts
+    from hpcdl.train.state import Frozen
+
+    net = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    whole = optimizer.state_dict()
+    mine = {"weights": {"weight": torch.full((2, 3), 7.0)}, "state": {0: whole["state"][0]}}
+    torch.save({"step": 5, "rng": None, "shard": mine}, tmp_path / "rank-00000.pt")
+    older = {1: {"momentum_buffer": torch.full((2,), 3.0)}}
+    for newest, steps, kinds in (((str(tmp_path / "ckpt-3.pt"), {"optimizer": {"state": older}}), {0: 5}, (1, 0, 1, 0)),
+                                 ((str(tmp_path / "ckpt-3.pt"), {"optimizer": {"state": older}}), {0: 4}, (0, 1, 1, 0)),
+                                 (None, {0: 5}, (1, 0, 0, 1))):
+        ckpt = SimpleNamespace(manager=lambda newest=newest: SimpleNamespace(load_latest=lambda: newest),
+                               parts={"optimizer": SimpleNamespace(optimizer=optimizer)})
+        parts, account = compose_parts(ckpt, {"model": Frozen(net.state_dict())}, str(tmp_path), steps, 5)
+        assert (account["current"], account["behind"], account["from_checkpoint"], account["fresh"]) == kinds, account
+        if newest is None:
+            assert parts is None  # fresh momentum under a running counter: the resume takes the newest checkpoint
+            continue
+        state = parts["optimizer"].state_dict()["state"]
+        assert torch.equal(state[1]["momentum_buffer"], older[1]["momentum_buffer"])
+        assert torch.equal(state[0]["momentum_buffer"], whole["state"][0]["momentum_buffer"])
+        model = parts["model"].state_dict()
+        assert torch.equal(model["weight"], mine["weights"]["weight"]) and torch.equal(model["bias"], net.bias)
+
+
 @pytest.mark.ranks
 def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicated(tmp_path):
     """Three gloo ranks: each optimizer (Schedule-Free refused above) replicated and sharded over the same gradients:

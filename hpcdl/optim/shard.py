@@ -31,6 +31,7 @@ not. :meth:`ShardedOptimizer.load_state_dict` takes a whole state and keeps this
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -58,6 +59,8 @@ def scatters(hook: str, group=None) -> bool:
     all-reduce's time on 2 ranks here, docs/performance.md), so on gloo DDP all-reduces the gradients, overlapped with
     backward, and each owner updates from its copy."""
     return hook in SCATTER_WIRE and library_group(group) is not None
+
+
 ELEMENTWISE = 10  # an element-wise update's cost per element, in the units of a matrix product's multiply-adds
 
 
@@ -112,7 +115,7 @@ class ShardedOptimizer:
             shares = [[p for p, o in zip(self.params, self.owner) if o == r and p.dtype == dt] for r in range(self.size)]
             sizes = [sum(p.numel() for p in share) for share in shares]
             self._layout.append((shares, sizes, max(sizes)))
-        self._kept: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kept: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def param_groups(self) -> list[dict]:
@@ -140,10 +143,12 @@ class ShardedOptimizer:
     def _buffers(self, dtype: torch.dtype, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(all ranks' shares, this rank's), made once per dtype and kept: memory fresh from the system each step
         costs its page faults (56 ms for 100 MB on this VM, more than the copy into it). The reduce-scatter and the
-        all-gather of one dtype share them. Their padding is never read: it is left as it is."""
-        kept = self._kept.get(dtype)
+        all-gather of one layout share them (keyed by dtype and width: a wire dtype may be another layout's own).
+        Their padding is never read: it is left as it is."""
+        kept = self._kept.get((dtype, width))
         if kept is None:
-            kept = self._kept[dtype] = (torch.empty(width * self.size, dtype=dtype), torch.empty(width, dtype=dtype))
+            kept = self._kept[dtype, width] = (torch.empty(width * self.size, dtype=dtype),
+                                               torch.empty(width, dtype=dtype))
         return kept
 
     @torch.no_grad()
@@ -201,8 +206,10 @@ class ShardedOptimizer:
             g["step"] += 1
 
     @torch.no_grad()
-    def gather(self) -> None:
-        """Collective: each rank's tensors, as its owner holds them, on every rank (one all-gather per dtype)."""
+    def gather(self, guard=None) -> None:
+        """Collective: each rank's tensors, as its owner holds them, on every rank (one all-gather per dtype). The
+        copies into the model run under ``guard`` (the trainer's lock, which a rescue takes to read the weights;
+        not the collective, which a lost rank would leave hanging with the lock held)."""
         if self.size == 1:  # this rank owns every tensor
             return
         for shares, sizes, width in self._layout:
@@ -214,11 +221,12 @@ class ShardedOptimizer:
                 send[at:at + p.numel()].view(p.shape).copy_(p)
                 at += p.numel()
             ALL_GATHER(out, send, group=self.group)
-            for r, share in enumerate(shares):
-                if r != self.rank and share:
-                    flat = out[r * width:r * width + sizes[r]]
-                    for p, value in zip(share, _unflatten_dense_tensors(flat, share)):
-                        p.copy_(value)
+            with guard or contextlib.nullcontext():
+                for r, share in enumerate(shares):
+                    if r != self.rank and share:
+                        flat = out[r * width:r * width + sizes[r]]
+                        for p, value in zip(share, _unflatten_dense_tensors(flat, share)):
+                            p.copy_(value)
 
     def state_dict(self) -> dict | None:
         """Collective: the whole optimizer state, in the replicated layout, on rank 0 (None on the others)."""

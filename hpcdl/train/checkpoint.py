@@ -132,8 +132,9 @@ class Checkpointer:
     def load_latest_shared(self, group, cut_records: bool = False) -> tuple[str, dict] | None:
         """Collective: the newest readable checkpoint, read by rank 0 and streamed to the others. With
         ``cut_records`` (``loop.record_samples``) rank 0 first drops the recorded samples of the steps after the
-        checkpoint's, which the run trains again (a rescue that wrote no checkpoint: ``optimizer.shard``; a newest
-        file unreadable), before any rank opens its record (after this collective and the start's next ones)."""
+        checkpoint's, which the run trains again (a rescue that wrote no checkpoint: ``optimizer.shard`` with a lost
+        rank's state in no checkpoint yet; a newest file unreadable), before any rank opens its record (after this
+        collective and the start's next ones)."""
         if not cut_records or self._manager is None:
             return load_latest_shared(self._manager, group)
         latest = self._manager.load_latest()

@@ -317,33 +317,33 @@ class Rescue:
                 continue  # its streams are those of an earlier step: seeded afresh like a lost rank's
             path = os.path.join(self.folder, f"rank-{r:05d}.pt")
             try:
-                rngs[r] = torch.load(path, map_location="cpu", weights_only=True)["rng"]
+                rngs[r] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["rng"]
             except Exception as exc:
                 log.warning("rescue: %s unreadable (%s); rank %d's RNG streams are seeded afresh", path, exc, r)
-        missing, account = [r for r in range(self.world) if rngs[r] is None], None
-        if not step or self.ckpt is None:  # no step in this start (lost during start-up), or none trained yet
-            path, wrote = None, False
-        elif self.ckpt.has(step):  # the periodic checkpoint of this very step is on disk (a write waited for)
-            path, wrote = self.run_folder.checkpoint(step), False
-        else:
+        missing, account, wrote = [r for r in range(self.world) if rngs[r] is None], None, False
+        # the periodic checkpoint of this very step, on disk (a write waited for); none without a step in this start
+        path = self.run_folder.checkpoint(step) if step and self.ckpt is not None and self.ckpt.has(step) else None
+        if step and self.ckpt is not None and path is None:
             parts = self._boundary_parts(rngs)
             if sharded(self.ckpt.parts):  # optimizer.shard: the survivors' shares, the newest checkpoint's state
-                parts, account = compose_parts(self.ckpt, parts, self.folder, survivors)
-            state = self.ckpt.compose(parts, rank_states=False, jit={
+                parts, account = compose_parts(self.ckpt, parts, self.folder, {r: reports[r]["step"] for r in survivors}, step)
+            state = parts and self.ckpt.compose(parts, rank_states=False, jit={
                 "survivors": survivors, "lost": lost if lost is not None else [0], "rng_lost": missing,
                 "residuals_lost": self.residuals_lost, "optimizer_state": account})
-            path, wrote = self.ckpt.write_locked(step, state, "just in time"), True
-        if self.record_samples and step is not None:
+            path, wrote = (self.ckpt.write_locked(step, state, "just in time"), True) if state else (None, False)
+        refused = account is not None and path is None  # optimizer.shard: the resume cuts the records to its own
+        if self.record_samples and step is not None and not refused:
             self.run_folder.drop_samples_after(step)
         where = {r: self.ctx.heartbeat.who(r) for r in lost} if lost else {}
-        result = {"step": step, "checkpoint": path, "written": wrote, "writer": self.rank, "survivors": survivors,
+        result = {"step": None if refused else step, "checkpoint": path, "written": wrote, "writer": self.rank, "survivors": survivors,
                   "lost": lost if lost is not None else [0], "rank0_lost": lost is None, "rng_lost": missing,
                   "lost_where": where, "reports": [reports[r] for r in sorted(reports)],
                   "optimizer_state": account, "write_s": round(time.monotonic() - started, 3), "time": time.time()}
         atomic_write_text(os.path.join(self.folder, "result.json"), json.dumps(result, indent=1) + "\n")
         log.error("rank %d: just-in-time checkpoint of step %s: %s (survivors %s; lost %s)", self.rank, step,
-                  (f"written to {path}" if wrote else f"the periodic one, {path}" if path else "none (no step trained in "
-                   "this start): the run resumes from its newest checkpoint") + describe(account),
+                  (f"written to {path}" if wrote else f"the periodic one, {path}" if path else "none (%s): the run resumes "
+                   "from its newest checkpoint" % ("a lost rank's optimizer state is in no checkpoint yet" if refused
+                                                   else "no step trained in this start")) + describe(account),
                   _ranges(survivors), result["lost"])
 
     def _boundary_parts(self, rngs: list) -> dict:

@@ -7,12 +7,15 @@ tensors' weights and state, beside its RNG streams in the rescue's folder; the w
 its own model with every survivor's tensors put in, and from the optimizer state of the newest checkpoint on disk
 with every survivor's share put in. So in the checkpoint:
 
-- the survivors' tensors are exactly at the step saved, weights and state;
+- the survivors' tensors are at the step saved, weights and state (a survivor whose collective of that step failed
+  holds the step before: its tensors miss that one update, counted as ``behind``);
 - a lost rank's tensors have the weights of the last all-gather the writer completed: the step saved, or the one
   before where the lost rank's share of the step in flight never arrived (those tensors then miss that one update);
 - and the optimizer state of the newest checkpoint on disk (momentum and moments at most ``checkpoint.every_steps``
-  or ``every_minutes`` old), or none where no checkpoint exists yet (those tensors' state starts afresh, as at
-  step 0). ``result.json``'s ``optimizer_state`` counts the tensors of each kind.
+  or ``every_minutes`` old). Where no checkpoint holds it (none written yet) and the optimizer keeps state, no
+  just-in-time checkpoint is written: fresh moments under LAMB's and Muon's group step counters would be corrected
+  as if they had run all along, so the run resumes from its newest checkpoint, as before. ``result.json``'s
+  ``optimizer_state`` counts the tensors of each kind.
 
 The choice (docs/reliability.md): nothing is paid per step, in memory or in time; a copy of each share on a buddy
 node would keep the lost state current at the price of sending each rank's state every step (as many bytes as its
@@ -50,40 +53,43 @@ def rank_share(parts: dict) -> dict:
     return {"shard": {"weights": weights, "state": optimizer.optimizer.state_dict()["state"]}}
 
 
-def compose_parts(ckpt, parts: dict, folder: str, survivors: list[int]) -> tuple[dict, dict]:
+def compose_parts(ckpt, parts: dict, folder: str, steps: dict[int, int | None], step: int) -> tuple[dict | None, dict]:
     """``parts`` (the boundary's) with the model and optimizer parts composed, and the account of where each
-    tensor's optimizer state came from: the survivors' shares read from ``folder``, then the newest checkpoint on
-    disk."""
+    tensor's optimizer state came from: the shares of the survivors (``steps``: each one's completed step) read from
+    ``folder``, then the newest checkpoint on disk. None for the parts where a lost rank's tensors would have no
+    state while the optimizer keeps some: LAMB's and Muon's group step counters would then correct fresh moments as
+    if they had run all along; the run resumes from its newest checkpoint instead."""
     shares = {}
-    for r in survivors:
+    for r in steps:
         path = os.path.join(folder, f"rank-{r:05d}.pt")
         try:
-            shares[r] = torch.load(path, map_location="cpu", weights_only=True)["shard"]
-        except Exception as exc:  # its tensors are then taken as a lost rank's
-            log.warning("rescue: rank %d's share %s unreadable (%s): its tensors are taken as a lost rank's", r, path,
+            shares[r] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["shard"]
+        except Exception as exc:  # none written (no step completed) or unreadable: taken as a lost rank's
+            log.warning("rescue: rank %d's share %s not read (%s): its tensors are taken as a lost rank's", r, path,
                         exc)
-    inner = parts["optimizer"].optimizer if "optimizer" in parts else ckpt.parts["optimizer"].optimizer
-    whole = inner.state_dict()  # the param groups (their lr and step counters, alike on every rank)
+    whole = ckpt.parts["optimizer"].optimizer.state_dict()  # the param groups (their lr and step counters, alike)
     newest = ckpt.manager().load_latest()
-    state = dict(newest[1]["optimizer"]["state"]) if newest else {}
+    state, weights, behind = dict(newest[1]["optimizer"]["state"]) if newest else {}, {}, 0
     older = set(state)
-    weights = {}
-    for share in shares.values():
+    for r, share in shares.items():
         state.update(share["state"])
         older -= set(share["state"])
         weights.update(share["weights"])
+        behind += len(share["state"]) if steps[r] != step else 0  # its step's update never ran: one missed
     whole["state"] = state
     indices = {i for g in whole["param_groups"] for i in g["params"]}
-    account = {"current": len(indices & state.keys()) - len(older), "from_checkpoint": len(older),
-               "checkpoint": newest[0] if newest else None, "fresh": len(indices - state.keys()),
-               "shares": sorted(shares)}
-    model = parts.get("model", ckpt.parts["model"])
-    return {**parts, "model": Frozen({**model.state_dict(), **weights}), "optimizer": Frozen(whole)}, account
+    account = {"current": len(indices & state.keys()) - len(older) - behind, "behind": behind,
+               "from_checkpoint": len(older), "checkpoint": newest[0] if newest else None,
+               "fresh": len(indices - state.keys()), "shares": sorted(shares)}
+    if account["fresh"] and any(share["state"] for share in shares.values()):
+        return None, account
+    return {**parts, "model": Frozen({**parts["model"].state_dict(), **weights}), "optimizer": Frozen(whole)}, account
 
 
 def describe(account: dict | None) -> str:
     """The rescue's line's tail: where the checkpoint's optimizer state came from (None: not sharded)."""
     if account is None:
         return ""
-    return (f"; optimizer state of {account['current']} tensors from the survivors, {account['from_checkpoint']} "
-            f"from {account['checkpoint']}, {account['fresh']} afresh")
+    return (f"; optimizer state of {account['current']} tensors from the survivors ({account['behind']} of them a "
+            f"step behind), {account['from_checkpoint']} from {account['checkpoint'] or 'no checkpoint'}, "
+            f"{account['fresh']} with none")

@@ -138,7 +138,7 @@ class Stepper:
                 self.commit(result)
         t2 = time.perf_counter()
         if gather and result.finite:  # every rank agrees on finite; outside the guard, which a rescue takes
-            gather()
+            gather(self.guard)  # its copies into the model under it
         times["optimizer"], times["comm_wait"] = t2 - t1, times["comm_wait"] + time.perf_counter() - t2
         self._span("control", t, t1)
         self._span("optimizer", t1, t2)

@@ -46,8 +46,9 @@ done
 fabric_count=$(echo $FABRIC_NODES | wc -w)
 # ready: up and mounted, or (outside CI) recorded as impossible here, so that a machine without it does not restart
 # Slurm at every call
+# a listing, not a statfs: the client answers statfs with its metadata server gone (CI, 2026-11-29: every read EIO)
 pfs_ready() { [ "$PFS" = 0 ] || { [ -e "$STATE/pfs/up" ] && grep -qs "^mfs.* $STATE/scratch fuse " /proc/self/mounts \
-                                    && timeout 10 stat -f "$STATE/scratch" >/dev/null 2>&1; } \
+                                    && timeout 10 ls "$STATE/scratch" >/dev/null 2>&1; } \
               || { [ "${CI:-}" != true ] && [ -e "$STATE/pfs/unavailable" ]; }; }
 # a node in two partitions (fabric-all) is listed twice by sinfo -N: counted once
 up_nodes() { timeout 10 sinfo -h -N ${1:+-p "$1"} -o '%N %T' 2>/dev/null | sort -u | grep -c -E ' (idle|mixed|allocated)$' || true; }
