@@ -138,6 +138,7 @@ class SyncConfig:
     hook: str = "none"  # one of names.HOOKS (docs/communication.md describes each)
     # DDP's buckets: gradients are all-reduced in buckets of bucket_cap_mb MB, the first (the last layers,
     # ready first) of first_bucket_mb (None: bucket_cap_mb). Measured: docs/communication.md, bucket sweep.
+    # With optimizer.shard's reduce-scatters, bucket_cap_mb is also their segment size (first_bucket_mb is not used).
     bucket_cap_mb: float = 25.0
     first_bucket_mb: float | None = 1.0
     gradient_as_bucket_view: bool = True  # gradients live in DDP's buckets: no copy in or out

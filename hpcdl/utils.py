@@ -117,6 +117,7 @@ def cpu_model() -> str:
 
 
 SIMULATED_FLAGS_VAR = "HPCDL_SIMULATE_CPU_FLAGS"
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 arithmetic
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo", environ: dict[str, str] | None = None) -> set[str]:

@@ -4,7 +4,7 @@ OUT/rank-r.json: whether the weights and (rank 0) the gathered state equal the r
 bytes of state it holds against the replicated optimizer's, and whether a whole state loaded back keeps only its
 share and steps on alike. Then with the gradients reduce-scattered (``scatter=True``): each rank draws its own, the
 replicated optimizer steps on their mean; the largest difference of a weight, and a digest of this rank's weights
-(the replicas' must match)."""
+(the replicas' must match), and per step the reduce-scatters backward started, of how many; once set directly, once made by a backward that starts the reduce-scatters itself."""
 
 import copy
 import hashlib
@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hpcdl import names
+from hpcdl.errors import ConfigError
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.factory import build_optimizer
 from hpcdl.optim.shard import ShardedOptimizer, state_bytes
@@ -41,23 +42,53 @@ def steps(net: nn.Module, optimizer, n: int, seed: int) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def scattered_steps(cfg: OptimConfig, n: int) -> tuple[float, str]:
+def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False) -> tuple[float, str, list[int], int]:
     """``n`` steps sharded with the gradients reduce-scattered, each rank's its own, against the replicated optimizer
-    on their mean: the largest difference of a weight, and the digest of this rank's weights."""
+    on their mean: the largest difference of a weight, and the digest of this rank's weights. With ``backward``, the
+    gradients come from a backward armed as the trainer's last micro-batch's, its reduce-scatters started by it in
+    segments of 1 KB (tensors split across them), the model channels_last, one tensor left without a gradient."""
     own, ref = model(), model()
-    sharded, replicated = ShardedOptimizer(build_optimizer(own, cfg), scatter=True), build_optimizer(ref, cfg)
-    g = torch.Generator().manual_seed(3)
+    if backward:  # the conv weights channels_last, as the trainer lays them: copied as laid in memory
+        own, ref = own.to(memory_format=torch.channels_last), ref.to(memory_format=torch.channels_last)
+    sharded = ShardedOptimizer(build_optimizer(own, cfg), scatter=True, bucket_bytes=1024 if backward else 25 * 2**20,
+                               order=list(own.parameters()) if backward else None)  # as the trainer's
+    replicated = build_optimizer(ref, cfg)
+    g, started = torch.Generator().manual_seed(3), []
     for _ in range(n):
-        for p, q in zip(own.parameters(), ref.parameters()):
+        loss = 0
+        for i, (p, q) in enumerate(zip(own.parameters(), ref.parameters())):
             drawn = [torch.randn(p.shape, generator=g) for _ in range(world)]  # every rank's, alike on every rank
-            p.grad, q.grad = drawn[rank].clone(), sum(d / world for d in drawn)
+            if backward and i == 1:
+                continue  # no gradient, on any rank
+            if backward:
+                loss = loss + (p * drawn[rank]).sum()
+            else:
+                p.grad = drawn[rank].clone()
+            q.grad = sum(d / world for d in drawn)
+        if backward:
+            sharded.arm()
+            loss.backward()
+            started.append(sharded.started)
         sharded.step()
         replicated.step()
         sharded.zero_grad(set_to_none=True)
         replicated.zero_grad(set_to_none=True)
     diff = max((p - q).abs().max().item() for p, q in zip(own.parameters(), ref.parameters()))
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in own.parameters())).hexdigest()
-    return diff, digest
+    checks = {}
+    if backward:  # a tensor frozen after the layout counted it is refused; close() leaves no hook behind
+        first = next(own.parameters())
+        first.requires_grad_(False)
+        try:
+            sharded.arm()
+            checks["frozen"] = "not refused"
+        except ConfigError as e:
+            checks["frozen"] = str(e)
+        first.requires_grad_(True)
+        sharded.close()
+        checks["hooks_left"] = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+                                   for p in own.parameters())
+    return diff, digest, started, len(sharded._sequence), checks
 
 
 def same(a: dict, b: dict) -> bool:
@@ -94,7 +125,9 @@ for name, row in names.OPTIMIZER_TABLE.items():
         "resumed": all(torch.equal(p, q) for p, q in zip(plain.parameters(), again.parameters())),
         "resumed_bytes": resumed.state_bytes(), "owners": sorted(set(sharded.owner)),
     }
-    seen[name]["scatter_diff"], seen[name]["scatter_digest"] = scattered_steps(cfg, 3)
+    seen[name]["scatter_diff"], seen[name]["scatter_digest"], _, _, _ = scattered_steps(cfg, 3)
+    (seen[name]["overlap_diff"], seen[name]["overlap_digest"], seen[name]["started"],
+     seen[name]["segments"], seen[name]["checks"]) = scattered_steps(cfg, 3, backward=True)
 with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
     json.dump(seen, f)
 dist.destroy_process_group()

@@ -314,11 +314,15 @@ def test_schedule_state_round_trip_continues_identically():
         other.load_state_dict(a.state_dict())
 
 
-def test_muon_is_torchs_muon_bit_for_bit_on_matrices():
+def test_muon_is_torchs_muon_bit_for_bit_on_matrices(monkeypatch):
     """hpcdl's Muon on 2-D weights against torch.optim.Muon with the lr adjustment hpcdl uses (match_rms_adamw),
-    nesterov and decoupled weight decay, over a few steps of changing gradients: the same tensors, bit for bit."""
-    from hpcdl.optim.muon import Muon
+    nesterov and decoupled weight decay, over a few steps of changing gradients: the same tensors, bit for bit, on a
+    CPU with native bf16 (simulated); without it, the Newton-Schulz runs in float32 (emulated bf16 crawls)."""
+    from hpcdl.optim.muon import Muon, newton_schulz_dtype
 
+    assert newton_schulz_dtype({"avx2", "fma"}) == torch.float32
+    assert newton_schulz_dtype({"avx512f", "avx512_bf16"}) == newton_schulz_dtype({"amx_bf16"}) == torch.bfloat16
+    monkeypatch.setenv("HPCDL_SIMULATE_CPU_FLAGS", "avx2 avx512_bf16")
     torch.manual_seed(0)
     ours = [torch.randn(12, 7), torch.randn(5, 20)]
     theirs, start = [w.clone() for w in ours], [w.clone() for w in ours]

@@ -85,11 +85,11 @@ def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicate
     """Three gloo ranks: each optimizer (Schedule-Free refused above) replicated and sharded over the same gradients:
     the same weights and gathered state bit for bit, each tensor's state on one rank only, and a whole state loaded
     back keeps only the rank's share and steps on as the replicated one. With each rank's own gradients
-    reduce-scattered, the weights of the replicated optimizer on their mean."""
+    reduce-scattered (started after backward, or by it), the weights of the replicated optimizer on their mean."""
     port = free_port()
     procs = [subprocess.Popen([PYTHON, str(REPO / "tests" / "shard_ranks.py"), str(tmp_path), "gloo"],
                               env={**rank_env(r, 3, port), "PYTHONPATH": str(REPO)}) for r in range(3)]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0, 0]
     seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(3)]
     assert set(seen[0]) == {"sgd", "nesterov", "lars", "larc", "lamb", "adamw", "muon"}
     for name in seen[0]:
@@ -104,6 +104,13 @@ def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicate
         # reduce-scattered, each rank's own gradients: the replicated weights within fp32's rounding of another
         # summation order (a few 1e-9 measured), and the replicas alike
         assert all(r["scatter_diff"] <= 1e-6 for r in ranks) and len({r["scatter_digest"] for r in ranks}) == 1, ranks
+        # the same with the reduce-scatters started by backward, in segments that split tensors: backward started
+        # some, not those of the tensor it left without a gradient
+        assert all(r["overlap_diff"] <= 1e-6 for r in ranks) and len({r["overlap_digest"] for r in ranks}) == 1, ranks
+        assert all(0 < s < r["segments"] for r in ranks for s in r["started"]), ranks
+        # a tensor frozen after the layout was made is refused by name, and close() removes every hook
+        assert all("the requires_grad of parameter(s) [0]" in r["checks"]["frozen"] for r in ranks), ranks
+        assert all(r["checks"]["hooks_left"] == 0 for r in ranks), ranks
 
 
 def replicated_and_sharded_alike(data, tmp_path, extra: list[str], steps: tuple[int, ...]) -> dict:
@@ -141,7 +148,7 @@ def test_a_sharded_run_trains_the_replicated_weights_and_resumes_on_another_rank
     log = (tmp_path / "three" / "rank0.log").read_text()
     assert "written by 2 ranks, on 3" in log and "replicas: identical on 3 ranks" in log, log[-3000:]
     assert "ipex: not used with optimizer.shard=true" in log, log[-3000:]  # its fused step would replace this one
-    assert "a reduce-scatter after backward to each tensor's owner" in log, log[-3000:]
+    assert "reduce-scatters started by backward (segments of 25 MB) to each tensor's owner" in log, log[-3000:]
 
 
 @pytest.mark.ranks
@@ -193,8 +200,8 @@ def test_a_rank_lost_with_the_state_sharded_leaves_a_whole_just_in_time_checkpoi
 
 @pytest.mark.ranks
 def test_bench_optim_shard_measures_both_layouts_side_by_side_with_each_ranks_state(tmp_path):
-    """2 ranks, a small model, SGD and Muon: both layouts timed, the update alone inside each with its exchange,
-    every rank's state measured; each rank holds some of the state, together the replicated state's (Muon's
+    """2 ranks, a small model, SGD and Muon: both layouts timed, the update alone inside each with its exchange, then
+    the trainer's whole step, every rank's state measured; each rank holds some of the state, together the replicated state's (Muon's
     counted per tensor alike)."""
     procs = start_ranks(2, ["bench", "optim-shard", "--model", "tiny_cnn", "--optimizers", "sgd,muon", "--rounds", "1",
                             "--steps", "1", "--backend", "gloo", "--json", str(tmp_path / "report.json")], tmp_path)
@@ -206,7 +213,11 @@ def test_bench_optim_shard_measures_both_layouts_side_by_side_with_each_ranks_st
         assert 0 < row["replicated_update_ms"] < row["replicated_ms"] and 0 < row["sharded_update_ms"] < row["sharded_ms"]
         assert all(b > 0 for b in row["sharded_state_bytes"]) and sum(row["sharded_state_bytes"]) == \
             row["replicated_state_bytes"], row
-    assert "sharded max" in (tmp_path / "rank0.log").read_text()
+        # the trainer's whole step (the default --batch), its optimizer phase inside it
+        assert 0 < row["replicated_step_update_ms"] < row["replicated_step_ms"], row
+        assert 0 < row["sharded_step_update_ms"] < row["sharded_step_ms"], row
+    log = (tmp_path / "rank0.log").read_text()
+    assert "sharded max" in log and "the trainer's whole step" in log
 
 
 @pytest.mark.ranks
@@ -215,12 +226,16 @@ def test_the_comm_hooks_and_gloo_shard_as_they_replicate(data, tmp_path, hook, b
     """LARS on 2 ranks, 6 steps, sharded and not: the same checkpoint bit for bit. chunk_sparse all-reduces through
     its hook (a reduce-scatter cannot pick chunks) and keeps the weights and state of the positions it held back
     through hooks around each owner's step (before, the sharded optimizer had no such hooks and the run failed at
-    start-up); bf16 reduce-scatters from bf16 on the default backend, as its all-reduce sums on 2 ranks; gloo, whose
+    start-up); bf16 reduce-scatters from bf16 on the default backend, as its all-reduce sums on 2 ranks (in 2 KB
+    segments that split tensors, over 2 micro-batches a step: DDP's buckets of that size too); gloo, whose
     reduce-scatter is an all-reduce of the whole buffer, keeps DDP's all-reduce."""
     extra = ["--set", f"sync.hook={hook}", "--set", "sync.chunk=256", "--set", "sync.dense_warmup_epochs=0.1",
              "--set", "loop.max_steps=6", "--set", "checkpoint.every_minutes=0", "--set", "data.workers=0",
              "--set", "loop.eval_every=0", "--set", f"loop.backend={backend}"]
+    if hook == "bf16":  # segments of 2 KB (tensors split across them, in bf16), 2 micro-batches a step
+        extra += ["--set", "sync.bucket_cap_mb=0.002", "--set", "loop.accum_steps=2"]
     replicated_and_sharded_alike(data, tmp_path, extra, (6,))
     log = (tmp_path / "true" / "rank0.log").read_text()
-    said = "a reduce-scatter from bf16 after backward" if hook == "bf16" else "the optimizer sharded (an all-gather"
+    said = "reduce-scatters from bf16 started by backward (segments of 0.002 MB)" if hook == "bf16" \
+        else "the optimizer sharded (an all-gather"
     assert said in log, log[-3000:]

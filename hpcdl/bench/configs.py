@@ -201,6 +201,8 @@ class OptimShardBench:
     optimizers: str = "sgd,lars,lamb,adamw,muon"  # comma-separated rows of hpcdl.names.OPTIMIZER_TABLE
     steps: int = 3  # steps per round
     rounds: int = 5  # rounds per optimizer and layout, alternating; the median counts
+    batch: int = 8  # the whole step's images per rank (0: the whole step not timed)
+    crop: int = 128  # the whole step's image size
 
     def optimizer_list(self) -> list[str]:
         chosen = [o.strip() for o in self.optimizers.split(",") if o.strip()]
@@ -209,8 +211,9 @@ class OptimShardBench:
             if names.OPTIMIZER_TABLE[name].schedule_free:
                 raise ConfigError(f"--optimizers {name}: a Schedule-Free optimizer is not sharded (its modes move "
                                   "every weight with its state); leave it out")
-        if not chosen or self.steps < 1 or self.rounds < 1:
-            raise ConfigError("--optimizers names at least one optimizer; --steps and --rounds are at least 1")
+        if not chosen or self.steps < 1 or self.rounds < 1 or self.batch < 0 or self.crop < 32:
+            raise ConfigError("--optimizers names at least one optimizer; --steps and --rounds are at least 1, "
+                              "--batch at least 0 (0: no whole step), --crop at least 32")
         return chosen
 
 

@@ -4,14 +4,22 @@ each, and each figure is the median of the slowest rank's rounds. Gradients are 
 every rank. The state bytes are measured: the tensors each optimizer holds after its first step.
 
 Each layout is timed with the gradient exchange a training step gives it: replicated, the gradients' all-reduce
-(one, over a flat copy, as DDP's buckets make) and the whole update; sharded, the reduce-scatter to the owners
+(one, over the flat buffer the gradients are views of, as DDP's buckets make them) and the whole update; sharded, the
+reduce-scatters to the owners (segments of 25 MB, started after the gradients are in)
 (on gloo, whose reduce-scatter is an all-reduce, the all-reduce: :func:`hpcdl.optim.shard.scatters`), this rank's
-share of the update and the all-gather of the updated tensors. The forward and the backward are the
-same in both, so the two figures differ as the whole steps do, but for the all-reduce's overlap with backward,
-which the reduce-scatter does not have. The update alone (the optimizer phase) is timed inside each."""
+share of the update and the all-gather of the updated tensors, with no backward to overlap (the whole step
+below has one). The update alone (the optimizer phase) is timed inside each.
+
+With ``batch``, the whole step too: the trainer's (:class:`hpcdl.train.step.Stepper`, in the precision
+``loop.precision=auto`` picks, channels_last) on a random batch, forward and backward included, each layout with the
+exchange the trainer gives it: replicated, DDP's bucket all-reduces overlapping backward; sharded, the
+reduce-scatters backward starts (:meth:`hpcdl.optim.shard.ShardedOptimizer.arm`), this rank's update, the
+all-gather; and "after", sharded with the reduce-scatters started after backward (``overlap=False``: what the
+overlap is worth). These are timed an optimizer at a time (three models live, not ten), the layouts alternating."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -22,11 +30,17 @@ from hpcdl import names
 from hpcdl.bench.configs import OptimShardBench as Config
 from hpcdl.bench.reports import OptimShardReport, OptimShardRow
 from hpcdl.bench.rounds import alternate
+from hpcdl.bench.step import synthetic_training
+from hpcdl.config import SyncConfig
+from hpcdl.distributed.gradients.ddp import data_parallel
 from hpcdl.distributed.group.liveness import fail_fast
 from hpcdl.models import build_model
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.factory import build_optimizer
+from hpcdl.optim.schedule import LRSchedule, ScheduleConfig
 from hpcdl.optim.shard import ShardedOptimizer, scatters, state_bytes
+from hpcdl.train.precision import choose_precision
+from hpcdl.train.step import Stepper
 
 
 def run(cfg: Config, job) -> OptimShardReport | None:
@@ -46,6 +60,13 @@ def run(cfg: Config, job) -> OptimShardReport | None:
             t = torch.tensor(values, dtype=torch.float64)  # rounds x (whole, update)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
             slowest[case] = t.median(dim=0).values.tolist()  # the lower median of an even count
+        replicated = {name: state_bytes(optimizers[name, "replicated"]) for name in chosen}
+        cases.clear()
+        for optimizer in optimizers.values():
+            getattr(optimizer, "close", lambda: None)()
+        optimizers.clear()  # ten models and their state: the whole step's three more would not fit 4 ranks in 24 GB
+        gc.collect()  # DDP's and the optimizers' references among the models make cycles
+        whole = {name: _whole_steps(cfg, ctx, name) for name in chosen} if cfg.batch else {}
         gathered: list = [None] * ctx.world_size
         dist.all_gather_object(gathered, mine, group=ctx.group)
     if ctx.rank != 0:
@@ -54,8 +75,9 @@ def run(cfg: Config, job) -> OptimShardReport | None:
                                sharded_ms=slowest[f"{name} sharded"][0],
                                replicated_update_ms=slowest[f"{name} replicated"][1],
                                sharded_update_ms=slowest[f"{name} sharded"][1],
-                               replicated_state_bytes=state_bytes(optimizers[name, "replicated"]),
-                               sharded_state_bytes=tuple(g[name][0] for g in gathered)) for name in chosen)
+                               replicated_state_bytes=replicated[name],
+                               sharded_state_bytes=tuple(g[name][0] for g in gathered),
+                               **whole.get(name, {})) for name in chosen)
     params = sum(p.numel() for p in build_model(cfg.model).parameters())
     return OptimShardReport(parameters=params, world_size=ctx.world_size, backend=ctx.backend.name,
                             threads=torch.get_num_threads(), rows=rows, scatter=scatters("none", ctx.group))
@@ -88,6 +110,55 @@ def _timed_step(optimizer, layout: str, group, repeat: int):
     return case
 
 
+def _whole_steps(cfg: Config, ctx, name: str) -> dict[str, float]:
+    """The trainer's whole step of ``name`` replicated and sharded, alternating: the slowest rank's median step, its
+    optimizer phase (the update, the lr schedule, zeroing the gradients) and its ``comm_wait`` (communication the
+    computation did not hide), in milliseconds."""
+    gc.collect()  # the previous optimizer's models (cycles: DDP, the sharded optimizer's hooks)
+    precision, _ = choose_precision("auto")
+    sync, cases, built = SyncConfig(), {}, []
+    for layout in ("replicated", "sharded", "after"):
+        model, _, criterion, x, y = synthetic_training(cfg.model, cfg.batch, cfg.crop, seed=ctx.rank)
+        oc = OptimConfig(name=name, lr=names.OPTIMIZER_TABLE[name].reference_lr, weight_decay=1e-4)
+        optimizer = build_optimizer(model, oc)
+        if layout != "replicated":
+            optimizer = ShardedOptimizer(optimizer, ctx.group, scatter=scatters("none", ctx.group),
+                                         bucket_bytes=round(sync.bucket_cap_mb * 2**20), overlap=layout == "sharded",
+                                         order=list(model.parameters()))  # as hpcdl.train.build lays them out
+            built.append(optimizer)
+        net, comm = data_parallel(model, ctx.env, ctx.group, backend=ctx.backend.name, bucket_cap_mb=sync.bucket_cap_mb,
+                                  first_bucket_mb=sync.first_bucket_mb,
+                                  exchange=not getattr(optimizer, "scatter", False))
+        schedule = LRSchedule(optimizer, ScheduleConfig(base_lr=oc.lr, steps_per_epoch=1000, epochs=10))
+        stepper = Stepper(net, criterion, optimizer, schedule, precision=precision, comm=comm, group=ctx.group)
+        cases[layout] = _timed_whole(stepper, x, y, cfg.steps)
+    times = alternate(cases, cfg.rounds, before=lambda: dist.barrier(group=ctx.group))
+    for optimizer in built:
+        optimizer.close()
+    out = {}
+    for layout, values in times.items():
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+        out[f"{layout}_step_ms"], out[f"{layout}_step_update_ms"], out[f"{layout}_step_comm_ms"] = \
+            t.median(dim=0).values.tolist()
+    return out
+
+
+def _timed_whole(stepper: Stepper, x: torch.Tensor, y: torch.Tensor, repeat: int):
+    def case() -> tuple[float, float, float]:
+        update = comm = 0.0
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            result = stepper.step(iter(((x, y),)), 1)
+            if not result.finite:
+                raise RuntimeError("bench optim-shard: the whole step's loss was not finite: its update was skipped, "
+                                   "so its time is not the update's; this is a bug in hpcdl")
+            update, comm = update + result.times["optimizer"], comm + result.times["comm_wait"]
+        return (time.perf_counter() - t0) / repeat * 1e3, update / repeat * 1e3, comm / repeat * 1e3
+
+    return case
+
+
 def _all_reduce(flat: torch.Tensor, size: int, group) -> None:
     """As DDP's reduction of buckets the gradients are views of: divided in place, all-reduced (one bucket)."""
     dist.all_reduce(flat.div_(size), group=group)
@@ -102,7 +173,7 @@ def _optimizer(model_name: str, oc: OptimConfig, layout: str, group):
         p.grad = view
     optimizer = build_optimizer(model, oc)
     if layout == "sharded":
-        optimizer = ShardedOptimizer(optimizer, group, scatter=scatters("none", group))
+        optimizer = ShardedOptimizer(optimizer, group, scatter=scatters("none", group), order=params)
     optimizer.flat_grads = flat
     return optimizer
 
@@ -113,7 +184,7 @@ def format_report(r: OptimShardReport) -> str:
              f"{r.threads} threads each; median of {c.rounds} rounds of {c.steps} steps, the slowest rank's",
              "update: the optimizer phase; with exchange: replicated, all-reduce + update; sharded, "
              f"{'reduce-scatter' if r.scatter else 'all-reduce (gloo)'} + update + all-gather; no backward to overlap "
-             "(DDP's all-reduce overlaps it, the reduce-scatter does not)",
+             "(the whole step below has one)",
              f"{'optimizer':10s} {'update: replicated':>19s} {'sharded':>9s} {'ratio':>6s}  "
              f"{'with exchange: replicated':>26s} {'sharded':>9s} {'ratio':>6s}  {'state/rank':>11s} "
              f"{'sharded max':>12s} {'vs 1/N':>7s}"]
@@ -125,4 +196,20 @@ def format_report(r: OptimShardReport) -> str:
                      f"{row.sharded_ms:7.1f}ms {row.sharded_ms / row.replicated_ms:5.2f}x  "
                      f"{row.replicated_state_bytes / 2**20:9.1f}MB {most / 2**20:10.1f}MB "
                      f"{most / share if share else 0:6.2f}x")
+    timed = [row for row in r.rows if row.replicated_step_ms is not None]
+    if timed:
+        lines += [f"the trainer's whole step, batch {c.batch} at {c.crop}px per rank: replicated, DDP's all-reduce "
+                  "overlapping backward; sharded, the reduce-scatters backward starts, the update, the all-gather; "
+                  "after: sharded, the reduce-scatters started after backward",
+                  f"{'optimizer':10s} {'step: replicated':>17s} {'sharded':>9s} {'ratio':>6s} {'after':>9s} "
+                  f"{'ratio':>6s}  {'optimizer phase: replicated':>28s} {'sharded':>9s} {'ratio':>6s}  "
+                  f"{'comm_wait: replicated':>22s} {'sharded':>9s} {'after':>9s}"]
+        for row in timed:
+            lines.append(f"{row.optimizer:10s} {row.replicated_step_ms:15.1f}ms {row.sharded_step_ms:7.1f}ms "
+                         f"{row.sharded_step_ms / row.replicated_step_ms:5.2f}x {row.after_step_ms:7.1f}ms "
+                         f"{row.after_step_ms / row.replicated_step_ms:5.2f}x  {row.replicated_step_update_ms:26.1f}ms "
+                         f"{row.sharded_step_update_ms:7.1f}ms "
+                         f"{row.sharded_step_update_ms / row.replicated_step_update_ms:5.2f}x  "
+                         f"{row.replicated_step_comm_ms:20.1f}ms {row.sharded_step_comm_ms:7.1f}ms "
+                         f"{row.after_step_comm_ms:7.1f}ms")
     return "\n".join(lines) + "\n"

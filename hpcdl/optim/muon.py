@@ -5,7 +5,8 @@ in groups that adapt, AdamW for the rest, in one optimizer (one state dict, one 
 In a group with ``adapt=True``, for each tensor ``W`` (viewed as a matrix ``out x rest``) with gradient ``G``:
     B     = momentum * B + (1 - momentum) * G               (torch's lerp)
     U     = G + momentum * (B - G)  (nesterov)  or  B
-    O     = NewtonSchulz5(U)                               (about U V^T of U's SVD, in bfloat16, as torch does)
+    O     = NewtonSchulz5(U)                               (about U V^T of U's SVD, in bfloat16 as torch does
+                                                            where the CPU has native bf16, else in float32)
     W     = W * (1 - lr * wd) - lr * 0.2 * sqrt(max(out, rest)) * O
 
 The last factor is torch's ``adjust_lr_fn="match_rms_adamw"`` (Liu et al. 2025, "Muon is Scalable for LLM
@@ -16,7 +17,7 @@ modules that own them (:func:`hpcdl.optim.factory.muon_matrices`), not the stem'
 authors advise, and never a token or an embedding; ``groups`` rules change that.
 
 The Newton-Schulz iteration and the momentum follow torch 2.14's ``torch/optim/_muon.py``; on a 2-D tensor the
-update is the same, bit for bit (tests/test_optim.py checks it).
+update is the same, bit for bit, where the Newton-Schulz runs in bfloat16 (tests/test_optim.py checks it).
 """
 
 from __future__ import annotations
@@ -28,17 +29,26 @@ import torch
 from hpcdl.errors import ConfigError
 from hpcdl.optim.base import MultiTensorOptimizer
 from hpcdl.optim.lamb import adam_direction, adam_moments
+from hpcdl.utils import NATIVE_BF16, cpu_flags
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch's (and Keller Jordan's) quintic
 NS_STEPS = 5
 NS_EPS = 1e-7
 
 
-def orthogonalize(update: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
-    """The quintic Newton-Schulz iteration on a matrix, in bfloat16: ``update``'s singular values pushed
-    towards 1 (roughly to [0.5, 1.5]), its singular vectors kept."""
+def newton_schulz_dtype(flags: set[str] | None = None) -> torch.dtype:
+    """bfloat16 where the CPU multiplies it natively (avx512_bf16, amx_bf16), as torch's Muon computes; float32
+    elsewhere, as ``loop.precision=auto`` chooses: torch's emulated bf16 matrix product (Zen 3, Skylake, Cascade
+    Lake) did not finish one step of ``tiny_cnn_fc``'s Newton-Schulz in 14 min on a 2-core EPYC here."""
+    flags = cpu_flags() if flags is None else flags
+    return torch.bfloat16 if set(NATIVE_BF16) & flags else torch.float32
+
+
+def orthogonalize(update: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration on a matrix, in ``dtype`` (:func:`newton_schulz_dtype`): ``update``'s
+    singular values pushed towards 1 (roughly to [0.5, 1.5]), its singular vectors kept."""
     a, b, c = NS_COEFFICIENTS
-    x = update.bfloat16()
+    x = update.to(dtype)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
@@ -71,6 +81,7 @@ class Muon(MultiTensorOptimizer):
             raise ConfigError(f"Muon momentum={momentum} and betas={betas} must lie in [0, 1)")
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=tuple(betas),
                                       eps=eps, nesterov=nesterov, adapt=adapt, step=0))
+        self.ns_dtype = newton_schulz_dtype()
         for group in self.param_groups:
             flat = [tuple(p.shape) for p in group["params"] if p.ndim < 2]
             if group["adapt"] and flat:
@@ -98,4 +109,4 @@ class Muon(MultiTensorOptimizer):
             out, rest = matrix.shape
             if wd:
                 p.mul_(1 - lr * wd)
-            p.add_(orthogonalize(matrix).view_as(p), alpha=-(lr * (0.2 * math.sqrt(max(out, rest)))))  # torch's order
+            p.add_(orthogonalize(matrix, dtype=self.ns_dtype).view_as(p), alpha=-(lr * (0.2 * math.sqrt(max(out, rest)))))  # torch's order

@@ -1,14 +1,17 @@
 """The optimizer step once per job: each parameter tensor's update, and its state, on one rank (``optimizer.shard``).
 
-The gradients reach the owners by one reduce-scatter per dtype (:meth:`ShardedOptimizer.reduce`, in the layout of
-the all-gather: each rank's tensors side by side, padded to the largest share), after backward: DDP exchanges
-nothing (:func:`hpcdl.distributed.gradients.ddp.data_parallel` with ``exchange=False``). The reduce-scatter and
-the all-gather carry the bytes of the one all-reduce they replace (ZeRO stage 1's and Megatron's distributed
-optimizer's exchange), so sharding adds nothing to the wire but the padding (and, under the ``fp16`` and ``bf16``
-hooks, the all-gather's fp32 weights against their 16-bit gradients). The owner computes the update every rank
-computed before from the same averaged gradient: on 2 ranks (a sum of two is the same in either order) the weights
-are the replicated run's bit for bit; on more, within fp32's rounding of another summation order. Unlike DDP's
-all-reduce, the reduce-scatter does not overlap backward.
+The gradients reach the owners by reduce-scatters that backward starts (:meth:`ShardedOptimizer.arm`, then a
+post-accumulate-grad hook on each tensor), overlapping it as DDP's bucket all-reduces do, and :meth:`reduce` waits
+for: DDP exchanges nothing (:func:`hpcdl.distributed.gradients.ddp.data_parallel` with ``exchange=False``). Each
+rank's tensors lie side by side in its block, in backward's order, padded to the largest share; a reduce-scatter
+carries one segment of every block (``bucket_bytes`` in all, DDP's bucket cap), so the first carries the gradients
+backward makes first (:meth:`ShardedOptimizer._lay_out`). The reduce-scatters and the all-gather carry the bytes of
+the one all-reduce they replace (ZeRO stage 1's and Megatron's distributed optimizer's exchange), so sharding adds
+nothing to the wire but the padding (and, under the ``fp16`` and ``bf16`` hooks, the all-gather's fp32 weights
+against their 16-bit gradients). The owner computes the update every rank computed before from the same averaged
+gradient: on 2 ranks (a sum of two is the same in either order) the weights are the replicated run's bit for bit;
+on more, within fp32's rounding of another summation order. The all-gather of the updated tensors does not overlap
+anything: it is the step's added cost (bench optim-shard's whole step, docs/performance.md).
 
 Where a reduce-scatter would not pay (:func:`scatters`: the ``hierarchical`` and ``chunk_sparse`` hooks do more than
 average a bucket; gloo's reduce-scatter is an all-reduce), DDP all-reduces the gradients through the hook as
@@ -36,7 +39,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch._utils import _unflatten_dense_tensors
 
 from hpcdl.distributed.group.python_backend import library_group
 from hpcdl.distributed.group.share import broadcast_state
@@ -59,6 +61,19 @@ def scatters(hook: str, group=None) -> bool:
     all-reduce's time on 2 ranks here, docs/performance.md), so on gloo DDP all-reduces the gradients, overlapped with
     backward, and each owner updates from its copy."""
     return hook in SCATTER_WIRE and library_group(group) is not None
+
+
+def _laid(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``flat`` (``p.numel()`` elements of a buffer) as a tensor of ``p``'s shape laid out in memory as ``p`` is (its
+    strides, where it is dense: channels_last), so that a copy between them is one of memory, not a transposition
+    (26 against 45 ms for ResNet-50's channels_last weights on one thread here). Every rank lays a tensor out alike."""
+    return torch.as_strided(flat, p.shape, p.stride()) if _dense(p) else flat.view(p.shape)
+
+
+def _dense(p: torch.Tensor) -> bool:
+    """Whether ``p``'s elements fill its memory in one of torch's layouts (contiguous or channels_last)."""
+    return p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)) \
+        or (p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d))
 
 
 ELEMENTWISE = 10  # an element-wise update's cost per element, in the units of a matrix product's multiply-adds
@@ -100,8 +115,13 @@ class ShardedOptimizer:
     collective = True  # state_dict() gathers the shares: every rank calls it (hpcdl.train.checkpoint)
 
     def __init__(self, optimizer: torch.optim.Optimizer, group=None, *, scatter: bool = False,
-                 wire: torch.dtype | None = None):
+                 wire: torch.dtype | None = None, bucket_bytes: int = 25 * 2**20, overlap: bool = True,
+                 order: list[torch.Tensor] | None = None):
+        """``order``: the model's parameters as it registers them (``model.parameters()``), whose reverse is about
+        backward's order; the optimizer's groups may list them otherwise (mlperf semantics: the weights, then the
+        batch-norm and bias tensors). Default: the groups' order."""
         self.optimizer, self.group, self.scatter, self.wire = optimizer, group, scatter, wire
+        self.overlap = overlap  # the reduce-scatters started by backward (arm), else by reduce: bench optim-shard
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.costs = [update_cost(p, g, optimizer) for g in optimizer.param_groups for p in g["params"]]
@@ -109,13 +129,57 @@ class ShardedOptimizer:
         self.owner = deal(self.costs, self.size, [float(elements(p, g)) for g in optimizer.param_groups
                                                   for p in g["params"]])
         self.mine = {id(p) for p, o in zip(self.params, self.owner) if o == self.rank}
-        dtypes = sorted({p.dtype for p in self.params}, key=str)
-        self._layout = []  # per dtype: each rank's tensors, their elements, the largest share's (the padded width)
-        for dt in dtypes:
-            shares = [[p for p, o in zip(self.params, self.owner) if o == r and p.dtype == dt] for r in range(self.size)]
+        self._layout = self._lay_out(max(1, bucket_bytes), order)
+        self._kept: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.armed, self.started, self._works = False, 0, []  # started: this step's reduce-scatters so far
+        self._waiting, self._copied = list(self._counts), set()
+        self._hooked = [p for p in self.params if p.requires_grad] if scatter and self.size > 1 else []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self._hooked]
+        self._hooked_ids = {id(p) for p in self._hooked}
+
+    def _lay_out(self, bucket_bytes: int, order: list[torch.Tensor] | None
+                 ) -> list[tuple[list[list[torch.Tensor]], list[int], int, int]]:
+        """Per dtype: each rank's tensors in backward's order (the reverse of the model's, about), their elements,
+        the padded width of a rank's block (whole segments), a segment's elements. A reduce-scatter carries one
+        segment of every block (``bucket_bytes`` in all, about), so the first segments hold the gradients backward
+        makes first. Sets each tensor's pieces (:attr:`_pieces`: segment, its elements' range, where in the send
+        buffer), the reduce-scatters' order (:attr:`_sequence`) and each one's count of tensors (:attr:`_counts`)."""
+        where = {id(p): i for i, p in enumerate(self.params)}
+        registered = [where[id(p)] for p in order or self.params if id(p) in where]
+        backward = list(reversed(registered + sorted(set(range(len(self.params))) - set(registered))))
+        layouts, self._pieces, self._sequence, self._counts = [], {}, [], []
+        for dt in sorted({p.dtype for p in self.params}, key=str):
+            shares = [[self.params[i] for i in backward if self.owner[i] == r and self.params[i].dtype == dt]
+                      for r in range(self.size)]
             sizes = [sum(p.numel() for p in share) for share in shares]
-            self._layout.append((shares, sizes, max(sizes)))
-        self._kept: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+            width = max(sizes)
+            element = (self.wire or dt).itemsize
+            segments = max(1, math.ceil(self.size * width * element / bucket_bytes)) if width else 0
+            segment = math.ceil(width / segments) if segments else 0
+            members: list[set[int]] = [set() for _ in range(segments)]
+            for r, share in enumerate(shares):
+                at = 0
+                for p in share:
+                    pieces, lo = [], 0
+                    while lo < p.numel():
+                        k, into = divmod(at + lo, segment)
+                        hi = min(p.numel(), lo + segment - into)
+                        pieces.append((k, lo, hi, (k * self.size + r) * segment + into))
+                        members[k].add(where[id(p)] if p.requires_grad else -1)
+                        lo = hi
+                    self._pieces[id(p)] = (len(layouts), pieces)
+                    at += p.numel()
+            place = {i: at for at, i in enumerate(backward)}
+            for k, m in enumerate(members):  # launched in the order backward completes them, on every rank alike
+                m.discard(-1)
+                self._sequence.append((max((place[i] for i in m), default=-1), len(layouts), k))
+                self._counts.append(len(m))
+            layouts.append((shares, sizes, segment * segments, segment))
+        ranked = sorted(range(len(self._sequence)), key=lambda s: self._sequence[s])
+        self._sequence = [self._sequence[s][1:] for s in ranked]
+        self._counts = [self._counts[s] for s in ranked]
+        self._slot = {(li, k): s for s, (li, k) in enumerate(self._sequence)}
+        return layouts
 
     @property
     def param_groups(self) -> list[dict]:
@@ -140,44 +204,120 @@ class ShardedOptimizer:
         self.update(closure)
         self.gather()
 
-    def _buffers(self, dtype: torch.dtype, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(all ranks' shares, this rank's), made once per dtype and kept: memory fresh from the system each step
-        costs its page faults (56 ms for 100 MB on this VM, more than the copy into it). The reduce-scatter and the
-        all-gather of one layout share them (keyed by dtype and width: a wire dtype may be another layout's own).
-        Their padding is never read: it is left as it is."""
-        kept = self._kept.get((dtype, width))
+    def _buffers(self, li: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(all ranks' blocks, this rank's) of layout ``li`` in ``dtype``, made once and kept: memory fresh from the
+        system each step costs its page faults (56 ms for 100 MB on this VM, more than the copy into it). The
+        reduce-scatters and the all-gather of a layout share them where the wire is the tensors' dtype; each layout
+        has its own (their reduce-scatters are all in flight before any is copied out). Their padding is never
+        read: it is left as it is."""
+        kept = self._kept.get((li, dtype))
         if kept is None:
-            kept = self._kept[dtype, width] = (torch.empty(width * self.size, dtype=dtype),
-                                               torch.empty(width, dtype=dtype))
+            width = self._layout[li][2]
+            kept = self._kept[li, dtype] = (torch.empty(width * self.size, dtype=dtype),
+                                            torch.empty(width, dtype=dtype))
         return kept
+
+    def arm(self) -> None:
+        """The next backward is the step's last (the others accumulate): with ``scatter``, the reduce-scatters start
+        in :attr:`_sequence`'s order, each once backward has made its gradients and started every earlier one
+        (:meth:`_ready`), overlapping the rest of backward as DDP's bucket all-reduces do; :meth:`flush` starts the
+        rest, :meth:`reduce` waits for them."""
+        if self._works:  # a step whose backward raised: its reduce-scatters may still read the buffers
+            raise RuntimeError(f"optimizer.shard: {len(self._works)} reduce-scatter(s) of the last step were never "
+                               "waited for (its backward raised?); the rank must leave, not step again")
+        changed = [i for i, p in enumerate(self.params) if p.requires_grad != (id(p) in self._hooked_ids)] \
+            if self._hooks else []
+        if changed:
+            raise ConfigError(f"optimizer.shard: the requires_grad of parameter(s) {changed[:8]} (the optimizer's "
+                              "order) changed after the optimizer was built; its reduce-scatters' layout counts the "
+                              "tensors that have gradients. Freeze by lr (the trainer's way), or build the optimizer "
+                              "after freezing")
+        self.armed, self.started, self._works = bool(self._hooks) and self.overlap, 0, []
+        self._waiting, self._copied = list(self._counts), set()
+
+    def close(self) -> None:
+        """Remove backward's hooks from the tensors (an optimizer built anew over the same model, as bench optim-shard
+        does, must not leave this one's hooks behind)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._hooked, self._hooked_ids = [], [], set()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Collective, with ``scatter``, after the step's last backward and before any other collective of the step:
+        the gradients backward's hooks did not copy (those of earlier micro-batches only, or every one when not
+        armed) copied now, a tensor with none as zeros, and every reduce-scatter not yet started started, so that
+        every rank issues them all, in one order, before the step's control all-reduce."""
+        if not self.scatter or self.size == 1 or self.started == len(self._sequence):
+            return
+        self.armed = True
+        for p in self.params:
+            if id(p) not in self._copied:
+                self._ready(p, fill=True)
+        while self.started < len(self._sequence):
+            self._start()
+
+    @torch.no_grad()
+    def _ready(self, p: torch.Tensor, fill: bool = False) -> None:
+        """``p``'s gradient is final (a post-accumulate-grad hook): divided by the rank count as it is copied into the
+        send buffer (in ``wire`` where set, as the ``fp16`` and ``bf16`` hooks cast before they divide; as DDP's
+        reduction, before the sum), then every reduce-scatter whose tensors are all in is started, in
+        :attr:`_sequence`'s order, the same on every rank. ``fill``: with no gradient, zeros (:meth:`flush`)."""
+        if not self.armed or not p.requires_grad or (p.grad is None and not fill) or id(p) in self._copied:
+            return  # a frozen tensor's slots are never read: its segments do not wait for it
+        self._copied.add(id(p))
+        li, pieces = self._pieces[id(p)]
+        send, _ = self._buffers(li, self.wire or p.dtype)
+        whole, grad = len(pieces) == 1, p.grad
+        if grad is None:
+            grad = torch.zeros(p.numel(), dtype=p.dtype) if not whole else torch.zeros_like(p)
+        elif not whole:  # split over segments: flat, in p's memory order (a view where the gradient is laid as p)
+            laid = grad.stride() == p.stride() and _dense(p)
+            grad = torch.as_strided(grad, (p.numel(),), (1,)) if laid else \
+                _laid(torch.empty(p.numel(), dtype=grad.dtype), p).copy_(grad).as_strided((p.numel(),), (1,))
+        for k, lo, hi, into in pieces:
+            part = send[into:into + hi - lo]
+            part, value = (_laid(part, p), grad) if whole else (part, grad[lo:hi])
+            if self.wire is None:
+                torch.div(value, self.size, out=part)
+            else:
+                part.copy_(value).div_(self.size)
+            self._waiting[self._slot[li, k]] -= 1
+        while self.started < len(self._sequence) and not self._waiting[self.started]:
+            self._start()
+
+    def _start(self) -> None:
+        li, k = self._sequence[self.started]
+        shares, _, width, segment = self._layout[li]
+        send, mine = self._buffers(li, self.wire or next(s[0].dtype for s in shares if s))
+        across = self.size * segment
+        self._works.append(REDUCE_SCATTER(mine[k * segment:(k + 1) * segment], send[k * across:(k + 1) * across],
+                                          group=self.group, async_op=True))
+        self.started += 1
 
     @torch.no_grad()
     def reduce(self) -> None:
         """Collective, with ``scatter`` (else nothing): each tensor's gradient averaged over the ranks into its
-        owner's ``grad``, one reduce-scatter per dtype in the layout of :meth:`gather`. The other tensors' gradients
-        stay this rank's own, unaveraged: :meth:`update` hides them from the optimizer. As DDP's reduction and the
-        ``fp16`` and ``bf16`` hooks do, each gradient is divided by the rank count before the sum (in ``wire``)."""
+        owner's ``grad`` by the reduce-scatters of :meth:`_lay_out`, started in backward after :meth:`arm` (else
+        here), waited for here. The other tensors' gradients stay this rank's own, unaveraged: :meth:`update` hides
+        them from the optimizer."""
         if not self.scatter or self.size == 1:
             return
-        for shares, sizes, width in self._layout:
+        self.flush()  # where the trainer did not: every gradient not yet copied
+        try:
+            for work in self._works:
+                work.wait()
+        finally:
+            self.armed, self.started, self._works = False, 0, []
+            self._waiting, self._copied = list(self._counts), set()
+        for li, (shares, _, width, _) in enumerate(self._layout):
             if not width:
                 continue
-            send, mine = self._buffers(self.wire or next(s[0].dtype for s in shares if s), width)
-            for r, share in enumerate(shares):
-                at = r * width
-                for p in share:
-                    if p.grad is not None:  # a tensor with no gradient (frozen) has none on any rank
-                        part = send[at:at + p.numel()].view(p.shape)
-                        if self.wire is None:  # as DDP's reduction: divided as copied
-                            torch.div(p.grad, self.size, out=part)
-                        else:  # as the fp16 and bf16 hooks: cast, then divided in the wire's dtype
-                            part.copy_(p.grad).div_(self.size)
-                    at += p.numel()
-            REDUCE_SCATTER(mine, send, group=self.group)
+            _, mine = self._buffers(li, self.wire or next(s[0].dtype for s in shares if s))
             at = 0
             for p in shares[self.rank]:
-                if p.grad is not None:
-                    p.grad.copy_(mine[at:at + p.numel()].view(p.grad.shape))
+                if p.grad is not None:  # a tensor with no gradient (frozen) has none on any rank
+                    p.grad.copy_(_laid(mine[at:at + p.numel()], p))
                 at += p.numel()
 
     @torch.no_grad()
@@ -207,26 +347,28 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def gather(self, guard=None) -> None:
-        """Collective: each rank's tensors, as its owner holds them, on every rank (one all-gather per dtype). The
-        copies into the model run under ``guard`` (the trainer's lock, which a rescue takes to read the weights;
-        not the collective, which a lost rank would leave hanging with the lock held)."""
+        """Collective: each rank's tensors, as its owner holds them, on every rank (one all-gather per dtype, of the
+        rank-major blocks: in segments, as the reduce-scatters, it took 1.2x as long on 2 ranks of oneCCL here).
+        The copies into the model run under ``guard`` (the trainer's lock, which a rescue takes to read the
+        weights; not the collective, which a lost rank would leave hanging with the lock held)."""
         if self.size == 1:  # this rank owns every tensor
             return
-        for shares, sizes, width in self._layout:
+        for li, (shares, sizes, width, _) in enumerate(self._layout):
             if not width:
                 continue
-            out, send = self._buffers(next(s[0].dtype for s in shares if s), width)
+            out, send = self._buffers(li, next(s[0].dtype for s in shares if s))
             at = 0
             for p in shares[self.rank]:
-                send[at:at + p.numel()].view(p.shape).copy_(p)
+                _laid(send[at:at + p.numel()], p).copy_(p)
                 at += p.numel()
             ALL_GATHER(out, send, group=self.group)
             with guard or contextlib.nullcontext():
                 for r, share in enumerate(shares):
                     if r != self.rank and share:
-                        flat = out[r * width:r * width + sizes[r]]
-                        for p, value in zip(share, _unflatten_dense_tensors(flat, share)):
-                            p.copy_(value)
+                        at = r * width
+                        for p in share:
+                            p.copy_(_laid(out[at:at + p.numel()], p))
+                            at += p.numel()
 
     def state_dict(self) -> dict | None:
         """Collective: the whole optimizer state, in the replicated layout, on rank 0 (None on the others)."""

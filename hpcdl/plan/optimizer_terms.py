@@ -21,7 +21,7 @@ stops shrinking while the padding grows with ``r``: the table says, per node cou
 (``saves``) and by how much, for ``sync.hook=none`` on MPI or oneCCL. On gloo, or with ``sync.hook`` ``hierarchical``
 or ``chunk_sparse``, the gradients are all-reduced and the whole all-gather is added (the ``gather`` column); with
 ``fp16`` or ``bf16`` the all-gather's fp32 weights add half an all-reduce's bytes to their 16-bit all-reduce. The
-reduce-scatter does not overlap backward, as the all-reduce it replaces partly did; the table does not count that.
+reduce-scatters overlap backward as the all-reduce they replace did; the all-gather overlaps nothing.
 
 ``U`` comes from ``hpcdl bench optim --json`` (``--optim-json``: the optimizer's median step on the report's
 model, scaled by the weights' ratio, an element-wise update's cost; Muon's Newton-Schulz grows faster than its

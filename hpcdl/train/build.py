@@ -81,7 +81,9 @@ def build_model_parts(cfg: RunConfig, ctx: DistContext, precision: str, *, resum
     optimizer = build_optimizer(model, cfg.optimizer, scales, body)
     if cfg.optimizer.shard and ctx.world_size > 1:  # ipex.optimize's fused step would replace the one it wraps
         optimizer = ShardedOptimizer(optimizer, ctx.group, scatter=scatters(cfg.sync.hook, ctx.group),
-                                     wire=SCATTER_WIRE.get(cfg.sync.hook))
+                                     wire=SCATTER_WIRE.get(cfg.sync.hook),
+                                     bucket_bytes=round(cfg.sync.bucket_cap_mb * 2**20),
+                                     order=list(model.parameters()))
         note = "ipex: not used with optimizer.shard=true"
     else:
         model, optimizer, note = apply_ipex(model, optimizer, precision=precision, mode=cfg.loop.ipex)

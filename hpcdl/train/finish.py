@@ -86,8 +86,9 @@ def shard_sync(cfg: RunConfig, ctx: DistContext) -> str | None:
     if not (cfg.optimizer.shard and ctx.world_size > 1 and scatters(cfg.sync.hook, ctx.group)):
         return None
     wire = "" if cfg.sync.hook == "none" else f" from {cfg.sync.hook}"
-    return (f"gradient sync: optimizer.shard, a reduce-scatter{wire} after backward to each tensor's owner and an "
-            "all-gather of the updated tensors, each one per dtype (DDP exchanges none)")
+    return (f"gradient sync: optimizer.shard, reduce-scatters{wire} started by backward (segments of "
+            f"{cfg.sync.bucket_cap_mb:g} MB) to each tensor's owner and an all-gather of the updated tensors, one per "
+            "dtype (DDP exchanges none)")
 
 
 def check_replicas(model: torch.nn.Module, ctx: DistContext, step: int) -> str:

@@ -10,9 +10,7 @@ import torch
 
 from hpcdl.errors import ConfigError
 from hpcdl.names import MEMORY_FORMATS, PRECISIONS
-from hpcdl.utils import SIMULATED_FLAGS_VAR, cpu_flags, cpu_flags_simulated
-
-NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags
+from hpcdl.utils import NATIVE_BF16, SIMULATED_FLAGS_VAR, cpu_flags, cpu_flags_simulated
 
 
 def choose_precision(requested: str, flags: set[str] | None = None) -> tuple[str, str]:

@@ -4,10 +4,11 @@ Phases, in seconds, summed over the micro-batches of the step:
 
 - ``data``: waiting for the loader, and normalizing the batch;
 - ``forward``: the model and the loss;
-- ``backward``: gradients, with the bucket all-reduces that overlap them (DDP);
+- ``backward``: gradients, with the bucket all-reduces that overlap them (DDP; ``optimizer.shard``: its
+  reduce-scatters);
 - ``comm_wait``: backward's wait for buckets still in flight after the last gradient, plus the control
-  all-reduce below, plus ``optimizer.shard``'s reduce-scatter of the gradients and all-gather of the updated
-  tensors: communication that computation did not hide;
+  all-reduce below, plus ``optimizer.shard``'s wait for the reduce-scatters of the gradients (started in
+  backward) and its all-gather of the updated tensors: communication that computation did not hide;
 - ``optimizer``: the update (a sharded one: this rank's tensors), the lr schedule and zeroing the gradients.
 
 The control all-reduce carries four numbers: this rank's loss sum and image count, whether its loss
@@ -123,10 +124,13 @@ class Stepper:
                                f"sampler had {left} samples left: the ranks' gradients were not exchanged; this is a "
                                "bug in hpcdl")
         t = time.perf_counter()
+        flush = getattr(self.optimizer, "flush", None)  # optimizer.shard: every reduce-scatter issued before the
+        if flush is not None:  # control all-reduce, on every rank alike (counted in comm_wait)
+            flush()
         result = self._control(loss_sum, images, flags(), times)
         gather = getattr(self.optimizer, "gather", None)  # optimizer.shard: its step's collective parts
-        if gather and result.finite:  # every rank agrees on finite; outside the guard, which a rescue takes
-            self.optimizer.reduce()
+        if gather:  # outside the guard, which a rescue takes; waited for even when the update is skipped (not
+            self.optimizer.reduce()  # finite): backward started its reduce-scatters
         t1 = time.perf_counter()
         times["comm_wait"] += t1 - t
         with self.guard:
@@ -159,6 +163,8 @@ class Stepper:
             t1 = time.perf_counter()
             if self.comm is not None:
                 self.comm.reset()
+            if last and hasattr(self.optimizer, "arm"):  # optimizer.shard: its reduce-scatters overlap backward
+                self.optimizer.arm()
             (loss / parts).backward()
         t2 = time.perf_counter()
         handed = self.comm.last_handover if (self.comm is not None and last and self.comm.buckets) else t2

@@ -34,6 +34,18 @@ class OptimShardRow:
     sharded_update_ms: float  # this rank's share of the update alone, in ``sharded_ms``
     replicated_state_bytes: int  # one rank's optimizer state, replicated
     sharded_state_bytes: tuple[int, ...]  # each rank's, sharded (measured: the tensors its optimizer holds)
+    # the trainer's whole step (forward, backward, exchange, update), its optimizer phase and its comm_wait (what
+    # computation did not hide); None: not timed
+    replicated_step_ms: float | None = None
+    sharded_step_ms: float | None = None
+    replicated_step_update_ms: float | None = None
+    sharded_step_update_ms: float | None = None
+    replicated_step_comm_ms: float | None = None
+    sharded_step_comm_ms: float | None = None
+    # sharded with the reduce-scatters after backward, not started by it (what the overlap is worth)
+    after_step_ms: float | None = None
+    after_step_update_ms: float | None = None
+    after_step_comm_ms: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
