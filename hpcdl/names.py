@@ -133,6 +133,9 @@ SEMANTICS = ("mlperf", "caffe")
 DECAYS = ("poly", "poly_caffe", "cosine", "multistep", "constant")
 BACKENDS = ("gloo", "mpi", "ccl")  # and "auto"
 HOOKS = ("none", "fp16", "bf16", "hierarchical", "chunk_sparse")
+# optimizer.shard reduce-scatters the gradients under these hooks on these backends (hpcdl.optim.shard.scatters)
+SCATTER_HOOKS = ("none", "fp16", "bf16")
+SCATTER_BACKENDS = ("mpi", "ccl")
 PRECISIONS = ("auto", "fp32", "bf16")
 MEMORY_FORMATS = ("auto", "true", "false")  # loop.channels_last
 SAMPLERS = ("global", "shard")

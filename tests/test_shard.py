@@ -61,14 +61,14 @@ def test_the_just_in_time_state_counts_each_tensor_and_is_refused_before_any_che
     optimizer.step()
     whole = optimizer.state_dict()
     mine = {"weights": {"weight": torch.full((2, 3), 7.0)}, "state": {0: whole["state"][0]}}
-    torch.save({"step": 5, "rng": None, "shard": mine}, tmp_path / "rank-00000.pt")
+    files = {0: {"step": 5, "rng": None, "shard": mine}}
     older = {1: {"momentum_buffer": torch.full((2,), 3.0)}}
     for newest, steps, kinds in (((str(tmp_path / "ckpt-3.pt"), {"optimizer": {"state": older}}), {0: 5}, (1, 0, 1, 0)),
                                  ((str(tmp_path / "ckpt-3.pt"), {"optimizer": {"state": older}}), {0: 4}, (0, 1, 1, 0)),
                                  (None, {0: 5}, (1, 0, 0, 1))):
         ckpt = SimpleNamespace(manager=lambda newest=newest: SimpleNamespace(load_latest=lambda: newest),
                                parts={"optimizer": SimpleNamespace(optimizer=optimizer)})
-        parts, account = compose_parts(ckpt, {"model": Frozen(net.state_dict())}, str(tmp_path), steps, 5)
+        parts, account = compose_parts(ckpt, {"model": Frozen(net.state_dict())}, files, steps, 5)
         assert (account["current"], account["behind"], account["from_checkpoint"], account["fresh"]) == kinds, account
         if newest is None:
             assert parts is None  # fresh momentum under a running counter: the resume takes the newest checkpoint
@@ -152,38 +152,43 @@ def test_a_sharded_run_trains_the_replicated_weights_and_resumes_on_another_rank
 
 
 @pytest.mark.ranks
-def test_a_rank_lost_with_the_state_sharded_leaves_a_whole_just_in_time_checkpoint_and_each_sample_once(data, tmp_path):
-    """Rank 1 SIGKILLed in backward (the 9th gradient bucket it hands over: step 5's, or step 9's where a step has
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_lost_with_the_state_sharded_leaves_a_whole_just_in_time_checkpoint_and_each_sample_once(
+        data, tmp_path, victim):
+    """A rank SIGKILLed in backward (the 9th gradient bucket it hands over: step 5's, or step 9's where a step has
     one bucket), the optimizer sharded: its share of the state is gone with it. The survivor writes the just-in-time
-    checkpoint of the step before, s, whole: every weight at step s (the last all-gather brought rank 1's), its own
-    tensors' state at step s and rank 1's from the newest checkpoint (every 3 steps), counted in result.json; exit
-    status 4. The resume on 2 ranks starts from it: each sample of steps 1 to s + 2 recorded once."""
+    checkpoint of the step before, s, whole: every weight at step s (the last all-gather brought the victim's), its
+    own tensors' state at step s and the victim's from the newest checkpoint (every 3 steps), counted in
+    result.json; exit status 4. The resume on 2 ranks starts from it: each sample of steps 1 to s + 2 recorded once.
+    The victim is rank 1, then rank 0: the store's host, the writer of every other checkpoint, and the owner the
+    deal gives the costliest tensor."""
     from hpcdl.train.checkpoint import CheckpointManager
 
     run = tmp_path / "run"
     common = ("--set", "data.workers=0", "--set", "checkpoint.every_steps=3", "--set", "loop.eval_every=0",
               "--set", "optimizer.shard=true", "--set", "loop.record_samples=true")
     args = args_for(data, run, "--set", "loop.max_steps=20", "--set", "loop.timeout_s=10", *common)
-    procs = start_faulty(tmp_path, {"HPCDL_TEST_KILL": "allreduce:1"}, *args)
+    survivor = 1 - victim
+    procs = start_faulty(tmp_path, {"HPCDL_TEST_KILL": f"allreduce:{victim}"}, *args)
     try:
-        assert procs[1].wait(timeout=120) < 0
-        code = procs[0].wait(timeout=60)
+        assert procs[victim].wait(timeout=120) < 0
+        code = procs[survivor].wait(timeout=60)
     finally:
         for p in procs:
             p.kill()
-    log = (tmp_path / "rank0.log").read_text()
+    log = (tmp_path / f"rank{survivor}.log").read_text()
     assert code == EXIT_PEER_LOST and "optimizer state of" in log, log[-3000:]
     [result] = [json.loads(p.read_text()) for p in (run / "jit").glob("*/result.json")]
     account, saved = result["optimizer_state"], result["step"]
-    assert saved in (4, 8) and result["written"] and result["lost"] == [1], result  # no periodic one of its own
+    assert saved in (4, 8) and result["written"] and result["lost"] == [victim], result  # no periodic one of its own
     assert account["current"] > 0 and account["from_checkpoint"] > 0 and account["fresh"] == 0, account
-    assert account["checkpoint"].endswith(f"ckpt-{saved // 3 * 3:09d}.pt") and account["shares"] == [0], account
+    assert account["checkpoint"].endswith(f"ckpt-{saved // 3 * 3:09d}.pt") and account["shares"] == [survivor], account
     path, jit = CheckpointManager(str(run / "checkpoints")).load_latest()
     before = torch.load(account["checkpoint"], weights_only=True)
     state, old = jit["optimizer"]["state"], before["optimizer"]["state"]
     assert path == result["checkpoint"] and jit["counters"]["step"] == saved
     assert set(state) == {i for g in jit["optimizer"]["param_groups"] for i in g["params"]}  # whole
-    kept = [i for i in state if same_states(state[i], old[i]) == []]  # rank 1's, as of the older checkpoint
+    kept = [i for i in state if same_states(state[i], old[i]) == []]  # the victim's, as of the older checkpoint
     assert len(kept) == account["from_checkpoint"] and len(state) - len(kept) == account["current"]
     weights = [k for k, v in jit["model"].items() if v.is_floating_point() and "running" not in k]
     assert weights and all(not torch.equal(jit["model"][k], before["model"][k]) for k in weights)  # all moved on

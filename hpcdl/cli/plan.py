@@ -49,7 +49,8 @@ def plan(cmd: PlanCommand, question, inputs: PlanInputs, failures: FailureModel,
         workers = cfg.data.workers
     model, notes = inputs.build()
     optimizer = OptimizerModel.of(inputs.optimizer, model_facts(inputs.model, inputs.classes), model.network,
-                                  model.ranks_per_node, inputs.optim_json)  # a bad --optim-json before any table
+                                  model.ranks_per_node, inputs.optim_json, inputs.hook,
+                                  inputs.backend)  # a bad --optim-json before any table
     startup, startup_notes = inputs.startup(model)
     notes += startup_notes
     rows = planned(model, list(question.nodes), question.batch, question.epochs, question.train_images, startup)

@@ -40,6 +40,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from hpcdl import names
 from hpcdl.distributed.group.python_backend import library_group
 from hpcdl.distributed.group.share import broadcast_state
 from hpcdl.errors import ConfigError
@@ -51,7 +52,7 @@ __all__ = ["SCATTER_WIRE", "ShardedOptimizer", "deal", "scatters", "state_bytes"
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # the comm hooks (sync.hook) whose exchange a reduce-scatter does, and its dtype on the wire (None: the gradients')
-SCATTER_WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+SCATTER_WIRE = dict(zip(names.SCATTER_HOOKS, (None, torch.float16, torch.bfloat16), strict=True))
 
 
 def scatters(hook: str, group=None) -> bool:
@@ -133,9 +134,9 @@ class ShardedOptimizer:
         self._kept: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self.armed, self.started, self._works = False, 0, []  # started: this step's reduce-scatters so far
         self._waiting, self._copied = list(self._counts), set()
-        self._hooked = [p for p in self.params if p.requires_grad] if scatter and self.size > 1 else []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self._hooked]
-        self._hooked_ids = {id(p) for p in self._hooked}
+        hooked = [p for p in self.params if p.requires_grad] if scatter and self.size > 1 else []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in hooked]
+        self._hooked = {id(p) for p in hooked}
 
     def _lay_out(self, bucket_bytes: int, order: list[torch.Tensor] | None
                  ) -> list[tuple[list[list[torch.Tensor]], list[int], int, int]]:
@@ -225,7 +226,7 @@ class ShardedOptimizer:
         if self._works:  # a step whose backward raised: its reduce-scatters may still read the buffers
             raise RuntimeError(f"optimizer.shard: {len(self._works)} reduce-scatter(s) of the last step were never "
                                "waited for (its backward raised?); the rank must leave, not step again")
-        changed = [i for i, p in enumerate(self.params) if p.requires_grad != (id(p) in self._hooked_ids)] \
+        changed = [i for i, p in enumerate(self.params) if p.requires_grad != (id(p) in self._hooked)] \
             if self._hooks else []
         if changed:
             raise ConfigError(f"optimizer.shard: the requires_grad of parameter(s) {changed[:8]} (the optimizer's "
@@ -240,7 +241,7 @@ class ShardedOptimizer:
         does, must not leave this one's hooks behind)."""
         for handle in self._hooks:
             handle.remove()
-        self._hooks, self._hooked, self._hooked_ids = [], [], set()
+        self._hooks, self._hooked = [], set()
 
     @torch.no_grad()
     def flush(self) -> None:

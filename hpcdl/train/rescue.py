@@ -312,21 +312,26 @@ class Rescue:
         started = time.monotonic()
         survivors = sorted(r for r, rep in reports.items() if not rep.get("left"))  # left: its word, not its state
         rngs: list = [None] * self.world
+        files: dict[int, dict | Exception] = {}  # each survivor's file, read once (mmapped): its RNG streams, its share
         for r in survivors:
-            if reports[r]["step"] != step:
-                continue  # its streams are those of an earlier step: seeded afresh like a lost rank's
             path = os.path.join(self.folder, f"rank-{r:05d}.pt")
             try:
-                rngs[r] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["rng"]
-            except Exception as exc:
-                log.warning("rescue: %s unreadable (%s); rank %d's RNG streams are seeded afresh", path, exc, r)
+                files[r] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:  # none written (no step completed) or unreadable
+                files[r] = exc
+            if reports[r]["step"] != step:
+                continue  # its streams are those of an earlier step: seeded afresh like a lost rank's
+            if isinstance(files[r], Exception):
+                log.warning("rescue: %s unreadable (%s); rank %d's RNG streams are seeded afresh", path, files[r], r)
+            else:
+                rngs[r] = files[r]["rng"]
         missing, account, wrote = [r for r in range(self.world) if rngs[r] is None], None, False
         # the periodic checkpoint of this very step, on disk (a write waited for); none without a step in this start
         path = self.run_folder.checkpoint(step) if step and self.ckpt is not None and self.ckpt.has(step) else None
         if step and self.ckpt is not None and path is None:
             parts = self._boundary_parts(rngs)
             if sharded(self.ckpt.parts):  # optimizer.shard: the survivors' shares, the newest checkpoint's state
-                parts, account = compose_parts(self.ckpt, parts, self.folder, {r: reports[r]["step"] for r in survivors}, step)
+                parts, account = compose_parts(self.ckpt, parts, files, {r: reports[r]["step"] for r in survivors}, step)
             state = parts and self.ckpt.compose(parts, rank_states=False, jit={
                 "survivors": survivors, "lost": lost if lost is not None else [0], "rng_lost": missing,
                 "residuals_lost": self.residuals_lost, "optimizer_state": account})

@@ -26,9 +26,6 @@ writes its share, the writer reads the newest checkpoint.
 from __future__ import annotations
 
 import logging
-import os
-
-import torch
 
 from hpcdl.train.state import Frozen
 
@@ -53,20 +50,22 @@ def rank_share(parts: dict) -> dict:
     return {"shard": {"weights": weights, "state": optimizer.optimizer.state_dict()["state"]}}
 
 
-def compose_parts(ckpt, parts: dict, folder: str, steps: dict[int, int | None], step: int) -> tuple[dict | None, dict]:
+def compose_parts(ckpt, parts: dict, files: dict[int, dict | Exception], steps: dict[int, int | None], step: int
+                  ) -> tuple[dict | None, dict]:
     """``parts`` (the boundary's) with the model and optimizer parts composed, and the account of where each
-    tensor's optimizer state came from: the shares of the survivors (``steps``: each one's completed step) read from
-    ``folder``, then the newest checkpoint on disk. None for the parts where a lost rank's tensors would have no
+    tensor's optimizer state came from: the shares of the survivors (``steps``: each one's completed step) in their
+    rescue files (``files``: each one's, loaded, or the exception its load raised), then the newest checkpoint on
+    disk. None for the parts where a lost rank's tensors would have no
     state while the optimizer keeps some: LAMB's and Muon's group step counters would then correct fresh moments as
     if they had run all along; the run resumes from its newest checkpoint instead."""
     shares = {}
     for r in steps:
-        path = os.path.join(folder, f"rank-{r:05d}.pt")
-        try:
-            shares[r] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["shard"]
-        except Exception as exc:  # none written (no step completed) or unreadable: taken as a lost rank's
-            log.warning("rescue: rank %d's share %s not read (%s): its tensors are taken as a lost rank's", r, path,
-                        exc)
+        file = files.get(r, KeyError("no file"))
+        if isinstance(file, Exception) or "shard" not in file:  # none written (no step completed) or unreadable
+            log.warning("rescue: rank %d's share not read (%s): its tensors are taken as a lost rank's", r,
+                        file if isinstance(file, Exception) else "its file holds none")
+        else:
+            shares[r] = file["shard"]
     whole = ckpt.parts["optimizer"].optimizer.state_dict()  # the param groups (their lr and step counters, alike)
     newest = ckpt.manager().load_latest()
     state, weights, behind = dict(newest[1]["optimizer"]["state"]) if newest else {}, {}, 0
