@@ -46,15 +46,21 @@ def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False) -> tuple[f
     """``n`` steps sharded with the gradients reduce-scattered, each rank's its own, against the replicated optimizer
     on their mean: the largest difference of a weight, and the digest of this rank's weights. With ``backward``, the
     gradients come from a backward armed as the trainer's last micro-batch's, its reduce-scatters started by it in
-    segments of 1 KB (tensors split across them), the model channels_last, one tensor left without a gradient."""
+    segments of 1 KB (tensors split across them), the model channels_last, one tensor left without a gradient, and
+    the all-gather taken in by the next forward (``ahead``): the weights after it, before backward, as replicated."""
     own, ref = model(), model()
     if backward:  # the conv weights channels_last, as the trainer lays them: copied as laid in memory
         own, ref = own.to(memory_format=torch.channels_last), ref.to(memory_format=torch.channels_last)
     sharded = ShardedOptimizer(build_optimizer(own, cfg), scatter=True, bucket_bytes=1024 if backward else 25 * 2**20,
-                               order=list(own.parameters()) if backward else None)  # as the trainer's
+                               order=list(own.parameters()) if backward else None,  # as the trainer's
+                               ahead=own if backward else None)
     replicated = build_optimizer(ref, cfg)
-    g, started = torch.Generator().manual_seed(3), []
-    for _ in range(n):
+    g, started, checks = torch.Generator().manual_seed(3), [], {"ahead": []}
+    for i in range(n):
+        if backward and i:  # the forward's hooks take the last all-gather in, each module's tensors before it runs
+            own(torch.randn(2, 3, 7, 7, generator=g))
+            checks["ahead"].append((sharded.ahead.pending, max((p - q).abs().max().item()
+                                                               for p, q in zip(own.parameters(), ref.parameters()))))
         loss = 0
         for i, (p, q) in enumerate(zip(own.parameters(), ref.parameters())):
             drawn = [torch.randn(p.shape, generator=g) for _ in range(world)]  # every rank's, alike on every rank
@@ -73,9 +79,9 @@ def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False) -> tuple[f
         replicated.step()
         sharded.zero_grad(set_to_none=True)
         replicated.zero_grad(set_to_none=True)
+    sharded.settle()
     diff = max((p - q).abs().max().item() for p, q in zip(own.parameters(), ref.parameters()))
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in own.parameters())).hexdigest()
-    checks = {}
     if backward:  # a tensor frozen after the layout counted it is refused; close() leaves no hook behind
         first = next(own.parameters())
         first.requires_grad_(False)
@@ -87,7 +93,7 @@ def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False) -> tuple[f
         first.requires_grad_(True)
         sharded.close()
         checks["hooks_left"] = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
-                                   for p in own.parameters())
+                                   for p in own.parameters()) + sum(len(m._forward_pre_hooks) for m in own.modules())
     return diff, digest, started, len(sharded._sequence), checks
 
 

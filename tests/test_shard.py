@@ -85,7 +85,8 @@ def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicate
     """Three gloo ranks: each optimizer (Schedule-Free refused above) replicated and sharded over the same gradients:
     the same weights and gathered state bit for bit, each tensor's state on one rank only, and a whole state loaded
     back keeps only the rank's share and steps on as the replicated one. With each rank's own gradients
-    reduce-scattered (started after backward, or by it), the weights of the replicated optimizer on their mean."""
+    reduce-scattered (started after backward, or by it, the all-gather taken in by the next forward), the weights of
+    the replicated optimizer on their mean."""
     port = free_port()
     procs = [subprocess.Popen([PYTHON, str(REPO / "tests" / "shard_ranks.py"), str(tmp_path), "gloo"],
                               env={**rank_env(r, 3, port), "PYTHONPATH": str(REPO)}) for r in range(3)]
@@ -108,6 +109,9 @@ def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicate
         # some, not those of the tensor it left without a gradient
         assert all(r["overlap_diff"] <= 1e-6 for r in ranks) and len({r["overlap_digest"] for r in ranks}) == 1, ranks
         assert all(0 < s < r["segments"] for r in ranks for s in r["started"]), ranks
+        # the next forward took the all-gather in before backward: nothing left pending, the replicated weights
+        assert all(len(r["checks"]["ahead"]) == 2 for r in ranks), ranks
+        assert all(pending == 0 and diff <= 1e-6 for r in ranks for pending, diff in r["checks"]["ahead"]), ranks
         # a tensor frozen after the layout was made is refused by name, and close() removes every hook
         assert all("the requires_grad of parameter(s) [0]" in r["checks"]["frozen"] for r in ranks), ranks
         assert all(r["checks"]["hooks_left"] == 0 for r in ranks), ranks
@@ -148,7 +152,8 @@ def test_a_sharded_run_trains_the_replicated_weights_and_resumes_on_another_rank
     log = (tmp_path / "three" / "rank0.log").read_text()
     assert "written by 2 ranks, on 3" in log and "replicas: identical on 3 ranks" in log, log[-3000:]
     assert "ipex: not used with optimizer.shard=true" in log, log[-3000:]  # its fused step would replace this one
-    assert "reduce-scatters started by backward (segments of 25 MB) to each tensor's owner" in log, log[-3000:]
+    assert "reduce-scatters started by backward (segments of 25 MB) to each tensor's owner and an all-gather of the " \
+        "updated tensors, in segments taken in by the next forward" in log, log[-3000:]
 
 
 @pytest.mark.ranks
@@ -233,14 +238,18 @@ def test_the_comm_hooks_and_gloo_shard_as_they_replicate(data, tmp_path, hook, b
     through hooks around each owner's step (before, the sharded optimizer had no such hooks and the run failed at
     start-up); bf16 reduce-scatters from bf16 on the default backend, as its all-reduce sums on 2 ranks (in 2 KB
     segments that split tensors, over 2 micro-batches a step: DDP's buckets of that size too); gloo, whose
-    reduce-scatter is an all-reduce of the whole buffer, keeps DDP's all-reduce."""
+    reduce-scatter is an all-reduce of the whole buffer, keeps DDP's all-reduce. The all-gather is taken in by the
+    next forward, but under hook none (optimizer.gather_ahead=false: at the step's end)."""
     extra = ["--set", f"sync.hook={hook}", "--set", "sync.chunk=256", "--set", "sync.dense_warmup_epochs=0.1",
              "--set", "loop.max_steps=6", "--set", "checkpoint.every_minutes=0", "--set", "data.workers=0",
              "--set", "loop.eval_every=0", "--set", f"loop.backend={backend}"]
     if hook == "bf16":  # segments of 2 KB (tensors split across them, in bf16), 2 micro-batches a step
         extra += ["--set", "sync.bucket_cap_mb=0.002", "--set", "loop.accum_steps=2"]
+    if hook == "none":  # the all-gather waited for at the step's end, not taken in by the next forward
+        extra += ["--set", "optimizer.gather_ahead=false"]
     replicated_and_sharded_alike(data, tmp_path, extra, (6,))
     log = (tmp_path / "true" / "rank0.log").read_text()
     said = "reduce-scatters from bf16 started by backward (segments of 0.002 MB)" if hook == "bf16" \
-        else "the optimizer sharded (an all-gather"
+        else "the optimizer sharded (an all-gather after the update, " + (
+            "one per dtype at the step's end" if hook == "none" else "in segments taken in by the next forward")
     assert said in log, log[-3000:]

@@ -75,7 +75,9 @@ class ModelWeights:
         self._kept = kept
 
     def evaluating(self):
-        """A block with ``x`` in the model (:func:`evaluation_weights`), which this part knows of."""
+        """A block with ``x`` in the model (:func:`evaluation_weights`), which this part knows of; the sharded
+        optimizer's all-gather in flight (``optimizer.gather_ahead``) in the model first."""
+        getattr(self.optimizer, "settle", lambda: None)()
         return evaluation_weights(self.optimizer, self.guard, self._keep)
 
     def state_dict(self) -> dict:

@@ -10,8 +10,9 @@ the one all-reduce they replace (ZeRO stage 1's and Megatron's distributed optim
 nothing to the wire but the padding (and, under the ``fp16`` and ``bf16`` hooks, the all-gather's fp32 weights
 against their 16-bit gradients). The owner computes the update every rank computed before from the same averaged
 gradient: on 2 ranks (a sum of two is the same in either order) the weights are the replicated run's bit for bit;
-on more, within fp32's rounding of another summation order. The all-gather of the updated tensors does not overlap
-anything: it is the step's added cost (bench optim-shard's whole step, docs/performance.md).
+on more, within fp32's rounding of another summation order. The all-gather of the updated tensors ends the step, or,
+given the model (``ahead``, ``optimizer.gather_ahead``), overlaps the next forward (:mod:`hpcdl.optim.shard_ahead`);
+bench optim-shard's whole step measures both (docs/performance.md).
 
 Where a reduce-scatter would not pay (:func:`scatters`: the ``hierarchical`` and ``chunk_sparse`` hooks do more than
 average a bucket; gloo's reduce-scatter is an all-reduce), DDP all-reduces the gradients through the hook as
@@ -44,13 +45,13 @@ from hpcdl import names
 from hpcdl.distributed.group.python_backend import library_group
 from hpcdl.distributed.group.share import broadcast_state
 from hpcdl.errors import ConfigError
+from hpcdl.optim.shard_ahead import GatherAhead
+from hpcdl.optim.shard_layout import ALL_GATHER, ELEMENTWISE, REDUCE_SCATTER, deal, update_cost
+from hpcdl.optim.shard_layout import dense as _dense
+from hpcdl.optim.shard_layout import laid as _laid
 
-__all__ = ["SCATTER_WIRE", "ShardedOptimizer", "deal", "scatters", "state_bytes", "update_cost"]
+__all__ = ["ELEMENTWISE", "SCATTER_WIRE", "ShardedOptimizer", "deal", "scatters", "state_bytes", "update_cost"]
 
-# torch 2.14 renamed all_gather_into_tensor and reduce_scatter_tensor (and warns on the old names); earlier releases
-# have only those
-ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # the comm hooks (sync.hook) whose exchange a reduce-scatter does, and its dtype on the wire (None: the gradients')
 SCATTER_WIRE = dict(zip(names.SCATTER_HOOKS, (None, torch.float16, torch.bfloat16), strict=True))
 
@@ -64,49 +65,6 @@ def scatters(hook: str, group=None) -> bool:
     return hook in SCATTER_WIRE and library_group(group) is not None
 
 
-def _laid(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``flat`` (``p.numel()`` elements of a buffer) as a tensor of ``p``'s shape laid out in memory as ``p`` is (its
-    strides, where it is dense: channels_last), so that a copy between them is one of memory, not a transposition
-    (26 against 45 ms for ResNet-50's channels_last weights on one thread here). Every rank lays a tensor out alike."""
-    return torch.as_strided(flat, p.shape, p.stride()) if _dense(p) else flat.view(p.shape)
-
-
-def _dense(p: torch.Tensor) -> bool:
-    """Whether ``p``'s elements fill its memory in one of torch's layouts (contiguous or channels_last)."""
-    return p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)) \
-        or (p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d))
-
-
-ELEMENTWISE = 10  # an element-wise update's cost per element, in the units of a matrix product's multiply-adds
-
-
-def update_cost(p: torch.Tensor, group: dict, optimizer: torch.optim.Optimizer) -> float:
-    """The counted cost of ``p``'s update: ``ELEMENTWISE`` per element, plus, where the optimizer orthogonalizes
-    it (Muon's adapted matrices), the Newton-Schulz iteration's multiply-adds on its ``out x rest`` view."""
-    cost = ELEMENTWISE * p.numel()
-    steps = getattr(optimizer, "orthogonalize_steps", 0)
-    if steps and group.get("adapt") and p.ndim >= 2:
-        m, n = sorted((p.shape[0], math.prod(p.shape[1:])))  # x is m x n, m <= n
-        cost += steps * (2 * m * m * n + m ** 3)  # x x^T, gram @ gram, (..) @ x
-    return float(cost)
-
-
-def deal(costs: list[float], ranks: int, sizes: list[float] | None = None) -> list[int]:
-    """Each tensor's owner, the same on every rank: the costliest first, each to the rank whose larger share (of the
-    cost dealt so far, and of the ``sizes``, the state's bytes, when given) stays smallest with it (ties: the lower
-    rank, then the tensor's place). Where the cost follows the size (an element-wise update) this is longest
-    processing time first; where it does not (Muon's matrices), neither the time nor the memory of a rank runs far
-    past its 1/N."""
-    sizes = sizes or costs
-    total_cost, total_size = sum(costs) or 1.0, sum(sizes) or 1.0
-    cost, size, owner = [0.0] * ranks, [0.0] * ranks, [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(ranks), key=lambda r: (max((cost[r] + costs[i]) / total_cost, (size[r] + sizes[i]) / total_size),
-                                             cost[r], r))
-        owner[i], cost[r], size[r] = r, cost[r] + costs[i], size[r] + sizes[i]
-    return owner
-
-
 class ShardedOptimizer:
     """``optimizer`` with each tensor's update on its owner (:func:`deal`), the updated tensors all-gathered over
     ``group``; with ``scatter``, the gradients reduce-scattered to their owners first (:meth:`reduce`, in ``wire``
@@ -117,10 +75,11 @@ class ShardedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, group=None, *, scatter: bool = False,
                  wire: torch.dtype | None = None, bucket_bytes: int = 25 * 2**20, overlap: bool = True,
-                 order: list[torch.Tensor] | None = None):
+                 order: list[torch.Tensor] | None = None, ahead: torch.nn.Module | None = None):
         """``order``: the model's parameters as it registers them (``model.parameters()``), whose reverse is about
         backward's order; the optimizer's groups may list them otherwise (mlperf semantics: the weights, then the
-        batch-norm and bias tensors). Default: the groups' order."""
+        batch-norm and bias tensors). Default: the groups' order. ``ahead``: the model, whose next forward takes
+        in the all-gather (:mod:`hpcdl.optim.shard_ahead`); None: the all-gather ends the step."""
         self.optimizer, self.group, self.scatter, self.wire = optimizer, group, scatter, wire
         self.overlap = overlap  # the reduce-scatters started by backward (arm), else by reduce: bench optim-shard
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
@@ -137,6 +96,8 @@ class ShardedOptimizer:
         hooked = [p for p in self.params if p.requires_grad] if scatter and self.size > 1 else []
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in hooked]
         self._hooked = {id(p) for p in hooked}
+        self.ahead = GatherAhead(self, ahead) if ahead is not None and self.size > 1 \
+            else None
 
     def _lay_out(self, bucket_bytes: int, order: list[torch.Tensor] | None
                  ) -> list[tuple[list[list[torch.Tensor]], list[int], int, int]]:
@@ -223,6 +184,7 @@ class ShardedOptimizer:
         in :attr:`_sequence`'s order, each once backward has made its gradients and started every earlier one
         (:meth:`_ready`), overlapping the rest of backward as DDP's bucket all-reduces do; :meth:`flush` starts the
         rest, :meth:`reduce` waits for them."""
+        self.settle()  # the last all-gather in the model, its buffers free for backward's reduce-scatters
         if self._works:  # a step whose backward raised: its reduce-scatters may still read the buffers
             raise RuntimeError(f"optimizer.shard: {len(self._works)} reduce-scatter(s) of the last step were never "
                                "waited for (its backward raised?); the rank must leave, not step again")
@@ -242,6 +204,13 @@ class ShardedOptimizer:
         for handle in self._hooks:
             handle.remove()
         self._hooks, self._hooked = [], set()
+        if self.ahead is not None:
+            self.ahead.close()
+
+    def settle(self) -> None:
+        """With ``ahead``: the all-gather in flight waited for and in the model (before the weights are read)."""
+        if self.ahead is not None:
+            self.ahead.settle()
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -251,6 +220,7 @@ class ShardedOptimizer:
         every rank issues them all, in one order, before the step's control all-reduce."""
         if not self.scatter or self.size == 1 or self.started == len(self._sequence):
             return
+        self.settle()
         self.armed = True
         for p in self.params:
             if id(p) not in self._copied:
@@ -354,6 +324,8 @@ class ShardedOptimizer:
         weights; not the collective, which a lost rank would leave hanging with the lock held)."""
         if self.size == 1:  # this rank owns every tensor
             return
+        if self.ahead is not None:
+            return self.ahead.start(guard)
         for li, (shares, sizes, width, _) in enumerate(self._layout):
             if not width:
                 continue
@@ -373,6 +345,7 @@ class ShardedOptimizer:
 
     def state_dict(self) -> dict | None:
         """Collective: the whole optimizer state, in the replicated layout, on rank 0 (None on the others)."""
+        self.settle()
         own = self.optimizer.state_dict()
         whole = own if self.rank == 0 else None
         for r in range(1, self.size):
@@ -384,6 +357,7 @@ class ShardedOptimizer:
     def load_state_dict(self, state: dict) -> None:
         """A whole optimizer state (a checkpoint's, written sharded or not, on any rank count): this rank keeps the
         state of the tensors it owns."""
+        self.settle()
         self.optimizer.load_state_dict(state)
         for p in self.params:
             if id(p) not in self.mine:

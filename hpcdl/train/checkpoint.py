@@ -165,6 +165,7 @@ class Checkpointer:
         """Collective: the checkpoint of ``step``, written by rank 0; the others give only what a collective part
         gathers (the RNG streams). ``rank_part``: this rank's comm hook state; its residuals go to the rank's own file
         first, the rest into the checkpoint as ``hook``. ``gathered`` runs once the collectives are over."""
+        getattr(self.parts.get("optimizer"), "settle", lambda: None)()  # optimizer.gather_ahead's tensors in
         extra = {"rank_states": rank_part is not None}
         if rank_part is not None:
             self.save_rank_part(step, rank_part)

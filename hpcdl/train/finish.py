@@ -73,8 +73,8 @@ def announce(cfg: RunConfig, ctx: DistContext, progress: Progress, facts: Facts)
         facts.ipex_note, facts.compile_note,
         shard_sync(cfg, ctx) or f"gradient sync: DDP, buckets of {sync.bucket_cap_mb:g} MB"
         + (f" (the first {sync.first_bucket_mb:g} MB)" if sync.first_bucket_mb else "")
-        + f", comm hook {sync.hook}{sparse}" + (", the optimizer sharded (an all-gather after the update; no "
-                                                "reduce-scatter with this hook or backend)"
+        + f", comm hook {sync.hook}{sparse}" + (", the optimizer sharded (an all-gather after the update, "
+                                                f"{gathered(cfg)}; no reduce-scatter with this hook or backend)"
                                                 if cfg.optimizer.shard and ctx.world_size > 1 else ""),
     ]
     for line in lines:
@@ -87,16 +87,25 @@ def shard_sync(cfg: RunConfig, ctx: DistContext) -> str | None:
         return None
     wire = "" if cfg.sync.hook == "none" else f" from {cfg.sync.hook}"
     return (f"gradient sync: optimizer.shard, reduce-scatters{wire} started by backward (segments of "
-            f"{cfg.sync.bucket_cap_mb:g} MB) to each tensor's owner and an all-gather of the updated tensors, one per "
-            "dtype (DDP exchanges none)")
+            f"{cfg.sync.bucket_cap_mb:g} MB) to each tensor's owner and an all-gather of the updated tensors, "
+            f"{gathered(cfg)} (DDP exchanges none)")
 
 
-def check_replicas(model: torch.nn.Module, ctx: DistContext, step: int) -> str:
+def gathered(cfg: RunConfig) -> str:
+    """How ``optimizer.shard``'s all-gather is waited for (:mod:`hpcdl.optim.shard_ahead`)."""
+    if cfg.optimizer.gather_ahead and not cfg.loop.compile:
+        return "in segments taken in by the next forward (optimizer.gather_ahead)"
+    return "one per dtype at the step's end"
+
+
+def check_replicas(model: torch.nn.Module, ctx: DistContext, step: int, optimizer=None) -> str:
     """Collective: that every rank holds the same weights, bitwise (a sha256 of them, its first 8 bytes
     compared by an all-reduce of min and max). Replicas that drifted apart (a rank that skipped an update,
     a non-deterministic hook) end the run with the ranks that differ from rank 0 named. Buffers are left
     out: batch norm's running statistics follow each rank's last batch until DDP's next forward hands out
-    rank 0's, which are the ones a checkpoint keeps."""
+    rank 0's, which are the ones a checkpoint keeps. ``optimizer``: its all-gather in flight settled first
+    (``optimizer.gather_ahead``)."""
+    getattr(optimizer, "settle", lambda: None)()
     digest = hashlib.sha256()
     for tensor in model.parameters():
         digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())

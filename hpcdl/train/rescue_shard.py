@@ -2,7 +2,8 @@
 share of the optimizer state is gone with it.
 
 What a survivor holds at its boundary: every weight (its own tensors as its last update left them, the others as
-the last all-gather brought them) and the optimizer state of its own tensors. Each survivor writes its share, its
+the last all-gather brought them; with ``optimizer.gather_ahead``, as far as the next forward had taken it in) and
+the optimizer state of its own tensors. Each survivor writes its share, its
 tensors' weights and state, beside its RNG streams in the rescue's folder; the writer composes the checkpoint from
 its own model with every survivor's tensors put in, and from the optimizer state of the newest checkpoint on disk
 with every survivor's share put in. So in the checkpoint:

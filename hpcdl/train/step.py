@@ -8,7 +8,8 @@ Phases, in seconds, summed over the micro-batches of the step:
   reduce-scatters);
 - ``comm_wait``: backward's wait for buckets still in flight after the last gradient, plus the control
   all-reduce below, plus ``optimizer.shard``'s wait for the reduce-scatters of the gradients (started in
-  backward) and its all-gather of the updated tensors: communication that computation did not hide;
+  backward) and its all-gather of the updated tensors (with ``optimizer.gather_ahead``, the next forward's waits
+  for it and copies from it): communication that computation did not hide;
 - ``optimizer``: the update (a sharded one: this rank's tensors), the lr schedule and zeroing the gradients.
 
 The control all-reduce carries four numbers: this rank's loss sum and image count, whether its loss
@@ -155,22 +156,27 @@ class Stepper:
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, parts: float, last: bool, times: dict) -> float:
         """Forward and backward of one micro-batch, its mean loss divided by ``parts`` (the step's images over
         its own: the count of micro-batches when they are all alike); DDP exchanges the gradients at ``last``."""
+        ahead = getattr(self.optimizer, "ahead", None)  # optimizer.gather_ahead: the forward's hooks take it in
+        if ahead is not None:
+            ahead.taken_s = 0.0
         t0 = time.perf_counter()
         sync = contextlib.nullcontext() if last or not hasattr(self.net, "no_sync") else self.net.no_sync()
         with sync:
             with self.autocast():
                 loss = self.criterion(self.net(x), y)
             t1 = time.perf_counter()
+            forward_took = ahead.taken_s if ahead is not None else 0.0
             if self.comm is not None:
                 self.comm.reset()
             if last and hasattr(self.optimizer, "arm"):  # optimizer.shard: its reduce-scatters overlap backward
                 self.optimizer.arm()
             (loss / parts).backward()
         t2 = time.perf_counter()
+        took = ahead.taken_s if ahead is not None else 0.0  # waits and copies, counted as comm_wait
         handed = self.comm.last_handover if (self.comm is not None and last and self.comm.buckets) else t2
-        times["forward"] += t1 - t0
-        times["backward"] += handed - t1
-        times["comm_wait"] += t2 - handed
+        times["forward"] += t1 - t0 - forward_took
+        times["backward"] += handed - t1 - (took - forward_took)
+        times["comm_wait"] += t2 - handed + took
         self._span("forward", t0, t1)
         self._span("backward", t1, t2)
         return loss.item()

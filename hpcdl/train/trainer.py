@@ -187,7 +187,7 @@ class Trainer:
             if outcome in ("stop", "terminate"):  # checkpointed; rank 0 requeues on the requeue signal
                 return self._summary(on_signal(self.cfg, self.ctx, self.stop, self.progress.step,
                                                outcome == "terminate", self.folder.checkpoints))
-            self.replicas = check_replicas(self.parts.model, self.ctx, self.progress.step)
+            self.replicas = check_replicas(self.parts.model, self.ctx, self.progress.step, self.parts.optimizer)
             self._save("end")
             return self._summary(Outcome.FINISHED)
         finally:

@@ -42,10 +42,10 @@ class OptimShardRow:
     sharded_step_update_ms: float | None = None
     replicated_step_comm_ms: float | None = None
     sharded_step_comm_ms: float | None = None
-    # sharded with the reduce-scatters after backward, not started by it (what the overlap is worth)
-    after_step_ms: float | None = None
-    after_step_update_ms: float | None = None
-    after_step_comm_ms: float | None = None
+    # sharded with the all-gather waited for at the step's end, not taken in by the next forward (what that is worth)
+    eager_step_ms: float | None = None
+    eager_step_update_ms: float | None = None
+    eager_step_comm_ms: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,0 +1,122 @@
+"""``optimizer.gather_ahead``: the sharded step's all-gather overlapping the next forward, as Megatron-LM's
+distributed optimizer does with ``overlap_param_gather`` (its parameter all-gathers started after the step and
+waited for by forward pre-hooks, bucket by bucket, in forward order).
+
+At the step's end (:meth:`GatherAhead.start`) each rank copies its updated tensors into its block, in the
+reduce-scatters' layout (:meth:`hpcdl.optim.shard.ShardedOptimizer._lay_out`: each rank's tensors in backward's
+order, cut in segments), and starts one all-gather per segment, the last first: the last segments hold the
+tensors backward makes last, which the next forward needs first. Each segment lands where its reduce-scatter
+read it, so a tensor's pieces are found as its gradient's were. A forward pre-hook on every module that holds
+another rank's tensors waits for their segments and copies them into the model, under the trainer's lock (the one
+a rescue takes to read the weights), before the module runs; the rest of the forward goes on while later
+segments are on the wire.
+
+Whatever reads the weights between steps settles first (:meth:`GatherAhead.settle`: every segment waited for,
+every tensor copied): the next step's reduce-scatters (they reuse the buffers), a checkpoint
+(``Checkpointer.save``), an evaluation (``ModelWeights.evaluating``), the replicas' check, ``state_dict`` and
+``load_state_dict``. A just-in-time checkpoint does not: it reads what arrived. A lost rank's tensors there are
+those of the last all-gather this rank completed, tensor by tensor (:mod:`hpcdl.train.rescue_shard`: the
+survivors' own come from their shares). Not under ``torch.compile`` (``hpcdl.train.build``): its graph would break
+at the hooks' waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+
+import torch
+
+from hpcdl.optim.shard_layout import ALL_GATHER, dense, laid
+
+__all__ = ["GatherAhead"]
+
+
+class GatherAhead:
+    """The all-gather of :class:`~hpcdl.optim.shard.ShardedOptimizer` ``sharded`` started at the step's end and
+    taken in by ``model``'s forward pre-hooks."""
+
+    def __init__(self, sharded, model: torch.nn.Module):
+        self.sharded = sharded
+        others = {id(p) for p in sharded.params if id(p) not in sharded.mine}
+        self._tracked = [p for p in sharded.params if id(p) in others]
+        self._handles = []
+        for module in model.modules():
+            held = [p for p in module.parameters(recurse=False) if id(p) in others]
+            if held:
+                self._handles.append(module.register_forward_pre_hook(functools.partial(self._before, held)))
+        self._works: dict[tuple[int, int], object] = {}
+        self._pending: dict[int, torch.Tensor] = {}
+        self.guard = contextlib.nullcontext()
+        self.taken_s = 0.0  # in the hooks since the last read: waiting and copying (the trainer's comm_wait)
+
+    @torch.no_grad()
+    def start(self, guard=None) -> None:
+        """Collective: this rank's tensors copied into its block, one all-gather started per segment, the last
+        first. Not waited for here."""
+        self.settle()
+        s = self.sharded
+        self.guard = guard or contextlib.nullcontext()
+        for li, (shares, _, width, segment) in enumerate(s._layout):
+            if not width:
+                continue
+            every, block = s._buffers(li, next(x[0].dtype for x in shares if x))
+            at = 0
+            for p in shares[s.rank]:
+                laid(block[at:at + p.numel()], p).copy_(p)
+                at += p.numel()
+            across = s.size * segment
+            for k in reversed(range(width // segment)):
+                self._works[li, k] = ALL_GATHER(every[k * across:(k + 1) * across],
+                                                  block[k * segment:(k + 1) * segment], group=s.group, async_op=True)
+        self._pending = {id(p): p for p in self._tracked}
+
+    def _before(self, held: list[torch.Tensor], module, args) -> None:
+        if self._pending:
+            for p in held:
+                if id(p) in self._pending:
+                    self._take(p)
+
+    @torch.no_grad()
+    def _take(self, p: torch.Tensor) -> None:
+        """``p``'s segments waited for, its pieces copied into it (in its memory order, as its gradient's were)."""
+        t = time.perf_counter()
+        li, pieces = self.sharded._pieces[id(p)]
+        every, _ = self.sharded._buffers(li, p.dtype)
+        for k, *_ in pieces:
+            work = self._works.pop((li, k), None)
+            if work is not None:
+                work.wait()
+        with self.guard:
+            if len(pieces) == 1:
+                _, lo, hi, into = pieces[0]
+                p.copy_(laid(every[into:into + hi - lo], p))
+            else:
+                flat = torch.as_strided(p, (p.numel(),), (1,)) if dense(p) else torch.empty(p.numel(),
+                                                                                                  dtype=p.dtype)
+                for _, lo, hi, into in pieces:
+                    flat[lo:hi].copy_(every[into:into + hi - lo])
+                if not dense(p):
+                    p.copy_(flat.view(p.shape))
+            del self._pending[id(p)]
+        self.taken_s += time.perf_counter() - t
+
+    def settle(self) -> None:
+        """Every segment waited for and every tensor in the model: before anything reads the weights or reuses
+        the buffers."""
+        for p in list(self._pending.values()):
+            self._take(p)
+        works, self._works = list(self._works.values()), {}
+        for work in works:  # segments of this rank's tensors and padding only
+            work.wait()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        self.settle()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
