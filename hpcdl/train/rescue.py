@@ -67,7 +67,7 @@ from hpcdl.runs.orphan import CLAIM_STALE_S, CLAIM_WAIT_S, after_rescue
 from hpcdl.runs.outcome import EXIT_PEER_LOST, read_result
 from hpcdl.train.checkpoint import rng_state
 from hpcdl.train.leaving import adopt, origin
-from hpcdl.train.rescue_shard import compose_parts, describe, rank_share, sharded
+from hpcdl.train.rescue_shard import compose_parts, describe, load_rank_file, rank_share, sharded
 from hpcdl.train.state import Frozen
 from hpcdl.utils import atomic_write_text, leave_now
 
@@ -311,19 +311,12 @@ class Rescue:
     def _write(self, step: int | None, reports: dict[int, dict], lost: list[int] | None) -> None:
         started = time.monotonic()
         survivors = sorted(r for r, rep in reports.items() if not rep.get("left"))  # left: its word, not its state
+        files = {r: load_rank_file(os.path.join(self.folder, f"rank-{r:05d}.pt")) for r in survivors}  # read once
         rngs: list = [None] * self.world
-        files: dict[int, dict | Exception] = {}  # each survivor's file, read once (mmapped): its RNG streams, its share
-        for r in survivors:
-            path = os.path.join(self.folder, f"rank-{r:05d}.pt")
-            try:
-                files[r] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:  # none written (no step completed) or unreadable
-                files[r] = exc
-            if reports[r]["step"] != step:
-                continue  # its streams are those of an earlier step: seeded afresh like a lost rank's
-            if isinstance(files[r], Exception):
-                log.warning("rescue: %s unreadable (%s); rank %d's RNG streams are seeded afresh", path, files[r], r)
-            else:
+        for r in survivors:  # a survivor of an earlier step: its streams seeded afresh like a lost rank's
+            if reports[r]["step"] == step and isinstance(files[r], Exception):
+                log.warning("rescue: rank %d's file unreadable (%s); its RNG streams are seeded afresh", r, files[r])
+            elif reports[r]["step"] == step:
                 rngs[r] = files[r]["rng"]
         missing, account, wrote = [r for r in range(self.world) if rngs[r] is None], None, False
         # the periodic checkpoint of this very step, on disk (a write waited for); none without a step in this start

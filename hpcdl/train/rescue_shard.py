@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from hpcdl.train.state import Frozen
 
-__all__ = ["compose_parts", "describe", "rank_share", "sharded"]
+__all__ = ["compose_parts", "describe", "load_rank_file", "rank_share", "sharded"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,15 @@ def rank_share(parts: dict) -> dict:
     names = {id(p): name for name, p in model.named_parameters()}
     weights = {names[id(p)]: p.detach().clone() for p in optimizer.params if id(p) in optimizer.mine and id(p) in names}
     return {"shard": {"weights": weights, "state": optimizer.optimizer.state_dict()["state"]}}
+
+
+def load_rank_file(path: str) -> dict | Exception:
+    """A survivor's file in the rescue's folder (mmapped: its RNG streams, its share), or what its load raised (none
+    written: no step completed; unreadable)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        return exc
 
 
 def compose_parts(ckpt, parts: dict, files: dict[int, dict | Exception], steps: dict[int, int | None], step: int
