@@ -321,19 +321,14 @@ class ShardedOptimizer:
         """Collective: each rank's tensors, as its owner holds them, on every rank (one all-gather per dtype, of the
         rank-major blocks: in segments, as the reduce-scatters, it took 1.2x as long on 2 ranks of oneCCL here).
         The copies into the model run under ``guard`` (the trainer's lock, which a rescue takes to read the
-        weights; not the collective, which a lost rank would leave hanging with the lock held)."""
+        weights; not the collective, which a lost rank would leave hanging with the lock held). With ``ahead``:
+        started here in segments, taken in by the next forward."""
         if self.size == 1:  # this rank owns every tensor
             return
         if self.ahead is not None:
             return self.ahead.start(guard)
-        for li, (shares, sizes, width, _) in enumerate(self._layout):
-            if not width:
-                continue
-            out, send = self._buffers(li, next(s[0].dtype for s in shares if s))
-            at = 0
-            for p in shares[self.rank]:
-                _laid(send[at:at + p.numel()], p).copy_(p)
-                at += p.numel()
+        for li, out, send in self._own_into_blocks():
+            shares, _, width, _ = self._layout[li]
             ALL_GATHER(out, send, group=self.group)
             with guard or contextlib.nullcontext():
                 for r, share in enumerate(shares):
@@ -342,6 +337,19 @@ class ShardedOptimizer:
                         for p in share:
                             p.copy_(_laid(out[at:at + p.numel()], p))
                             at += p.numel()
+
+    def _own_into_blocks(self):
+        """Per layout with tensors: its index, the all-gather's output (every rank's block) and this rank's block,
+        which this rank's tensors are copied into first (as laid in memory)."""
+        for li, (shares, _, width, _) in enumerate(self._layout):
+            if not width:
+                continue
+            every, block = self._buffers(li, next(s[0].dtype for s in shares if s))
+            at = 0
+            for p in shares[self.rank]:
+                _laid(block[at:at + p.numel()], p).copy_(p)
+                at += p.numel()
+            yield li, every, block
 
     def state_dict(self) -> dict | None:
         """Collective: the whole optimizer state, in the replicated layout, on rank 0 (None on the others)."""

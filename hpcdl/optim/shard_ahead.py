@@ -58,14 +58,8 @@ class GatherAhead:
         self.settle()
         s = self.sharded
         self.guard = guard or contextlib.nullcontext()
-        for li, (shares, _, width, segment) in enumerate(s._layout):
-            if not width:
-                continue
-            every, block = s._buffers(li, next(x[0].dtype for x in shares if x))
-            at = 0
-            for p in shares[s.rank]:
-                laid(block[at:at + p.numel()], p).copy_(p)
-                at += p.numel()
+        for li, every, block in s._own_into_blocks():
+            _, _, width, segment = s._layout[li]
             across = s.size * segment
             for k in reversed(range(width // segment)):
                 self._works[li, k] = ALL_GATHER(every[k * across:(k + 1) * across],
