@@ -137,10 +137,12 @@ def replicated_and_sharded_alike(data, tmp_path, extra: list[str], steps: tuple[
 def test_a_sharded_run_trains_the_replicated_weights_and_resumes_on_another_rank_count(data, tmp_path):
     """Muon (Newton-Schulz dealt out, its AdamW part per group) on 2 ranks of the default backend, sharded and not,
     6 steps with a checkpoint at 3: the same checkpoints bit for bit, the optimizer state whole in both. The sharded
-    checkpoint of step 3 then goes on, sharded, on 3 ranks to the end: the replicas identical."""
+    checkpoint of step 3 then goes on, sharded, on 3 ranks to the end: the replicas identical. The all-gather is
+    taken in by the next forward (optimizer.gather_ahead): the checkpoints and the replicas' check settle it."""
     extra = ["--set", "optimizer.name=muon", "--set", "schedule.base_lr=0.01", "--set", "loop.max_steps=6",
              "--set", "checkpoint.every_steps=3", "--set", "checkpoint.every_minutes=0", "--set", "data.workers=0",
-             "--set", "loop.eval_every=0", "--set", "global_batch=24"]  # 24: on 2 ranks and on 3
+             "--set", "loop.eval_every=0", "--set", "global_batch=24",  # 24: on 2 ranks and on 3
+             "--set", "optimizer.gather_ahead=true"]
     b = replicated_and_sharded_alike(data, tmp_path, extra, (3, 6))
     assert set(b["optimizer"]["state"]) == {i for g in b["optimizer"]["param_groups"] for i in g["params"]}  # whole
     run = tmp_path / "run-true"
@@ -226,6 +228,7 @@ def test_bench_optim_shard_measures_both_layouts_side_by_side_with_each_ranks_st
         # the trainer's whole step (the default --batch), its optimizer phase inside it
         assert 0 < row["replicated_step_update_ms"] < row["replicated_step_ms"], row
         assert 0 < row["sharded_step_update_ms"] < row["sharded_step_ms"], row
+        assert 0 < row["ahead_step_update_ms"] < row["ahead_step_ms"], row
     log = (tmp_path / "rank0.log").read_text()
     assert "sharded max" in log and "the trainer's whole step" in log
 
@@ -238,18 +241,18 @@ def test_the_comm_hooks_and_gloo_shard_as_they_replicate(data, tmp_path, hook, b
     through hooks around each owner's step (before, the sharded optimizer had no such hooks and the run failed at
     start-up); bf16 reduce-scatters from bf16 on the default backend, as its all-reduce sums on 2 ranks (in 2 KB
     segments that split tensors, over 2 micro-batches a step: DDP's buckets of that size too); gloo, whose
-    reduce-scatter is an all-reduce of the whole buffer, keeps DDP's all-reduce. The all-gather is taken in by the
-    next forward, but under hook none (optimizer.gather_ahead=false: at the step's end)."""
+    reduce-scatter is an all-reduce of the whole buffer, keeps DDP's all-reduce. Under bf16 the all-gather is taken
+    in by the next forward (optimizer.gather_ahead), in the others waited for at the step's end (the default)."""
     extra = ["--set", f"sync.hook={hook}", "--set", "sync.chunk=256", "--set", "sync.dense_warmup_epochs=0.1",
              "--set", "loop.max_steps=6", "--set", "checkpoint.every_minutes=0", "--set", "data.workers=0",
              "--set", "loop.eval_every=0", "--set", f"loop.backend={backend}"]
     if hook == "bf16":  # segments of 2 KB (tensors split across them, in bf16), 2 micro-batches a step
         extra += ["--set", "sync.bucket_cap_mb=0.002", "--set", "loop.accum_steps=2"]
-    if hook == "none":  # the all-gather waited for at the step's end, not taken in by the next forward
-        extra += ["--set", "optimizer.gather_ahead=false"]
+    if hook == "bf16":  # the all-gather in those 2 KB segments, taken in by the next forward (the first micro-batch's)
+        extra += ["--set", "optimizer.gather_ahead=true"]
     replicated_and_sharded_alike(data, tmp_path, extra, (6,))
     log = (tmp_path / "true" / "rank0.log").read_text()
-    said = "reduce-scatters from bf16 started by backward (segments of 0.002 MB)" if hook == "bf16" \
-        else "the optimizer sharded (an all-gather after the update, " + (
-            "one per dtype at the step's end" if hook == "none" else "in segments taken in by the next forward")
+    said = "reduce-scatters from bf16 started by backward (segments of 0.002 MB) to each tensor's owner and an " \
+        "all-gather of the updated tensors, in segments taken in by the next forward" if hook == "bf16" \
+        else "the optimizer sharded (an all-gather after the update, one per dtype at the step's end"
     assert said in log, log[-3000:]

@@ -34,8 +34,9 @@ class OptimConfig:
     # each tensor's update and state on one rank, the updated tensors all-gathered (hpcdl.optim.shard)
     shard: bool = False
     # with shard: the updated tensors' all-gather started at the step's end and taken in by the next forward, module
-    # by module (hpcdl.optim.shard_ahead); false: waited for at the step's end. Not under loop.compile
-    gather_ahead: bool = True
+    # by module (hpcdl.optim.shard_ahead); false: waited for at the step's end. Not under loop.compile. Off by
+    # default: DDP's buffer broadcast waits for the whole all-gather on MPI and oneCCL (docs/optim.md)
+    gather_ahead: bool = False
 
     def __post_init__(self):
         table = names.OPTIMIZER_TABLE  # read now: a row added after import counts

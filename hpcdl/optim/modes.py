@@ -89,6 +89,7 @@ class ModelWeights:
         return {**state, **{names[id(p)]: y for p, y in zip(params, self._kept) if id(p) in names}}
 
     def load_state_dict(self, state: dict) -> None:
+        getattr(self.optimizer, "settle", lambda: None)()  # no all-gather in flight to overwrite what this loads
         self.model.load_state_dict(state)
 
     def eval_state_dict(self) -> dict | None:

@@ -11,8 +11,8 @@ nothing to the wire but the padding (and, under the ``fp16`` and ``bf16`` hooks,
 against their 16-bit gradients). The owner computes the update every rank computed before from the same averaged
 gradient: on 2 ranks (a sum of two is the same in either order) the weights are the replicated run's bit for bit;
 on more, within fp32's rounding of another summation order. The all-gather of the updated tensors ends the step, or,
-given the model (``ahead``, ``optimizer.gather_ahead``), overlaps the next forward (:mod:`hpcdl.optim.shard_ahead`);
-bench optim-shard's whole step measures both (docs/performance.md).
+given the model (``ahead``, ``optimizer.gather_ahead``, off by default), is taken in by the next forward
+(:mod:`hpcdl.optim.shard_ahead`); bench optim-shard's whole step measures both (docs/performance.md).
 
 Where a reduce-scatter would not pay (:func:`scatters`: the ``hierarchical`` and ``chunk_sparse`` hooks do more than
 average a bucket; gloo's reduce-scatter is an all-reduce), DDP all-reduces the gradients through the hook as

@@ -7,9 +7,16 @@ reduce-scatters' layout (:meth:`hpcdl.optim.shard.ShardedOptimizer._lay_out`: ea
 order, cut in segments), and starts one all-gather per segment, the last first: the last segments hold the
 tensors backward makes last, which the next forward needs first. Each segment lands where its reduce-scatter
 read it, so a tensor's pieces are found as its gradient's were. A forward pre-hook on every module that holds
-another rank's tensors waits for their segments and copies them into the model, under the trainer's lock (the one
-a rescue takes to read the weights), before the module runs; the rest of the forward goes on while later
-segments are on the wire.
+tensors itself waits for the segments of the other ranks' tensors in its subtree (a module may use its children's
+directly: torch's ``MultiheadAttention`` passes ``out_proj``'s weight to a function) and copies them into the model,
+under the trainer's lock (the one a rescue takes to read the weights), before the module runs; the rest of the
+forward goes on while later segments are on the wire. A tensor that a module without tensors of its own reaches into
+in a child is read before it arrives: such a model needs ``gather_ahead=false``.
+
+Off by default (``hpcdl.optim.config``): on the MPI and oneCCL groups, whose communication thread runs the
+collectives in order, DDP's broadcast of the buffers (batch norm's statistics) at the start of each forward queues
+behind every segment, so a model with buffers waits for the whole all-gather before its first module runs and
+nothing overlaps (ResNet-50 on oneCCL: docs/performance.md).
 
 Whatever reads the weights between steps settles first (:meth:`GatherAhead.settle`: every segment waited for,
 every tensor copied): the next step's reduce-scatters (they reuse the buffers), a checkpoint
@@ -42,10 +49,11 @@ class GatherAhead:
         others = {id(p) for p in sharded.params if id(p) not in sharded.mine}
         self._tracked = [p for p in sharded.params if id(p) in others]
         self._handles = []
-        for module in model.modules():
-            held = [p for p in module.parameters(recurse=False) if id(p) in others]
-            if held:
-                self._handles.append(module.register_forward_pre_hook(functools.partial(self._before, held)))
+        for module in model.modules():  # one that holds tensors itself may use its children's directly (torch's
+            if next(module.parameters(recurse=False), None) is not None:  # MultiheadAttention: out_proj's weight)
+                held = [p for p in module.parameters() if id(p) in others]  # so it takes in its whole subtree
+                if held:
+                    self._handles.append(module.register_forward_pre_hook(functools.partial(self._before, held)))
         self._works: dict[tuple[int, int], object] = {}
         self._pending: dict[int, torch.Tensor] = {}
         self.guard = contextlib.nullcontext()
@@ -79,9 +87,10 @@ class GatherAhead:
         li, pieces = self.sharded._pieces[id(p)]
         every, _ = self.sharded._buffers(li, p.dtype)
         for k, *_ in pieces:
-            work = self._works.pop((li, k), None)
+            work = self._works.get((li, k))
             if work is not None:
                 work.wait()
+                del self._works[li, k]  # only once waited for: a wait that raised leaves it to wait on
         with self.guard:
             if len(pieces) == 1:
                 _, lo, hi, into = pieces[0]

@@ -83,7 +83,8 @@ def build_model_parts(cfg: RunConfig, ctx: DistContext, precision: str, *, resum
         optimizer = ShardedOptimizer(optimizer, ctx.group, scatter=scatters(cfg.sync.hook, ctx.group),
                                      wire=SCATTER_WIRE.get(cfg.sync.hook),
                                      bucket_bytes=round(cfg.sync.bucket_cap_mb * 2**20),
-                                     order=list(model.parameters()),  # the hooks' waits would break compile's graph
+                                     order=list(model.parameters()),
+                                     # not under compile: the forward's hooks' waits would break its graph
                                      ahead=model if cfg.optimizer.gather_ahead and not cfg.loop.compile else None)
         note = "ipex: not used with optimizer.shard=true" + ("; optimizer.gather_ahead off under loop.compile (the "
                                                              "forward's hooks would break its graph)"

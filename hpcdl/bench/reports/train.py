@@ -42,10 +42,10 @@ class OptimShardRow:
     sharded_step_update_ms: float | None = None
     replicated_step_comm_ms: float | None = None
     sharded_step_comm_ms: float | None = None
-    # sharded with the all-gather waited for at the step's end, not taken in by the next forward (what that is worth)
-    eager_step_ms: float | None = None
-    eager_step_update_ms: float | None = None
-    eager_step_comm_ms: float | None = None
+    # sharded with the all-gather taken in by the next forward (optimizer.gather_ahead), not at the step's end
+    ahead_step_ms: float | None = None
+    ahead_step_update_ms: float | None = None
+    ahead_step_comm_ms: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
