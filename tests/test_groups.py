@@ -160,7 +160,9 @@ def test_ranks_that_stop_on_one_error_leave_together_and_alone_after_the_bound(t
 
     ranks = start(late=3.0, within=30.0)
     assert [r["together"] for r in ranks] == [True, True, True], ranks
-    assert all(r["waited"] >= 3.0 for r in ranks[:2]) and all(r["waited"] < 25 for r in ranks), ranks
+    # each rank's clock starts when its own rendezvous returns, which on rank 0 (the store's host) may be a few ms
+    # after rank 2's: a CI run measured rank 0's wait as 2.9997 s
+    assert all(r["waited"] >= 2.9 for r in ranks[:2]) and all(r["waited"] < 25 for r in ranks), ranks
     ranks = start(late=12.0, within=4.0)
     assert [r["together"] for r in ranks[:2]] == [False, False], ranks
     assert all(3.9 <= r["waited"] < 11.0 for r in ranks[:2]), ranks
