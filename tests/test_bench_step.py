@@ -98,3 +98,18 @@ def test_profile_splits_each_precision_s_step_into_classes_that_add_up(tmp_path)
         assert b.classes["matrix"].calls > 0 and b.classes["optimizer"].ms > 0 and b.matrix_gflops > 0
     assert read.profile[1].classes["casts"].calls > read.profile[0].classes["casts"].calls  # autocast's
     assert "where a step goes: tiny_cnn bf16" in run.stdout and format_report(read) in run.stdout
+
+
+def test_a_node_s_ranks_time_the_same_stretch_and_a_failing_one_is_named():
+    """node_round's children start their timed steps together and step until the last has finished, so the
+    node's figure is what its ranks give at once; a child that fails brings its stderr and leaves nothing behind."""
+    from hpcdl.bench.step import node_round
+
+    spec = {"tuned": True, "model": "tiny_cnn", "batch": 4, "crop": 32, "steps": 40}
+    for ranks in (2, 3):
+        r = node_round(spec, ranks, dict(os.environ))
+        assert r.images_per_s > 0 and r.together > 0.5, (ranks, r)  # without the start, imports skew them by 0.1-1 s
+    with pytest.raises(RuntimeError, match=r"(?s)bench step child .*no_such_model.* failed \(exit 1\):.*no_such_model"):
+        node_round({**spec, "model": "no_such_model"}, 2, dict(os.environ))
+    left = subprocess.run(["pgrep", "-f", "hpcdl.bench.step.*no_such_model"], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout

@@ -148,6 +148,7 @@ class NodeRound:
     threads: int
     allocator: str
     peak_rss_mb: float  # the sum of the ranks' peaks
+    together: float = 1.0  # the share of the ranks' timed steps during which every rank was stepping
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
