@@ -100,16 +100,18 @@ def test_profile_splits_each_precision_s_step_into_classes_that_add_up(tmp_path)
     assert "where a step goes: tiny_cnn bf16" in run.stdout and format_report(read) in run.stdout
 
 
+
+@pytest.mark.ranks  # up to 3 processes that import torch at once
 def test_a_node_s_ranks_time_the_same_stretch_and_a_failing_one_is_named():
     """node_round's children start their timed steps together and step until the last has finished, so the
     node's figure is what its ranks give at once; a child that fails brings its stderr and leaves nothing behind."""
     from hpcdl.bench.step import node_round
 
-    spec = {"tuned": True, "model": "tiny_cnn", "batch": 4, "crop": 32, "steps": 40}
-    for ranks in (2, 3):
+    spec = {"tuned": True, "model": "tiny_cnn", "batch": 4, "crop": 32, "steps": 100}
+    for ranks in (2, 3):  # timed as they came, imports 0.1-1 s apart leave such short stretches apart
         r = node_round(spec, ranks, dict(os.environ))
-        assert r.images_per_s > 0 and r.together > 0.5, (ranks, r)  # without the start, imports skew them by 0.1-1 s
+        assert r.images_per_s > 0 and 0.5 < r.together <= 1.0, (ranks, r)
     with pytest.raises(RuntimeError, match=r"(?s)bench step child .*no_such_model.* failed \(exit 1\):.*no_such_model"):
         node_round({**spec, "model": "no_such_model"}, 2, dict(os.environ))
-    left = subprocess.run(["pgrep", "-f", "hpcdl.bench.step.*no_such_model"], capture_output=True, text=True)
+    left = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "hpcdl.bench.step"], capture_output=True, text=True)
     assert left.stdout == "", left.stdout

@@ -172,9 +172,8 @@ def node_round(spec: dict, ranks: int, env: dict[str, str]) -> NodeRound:
 
     The children time the same stretch: each, after its untimed first step, waits until all are ready, and one
     that finishes first goes on stepping, untimed, until the last has finished. Timed as they came, a child
-    whose import ran long left the others' timed steps on a quieter node, and the sum read high: on the 2-core
-    Ice Lake Xeon, ResNet-50 at 8 a rank read 4.6-6.3 images/s that way and 4.3-5.0 timed together, against
-    4.2-4.8 for the same 2 ranks under DDP (docs/scaling.md)."""
+    whose import ran long could time its steps on a quieter node, and the sum read what the ranks do not give
+    together. ``together`` says how much of the timed stretch all of them were in."""
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(ranks)]
         procs = [stack.enter_context(subprocess.Popen(
@@ -183,33 +182,33 @@ def node_round(spec: dict, ranks: int, env: dict[str, str]) -> NodeRound:
             for r, log in enumerate(logs)]
         try:
             for p, log in zip(procs, logs):
-                _child_line(p, log, spec, "ready")
-            for p in procs:
-                p.stdin.write("go\n")
-                p.stdin.flush()
-            results = [json.loads(_child_line(p, log, spec, "{")) for p, log in zip(procs, logs)]
-            for p in procs:
-                p.stdin.close()  # each stops stepping
-            stopped = [json.loads(_child_line(p, log, spec, "{"))["stopped"] for p, log in zip(procs, logs)]
+                _child_says(p, log, spec)
             for p, log in zip(procs, logs):
-                if p.wait() != 0:
+                try:
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
+                except OSError:  # it ended after its first step
                     _child_failed(p, log, spec)
+            results = [json.loads(_child_says(p, log, spec)) for p, log in zip(procs, logs)]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+            for p in procs:  # the last result read: the untimed steps end here
+                p.kill()
+                p.wait()
     began, ended = min(r["timed"][0] for r in results), max(r["timed"][1] for r in results)
-    together = max(0.0, min(*stopped, ended) - max(r["timed"][0] for r in results)) / (ended - began)
+    latest = max(r["timed"][0] for r in results)
     return NodeRound(images_per_s=sum(r["images_per_s"] for r in results), threads=results[0]["threads"],
                      allocator=results[0]["allocator"], peak_rss_mb=sum(r["peak_rss_mb"] for r in results),
-                     together=together)
+                     together=(ended - latest) / (ended - began) if ended > began else 1.0)
 
 
-def _child_line(p: subprocess.Popen, log, spec: dict, prefix: str) -> str:
-    """The child's next line on stdout that starts with ``prefix``; the child's stderr when it ends first."""
+_SAYS = "@hpcdl-bench-step "  # the children's lines to node_round, each on a line of its own
+
+
+def _child_says(p: subprocess.Popen, log, spec: dict) -> str:
+    """What the child says next (its stdout's next line that starts with _SAYS); its stderr when it ends first."""
     for line in p.stdout:
-        if line.startswith(prefix):
-            return line
+        if line.startswith(_SAYS):
+            return line[len(_SAYS):]
     _child_failed(p, log, spec)
 
 
@@ -220,27 +219,27 @@ def _child_failed(p: subprocess.Popen, log, spec: dict) -> NoReturn:
 
 
 def child(spec: dict) -> None:
-    """One rank's throughput, printed as a JSON line; tuned: hpcdl's CPU plan for this local rank (its cores,
-    one thread each). The protocol with :func:`node_round`: "ready" after the first step, then the timed
-    steps on its "go", then untimed steps until its stdin closes."""
+    """One rank's throughput; tuned: hpcdl's CPU plan for this local rank (its cores, one thread each). Its
+    lines to :func:`node_round`: "ready" after the first step; on "go", the timed steps, then the result as JSON,
+    then untimed steps until node_round ends it."""
     if spec["tuned"]:
         apply_cpu_plan(plan_cpus(local_rank=spec["local_rank"], local_size=spec["local_size"]))
     step = bare_loop(spec["model"], spec["batch"], spec["crop"], spec.get("precision", "fp32"),
                      channels_last=spec.get("channels_last", True))
     step()
-    print("ready", flush=True)
-    sys.stdin.readline()
-    t0, began = time.perf_counter(), time.time()
+    print(f"\n{_SAYS}ready", flush=True)  # a newline first: a library's unended line stays on its own
+    if not sys.stdin.readline():
+        return  # node_round has gone
+    t0 = time.monotonic()  # CLOCK_MONOTONIC, the same in every process of this node
     for _ in range(spec["steps"]):
         step()
-    seconds = (time.perf_counter() - t0) / spec["steps"]
-    print(json.dumps({"images_per_s": spec["batch"] / seconds, "timed": [began, time.time()],
-                      "threads": torch.get_num_threads(),
-                      "allocator": allocator_in_use(),
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
-    while not select.select([sys.stdin], [], [], 0)[0]:  # readable once node_round closes it
+    t1 = time.monotonic()
+    print(f"\n{_SAYS}" + json.dumps({"images_per_s": spec["batch"] * spec["steps"] / (t1 - t0), "timed": [t0, t1],
+                                      "threads": torch.get_num_threads(), "allocator": allocator_in_use(),
+                                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}),
+          flush=True)
+    while not select.select([sys.stdin], [], [], 0)[0]:  # readable once node_round has gone
         step()
-    print(json.dumps({"stopped": time.time()}), flush=True)
 
 
 def tuning(cfg: Config) -> StepTuning:

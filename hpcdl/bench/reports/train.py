@@ -148,7 +148,7 @@ class NodeRound:
     threads: int
     allocator: str
     peak_rss_mb: float  # the sum of the ranks' peaks
-    together: float = 1.0  # the share of the ranks' timed steps during which every rank was stepping
+    together: float | None = None  # the share of the ranks' timed stretch that all of them were in (None: before it was measured)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
