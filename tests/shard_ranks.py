@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import hpcdl.distributed.gradients.ddp as ddp_module
 from hpcdl import names
+from hpcdl.distributed.ranks.env import discover
 from hpcdl.errors import ConfigError
 from hpcdl.optim.config import OptimConfig
 from hpcdl.optim.factory import build_optimizer
@@ -47,7 +49,8 @@ def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False) -> tuple[f
     on their mean: the largest difference of a weight, and the digest of this rank's weights. With ``backward``, the
     gradients come from a backward armed as the trainer's last micro-batch's, its reduce-scatters started by it in
     segments of 1 KB (tensors split across them), the model channels_last, one tensor left without a gradient, and
-    the all-gather taken in by the next forward (``ahead``): the weights after it, before backward, as replicated."""
+    the all-gather taken in by the next forward (``ahead``): the weights after it, before backward, as replicated, and
+    after each step every rank holds rank 0's buffers (the forward's input differs by rank)."""
     own, ref = model(), model()
     if backward:  # the conv weights channels_last, as the trainer lays them: copied as laid in memory
         own, ref = own.to(memory_format=torch.channels_last), ref.to(memory_format=torch.channels_last)
@@ -58,7 +61,7 @@ def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False) -> tuple[f
     g, started, checks = torch.Generator().manual_seed(3), [], {"ahead": []}
     for i in range(n):
         if backward and i:  # the forward's hooks take the last all-gather in, each module's tensors before it runs
-            own(torch.randn(2, 3, 7, 7, generator=g))
+            own(torch.randn(2, 3, 7, 7, generator=g) + rank)  # batch norm's statistics: each rank its own
             checks["ahead"].append((sharded.ahead.pending, max((p - q).abs().max().item()
                                                                for p, q in zip(own.parameters(), ref.parameters()))))
         loss = 0
@@ -75,7 +78,11 @@ def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False) -> tuple[f
             sharded.arm()
             loss.backward()
             started.append(sharded.started)
+        if backward:  # the step's end broadcasts rank 0's buffers (DDP's before-forward broadcast, moved)
+            checks.setdefault("own_buffers", []).append(buffer_digest(own))
         sharded.step()
+        if backward:
+            checks.setdefault("buffers", []).append(buffer_digest(own))
         replicated.step()
         sharded.zero_grad(set_to_none=True)
         replicated.zero_grad(set_to_none=True)
@@ -95,6 +102,10 @@ def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False) -> tuple[f
         checks["hooks_left"] = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
                                    for p in own.parameters()) + sum(len(m._forward_pre_hooks) for m in own.modules())
     return diff, digest, started, len(sharded._sequence), checks
+
+
+def buffer_digest(net: nn.Module) -> str:
+    return hashlib.sha256(b"".join(b.numpy().tobytes() for b in net.buffers())).hexdigest()
 
 
 def same(a: dict, b: dict) -> bool:
@@ -134,6 +145,23 @@ for name, row in names.OPTIMIZER_TABLE.items():
     seen[name]["scatter_diff"], seen[name]["scatter_digest"], _, _, _ = scattered_steps(cfg, 3)
     (seen[name]["overlap_diff"], seen[name]["overlap_digest"], seen[name]["started"],
      seen[name]["segments"], seen[name]["checks"]) = scattered_steps(cfg, 3, backward=True)
+# data_parallel without DDP's buffer broadcast before each forward (optimizer.gather_ahead), on a torch without
+# forward_sync_buffers (a fake: its signature without the argument): rank 0's buffers still reach every rank at
+# construction, as they do through forward_sync_buffers=False on this torch
+for fake_old_torch in (False, True):
+    net = model()
+    with torch.no_grad():
+        for b in net.buffers():
+            b.add_(rank + 1)
+    args = ddp_module._DDP_ARGS
+    if fake_old_torch:
+        ddp_module._DDP_ARGS = {k: v for k, v in args.items() if k != "forward_sync_buffers"}
+    try:
+        wrapped, _ = ddp_module.data_parallel(net, discover(), broadcast_buffers=False)
+    finally:
+        ddp_module._DDP_ARGS = args
+    seen.setdefault("construction_buffers", []).append(
+        [buffer_digest(net), wrapped.forward_sync_buffers])
 with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
     json.dump(seen, f)
 dist.destroy_process_group()

@@ -92,6 +92,10 @@ def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicate
                               env={**rank_env(r, 3, port), "PYTHONPATH": str(REPO)}) for r in range(3)]
     assert [p.wait(timeout=240) for p in procs] == [0, 0, 0]
     seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(3)]
+    # DDP without its buffer broadcast before each forward (gather_ahead's) still gives every rank rank 0's buffers
+    # at construction, through forward_sync_buffers and on a torch without it (a fake: the argument hidden)
+    built = [s.pop("construction_buffers") for s in seen]
+    assert all(len({r[i][0] for r in built}) == 1 and not any(r[i][1] for r in built) for i in (0, 1)), built
     assert set(seen[0]) == {"sgd", "nesterov", "lars", "larc", "lamb", "adamw", "muon"}
     for name in seen[0]:
         ranks = [s[name] for s in seen]
@@ -112,6 +116,10 @@ def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicate
         # the next forward took the all-gather in before backward: nothing left pending, the replicated weights
         assert all(len(r["checks"]["ahead"]) == 2 for r in ranks), ranks
         assert all(pending == 0 and diff <= 1e-6 for r in ranks for pending, diff in r["checks"]["ahead"]), ranks
+        # each rank's forward moved its own batch-norm statistics; each step's end gave every rank rank 0's
+        own, buffers = [r["checks"]["own_buffers"] for r in ranks], [r["checks"]["buffers"] for r in ranks]
+        assert all(own[0][i] != own[1][i] != own[2][i] != own[0][i] for i in (1, 2)), own
+        assert buffers[0] == buffers[1] == buffers[2] == own[0] and len(set(buffers[0][1:])) == 2, (own, buffers)
         # a tensor frozen after the layout was made is refused by name, and close() removes every hook
         assert all("the requires_grad of parameter(s) [0]" in r["checks"]["frozen"] for r in ranks), ranks
         assert all(r["checks"]["hooks_left"] == 0 for r in ranks), ranks

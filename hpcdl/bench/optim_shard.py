@@ -130,7 +130,8 @@ def _whole_steps(cfg: Config, ctx, name: str) -> dict[str, float]:
             built.append(optimizer)
         net, comm = data_parallel(model, ctx.env, ctx.group, backend=ctx.backend.name, bucket_cap_mb=sync.bucket_cap_mb,
                                   first_bucket_mb=sync.first_bucket_mb,
-                                  exchange=not getattr(optimizer, "scatter", False))
+                                  exchange=not getattr(optimizer, "scatter", False),
+                                  broadcast_buffers=getattr(optimizer, "ahead", None) is None)  # as the trainer
         schedule = LRSchedule(optimizer, ScheduleConfig(base_lr=oc.lr, steps_per_epoch=1000, epochs=10))
         stepper = Stepper(net, criterion, optimizer, schedule, precision=precision, comm=comm, group=ctx.group)
         cases[layout] = _timed_whole(stepper, x, y, cfg.steps)

@@ -35,7 +35,7 @@ class OptimConfig:
     shard: bool = False
     # with shard: the updated tensors' all-gather started at the step's end and taken in by the next forward, module
     # by module (hpcdl.optim.shard_ahead); false: waited for at the step's end. Not under loop.compile. Off by
-    # default: DDP's buffer broadcast waits for the whole all-gather on MPI and oneCCL (docs/optim.md)
+    # default: on 2 shared cores it gained nothing over waiting at the step's end (docs/performance.md)
     gather_ahead: bool = False
 
     def __post_init__(self):

@@ -13,10 +13,14 @@ under the trainer's lock (the one a rescue takes to read the weights), before th
 forward goes on while later segments are on the wire. A tensor that a module without tensors of its own reaches into
 in a child is read before it arrives: such a model needs ``gather_ahead=false``.
 
-Off by default (``hpcdl.optim.config``): on the MPI and oneCCL groups, whose communication thread runs the
-collectives in order, DDP's broadcast of the buffers (batch norm's statistics) at the start of each forward queues
-behind every segment, so a model with buffers waits for the whole all-gather before its first module runs and
-nothing overlaps (ResNet-50 on oneCCL: docs/performance.md).
+The model's buffers (batch norm's running statistics) go from rank 0 to the others here, before the segments: DDP's
+own broadcast at the start of each forward is off (:func:`hpcdl.distributed.gradients.ddp.data_parallel`): it queued
+behind every segment on the MPI and oneCCL groups (their communication thread runs the collectives in order), so
+that a model with buffers waited for the whole all-gather before its first module ran. The forward reads no running
+statistic in training and nothing changes the buffers between the step's end and the next forward, so every rank
+enters the forward with rank 0's, as under DDP's broadcast; after the step all ranks hold rank 0's (under DDP's, the
+others held their own last update). A step skipped for a non-finite loss starts no all-gather and broadcasts
+nothing: the next finite one does. Off by default (``hpcdl.optim.config``; docs/performance.md).
 
 Whatever reads the weights between steps settles first (:meth:`GatherAhead.settle`: every segment waited for,
 every tensor copied): the next step's reduce-scatters (they reuse the buffers), a checkpoint
@@ -34,10 +38,13 @@ import functools
 import time
 
 import torch
+import torch.distributed as dist
 
 from hpcdl.optim.shard_layout import ALL_GATHER, dense, laid
 
 __all__ = ["GatherAhead"]
+
+BUFFER_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
 
 
 class GatherAhead:
@@ -54,6 +61,7 @@ class GatherAhead:
                 held = [p for p in module.parameters() if id(p) in others]  # so it takes in its whole subtree
                 if held:
                     self._handles.append(module.register_forward_pre_hook(functools.partial(self._before, held)))
+        self._model = model  # its buffers: DDP's broadcast before each forward, done by start()
         self._works: dict[tuple[int, int], object] = {}
         self._pending: dict[int, torch.Tensor] = {}
         self.guard = contextlib.nullcontext()
@@ -61,10 +69,15 @@ class GatherAhead:
 
     @torch.no_grad()
     def start(self, guard=None) -> None:
-        """Collective: this rank's tensors copied into its block, one all-gather started per segment, the last
-        first. Not waited for here."""
+        """Collective: rank 0's buffers broadcast (waited for: they precede the segments on the wire), this
+        rank's tensors copied into its block, one all-gather started per segment, the last first. Not waited for
+        here."""
         self.settle()
         s = self.sharded
+        buffers = list(self._model.buffers())  # read each time, as DDP's _sync_buffers does: one may be replaced
+        if buffers:  # from rank 0 of the group, as DDP's
+            dist._broadcast_coalesced(s.group if s.group is not None else dist.group.WORLD, buffers,
+                                      BUFFER_BUCKET_BYTES, 0)
         self.guard = guard or contextlib.nullcontext()
         for li, every, block in s._own_into_blocks():
             _, _, width, segment = s._layout[li]

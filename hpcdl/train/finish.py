@@ -103,8 +103,8 @@ def check_replicas(model: torch.nn.Module, ctx: DistContext, step: int, optimize
     compared by an all-reduce of min and max). Replicas that drifted apart (a rank that skipped an update,
     a non-deterministic hook) end the run with the ranks that differ from rank 0 named. Buffers are left
     out: batch norm's running statistics follow each rank's last batch until DDP's next forward hands out
-    rank 0's, which are the ones a checkpoint keeps. ``optimizer``: its all-gather in flight settled first
-    (``optimizer.gather_ahead``)."""
+    rank 0's (``optimizer.gather_ahead``: the step's end), which are the ones a checkpoint keeps.
+    ``optimizer``: its all-gather in flight settled first (``optimizer.gather_ahead``)."""
     getattr(optimizer, "settle", lambda: None)()
     digest = hashlib.sha256()
     for tensor in model.parameters():

@@ -9,8 +9,8 @@ Phases, in seconds, summed over the micro-batches of the step:
 - ``comm_wait``: backward's wait for buckets still in flight after the last gradient, plus the control
   all-reduce below, plus ``optimizer.shard``'s wait for the reduce-scatters of the gradients (started in
   backward) and its all-gather of the updated tensors (with ``optimizer.gather_ahead``, the next forward's hooks'
-  waits for it and copies from it; not DDP's buffer broadcast at the forward's start, which on MPI and oneCCL
-  queues behind it and counts as ``forward``): communication that computation did not hide;
+  waits for it and copies from it, and the broadcast of the buffers before it at the step's end):
+  communication that computation did not hide;
 - ``optimizer``: the update (a sharded one: this rank's tensors), the lr schedule and zeroing the gradients.
 
 The control all-reduce carries four numbers: this rank's loss sum and image count, whether its loss

@@ -43,7 +43,8 @@ def wrap(cfg: RunConfig, ctx: DistContext, parts: ModelParts, data: DataParts, *
                               bucket_cap_mb=sync.bucket_cap_mb, first_bucket_mb=sync.first_bucket_mb,
                               gradient_as_bucket_view=sync.gradient_as_bucket_view, sparse=sparse,
                               new_group=functools.partial(new_subgroup, ctx), bucket_spans=cfg.loop.timeline,
-                              exchange=not getattr(parts.optimizer, "scatter", False))
+                              exchange=not getattr(parts.optimizer, "scatter", False),
+                              broadcast_buffers=getattr(parts.optimizer, "ahead", None) is None)
     note = "compile: off"
     if cfg.loop.compile:
         net, note = torch.compile(net), "compile: torch.compile (the first steps compile)"

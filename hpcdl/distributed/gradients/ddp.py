@@ -85,7 +85,8 @@ def _kept(_, bucket) -> torch.futures.Future:
 def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str = "none", backend: str | None = None,
                   bucket_cap_mb: float = 25.0, first_bucket_mb: float | None = None,
                   gradient_as_bucket_view: bool = True, sparse=None, new_group=None,
-                  bucket_spans: bool = False, exchange: bool = True) -> tuple[torch.nn.Module, CommTimer | None]:
+                  bucket_spans: bool = False, exchange: bool = True,
+                  broadcast_buffers: bool = True) -> tuple[torch.nn.Module, CommTimer | None]:
     """``model`` wrapped in DDP over ``group``, its buckets reduced by ``hook`` (:mod:`hpcdl.distributed.gradients.hooks`)
     and timed; on one rank, ``model`` itself.
 
@@ -96,13 +97,18 @@ def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str
     ``none`` too. ``first_bucket_mb`` caps the first bucket (the last layers' gradients, ready first) below
     ``bucket_cap_mb`` so that communication starts sooner; ``None``: the same cap as the others. ``exchange=False``
     (``optimizer.shard``'s reduce-scatter does it): DDP exchanges no gradient and ``hook`` is not used; DDP still
-    broadcasts the weights at the start and the buffers (batch-norm statistics) before each forward.
+    broadcasts the weights and the buffers (batch-norm statistics) at the start and, with ``broadcast_buffers``, the
+    buffers from rank 0 before each forward; without it, the caller does (``optimizer.gather_ahead``:
+    :mod:`hpcdl.optim.shard_ahead`, at the step's end).
     """
     if env.world_size == 1:
         return model, None
     with bucket_caps(bucket_cap_mb, first_bucket_mb) as caps:
         ddp = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=gradient_as_bucket_view,
-                                      **caps)
+                                      **caps, **({} if broadcast_buffers else _no_forward_buffer_sync()))
+    if not broadcast_buffers and "forward_sync_buffers" not in _DDP_ARGS and any(True for _ in model.buffers()):
+        # broadcast_buffers=False also skipped DDP's broadcast at construction (rank 0's pretrained statistics)
+        dist._broadcast_coalesced(ddp.process_group, list(model.buffers()), ddp.broadcast_bucket_size, 0)
     if not exchange:
         timer = CommTimer(None, _kept)
         ddp.register_comm_hook(timer, _timed)
@@ -116,13 +122,26 @@ def data_parallel(model: torch.nn.Module, env: RankEnv, group=None, *, hook: str
     return ddp, timer
 
 
+_DDP_ARGS = inspect.signature(DistributedDataParallel).parameters
+
+
+def _no_forward_buffer_sync() -> dict:
+    """DDP's arguments for no buffer broadcast before each forward, the buffers still broadcast at construction:
+    ``forward_sync_buffers`` where torch has it (2.14.1 here: its ``broadcast_buffers=False`` is deprecated and
+    also skips the broadcast at construction), ``broadcast_buffers`` on the releases before it (whose construction
+    broadcast :func:`data_parallel` then makes itself)."""
+    if "forward_sync_buffers" in _DDP_ARGS:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 @contextlib.contextmanager
 def bucket_caps(cap_mb: float, first_mb: float | None):
     """DDP's bucket-size arguments. torch >= 2.10 takes per-bucket caps (the last repeats) and gives the
     first bucket ``bucket_cap_mb`` when that is set; earlier releases read the first bucket's cap from
     ``dist._DEFAULT_FIRST_BUCKET_BYTES`` when DDP is built."""
     first_mb = cap_mb if first_mb is None else min(first_mb, cap_mb)
-    if "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel).parameters:
+    if "bucket_cap_mb_list" in _DDP_ARGS:
         yield {"bucket_cap_mb_list": [first_mb, cap_mb]} if first_mb < cap_mb else {"bucket_cap_mb": cap_mb}
         return
     default = dist._DEFAULT_FIRST_BUCKET_BYTES
