@@ -10,8 +10,9 @@ takes. The sleep and the SIGKILL are real; the rest is the real trainer.
 PHASE: rendezvous (before the process group), checkpoint (resume: load and broadcast), ddp (DDP and the
 hook's groups), first_step, step3 (the first and third training steps); for kills also data (fetching
 the 5th batch), forward (step 5's loss, between forward and backward), allreduce (step 5's first gradient
-bucket handed to the hook; with hook none, half of step 5's gradients accumulated), save (half-way through
-writing the second checkpoint), eval (the first evaluation).
+bucket handed to the hook; with hook none, half of step 5's gradients accumulated), gather (optimizer.shard's
+all-gather of step 5, after this rank's update), save (half-way through writing the second checkpoint), eval (the
+first evaluation).
 
 The save phase writes half of step 4's checkpoint (every_steps=2: step 2's is complete).
 """
@@ -24,6 +25,7 @@ import sys
 import time
 
 import hpcdl.distributed.gradients.ddp
+import hpcdl.optim.shard
 import hpcdl.train.build as build
 import hpcdl.train.checkpoint as checkpoint
 import hpcdl.train.step
@@ -103,6 +105,7 @@ def watch_with_fault(timer, model):
 
 
 hpcdl.distributed.gradients.ddp.CommTimer.watch = watch_with_fault
+hpcdl.optim.shard.ShardedOptimizer.gather = fault("gather", on_call=5)(hpcdl.optim.shard.ShardedOptimizer.gather)
 criterion = build.make_criterion
 build.make_criterion = lambda smoothing: fault("forward", on_call=5)(criterion(smoothing))
 checkpoint.torch.save = half_written_save(checkpoint.torch.save)

@@ -54,6 +54,12 @@ found["allgather"] = [p.tolist() for p in parts]
 flat = torch.zeros(2 * world, dtype=torch.float16)
 getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(flat, torch.full((2,), rank + 0.5, dtype=torch.float16))
 found["allgather single fp16"] = flat.tolist()
+for elements in (2, 2**20):  # in place (this rank's part of the output as its input: optimizer.shard's), small and 4 MB
+    flat = torch.full((elements * world,), -1.0)
+    flat[rank * elements:(rank + 1) * elements] = torch.arange(elements) + 0.25 + rank
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(flat, flat[rank * elements:(rank + 1) * elements])
+    found[f"allgather in place {elements}"] = flat.view(world, elements)[:, :2].tolist() + [
+        torch.equal(flat, torch.cat([torch.arange(elements) + 0.25 + r for r in range(world)]))]
 rs = torch.empty(2)
 getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(rs, torch.arange(2.0 * world) * (rank + 1))
 found["reduce_scatter"] = rs.tolist()

@@ -44,23 +44,26 @@ def steps(net: nn.Module, optimizer, n: int, seed: int) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False) -> tuple[float, str, list[int], int]:
+def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False, ahead: bool = True
+                    ) -> tuple[float, str, list[int], int, dict]:
     """``n`` steps sharded with the gradients reduce-scattered, each rank's its own, against the replicated optimizer
     on their mean: the largest difference of a weight, and the digest of this rank's weights. With ``backward``, the
     gradients come from a backward armed as the trainer's last micro-batch's, its reduce-scatters started by it in
     segments of 1 KB (tensors split across them), the model channels_last, one tensor left without a gradient, and
     the all-gather taken in by the next forward (``ahead``): the weights after it, before backward, as replicated, and
-    after each step every rank holds rank 0's buffers (the forward's input differs by rank)."""
+    after each step every rank holds rank 0's buffers (the forward's input differs by rank). Without ``ahead`` (the
+    default): the weights views of the all-gather's buffer, one of them given new memory before the second step (as
+    ``p.data = ...`` or a module's ``to()`` would): it is bound again."""
     own, ref = model(), model()
     if backward:  # the conv weights channels_last, as the trainer lays them: copied as laid in memory
         own, ref = own.to(memory_format=torch.channels_last), ref.to(memory_format=torch.channels_last)
     sharded = ShardedOptimizer(build_optimizer(own, cfg), scatter=True, bucket_bytes=1024 if backward else 25 * 2**20,
                                order=list(own.parameters()) if backward else None,  # as the trainer's
-                               ahead=own if backward else None)
+                               ahead=own if backward and ahead else None)
     replicated = build_optimizer(ref, cfg)
     g, started, checks = torch.Generator().manual_seed(3), [], {"ahead": []}
-    for i in range(n):
-        if backward and i:  # the forward's hooks take the last all-gather in, each module's tensors before it runs
+    for step in range(n):
+        if backward and ahead and step:  # the forward's hooks take the last all-gather in, each module's before it runs
             own(torch.randn(2, 3, 7, 7, generator=g) + rank)  # batch norm's statistics: each rank its own
             checks["ahead"].append((sharded.ahead.pending, max((p - q).abs().max().item()
                                                                for p, q in zip(own.parameters(), ref.parameters()))))
@@ -78,10 +81,13 @@ def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False) -> tuple[f
             sharded.arm()
             loss.backward()
             started.append(sharded.started)
-        if backward:  # the step's end broadcasts rank 0's buffers (DDP's before-forward broadcast, moved)
+        if backward and ahead:  # the step's end broadcasts rank 0's buffers (DDP's before-forward broadcast, moved)
             checks.setdefault("own_buffers", []).append(buffer_digest(own))
+        if backward and not ahead and step == 1:
+            first = next(own.parameters())
+            first.data = first.data.clone()
         sharded.step()
-        if backward:
+        if backward and ahead:
             checks.setdefault("buffers", []).append(buffer_digest(own))
         replicated.step()
         sharded.zero_grad(set_to_none=True)
@@ -89,6 +95,8 @@ def scattered_steps(cfg: OptimConfig, n: int, backward: bool = False) -> tuple[f
     sharded.settle()
     diff = max((p - q).abs().max().item() for p, q in zip(own.parameters(), ref.parameters()))
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in own.parameters())).hexdigest()
+    flats = {w.untyped_storage().data_ptr() for w in sharded._weights.values()}
+    checks["views"] = [p.untyped_storage().data_ptr() in flats for p in own.parameters()]
     if backward:  # a tensor frozen after the layout counted it is refused; close() leaves no hook behind
         first = next(own.parameters())
         first.requires_grad_(False)
@@ -145,6 +153,8 @@ for name, row in names.OPTIMIZER_TABLE.items():
     seen[name]["scatter_diff"], seen[name]["scatter_digest"], _, _, _ = scattered_steps(cfg, 3)
     (seen[name]["overlap_diff"], seen[name]["overlap_digest"], seen[name]["started"],
      seen[name]["segments"], seen[name]["checks"]) = scattered_steps(cfg, 3, backward=True)
+    (seen[name]["bound_diff"], seen[name]["bound_digest"], _, _,
+     seen[name]["bound_checks"]) = scattered_steps(cfg, 3, backward=True, ahead=False)
 # data_parallel without DDP's buffer broadcast before each forward (optimizer.gather_ahead), on a torch without
 # forward_sync_buffers (a fake: its signature without the argument): rank 0's buffers still reach every rank at
 # construction, as they do through forward_sync_buffers=False on this torch

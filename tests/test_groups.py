@@ -22,6 +22,7 @@ EXPECTED = {
     "allgather": [[0, 0], [1, 1]], "allgather single fp16": [0.5, 0.5, 1.5, 1.5], "objects": [{"rank": 0}, {"rank": 1}],
     "subgroup all": 1.0, "mixed paths": [[2.0, 3.0], [2.0, 1.0], [2.0]],  # all-reduce, broadcast from 0, barrier
     "interleaved": [1.0, 3.0, 5.0, 7.0, 9.0, 11.0], "future": [1.0, 1.0, 1.0],
+    **{f"allgather in place {n}": [[0.25, 1.25], [1.25, 2.25], True] for n in (2, 2**20)},
 }
 TORCH_NAME = {"mpi": "mpi4py", "ccl": "oneccl", "store": "hpcdl-store"}
 

@@ -429,7 +429,8 @@ def test_the_optimizer_table_follows_its_formulas_replicated_and_sharded(tmp_pat
         padding = 2 * (ranks - 1) * (share - 1 / ranks) * w / link.bandwidth_bytes_s  # what the default exchange adds
         assert t["ranks"] == ranks and t["share"] == pytest.approx(share)
         assert t["memory_replicated_bytes"] == pytest.approx(2 * w + 2 * w)  # LAMB: two moments
-        assert t["memory_sharded_bytes"] == pytest.approx(2 * w + share * 2 * w + (ranks + 1) * share * w)
+        # the gradients, the weights in the all-gather's padded shares, the state, the reduce-scatter's buffers
+        assert t["memory_sharded_bytes"] == pytest.approx(w + ranks * share * w + share * 2 * w + (ranks + 1) * share * w)
         assert t["gather_s"] == pytest.approx(gather) and t["update_replicated_s"] == pytest.approx(update)
         assert t["added_s"] == pytest.approx(padding, abs=1e-12)
         assert t["saved_s"] == pytest.approx(update - share * update - padding)
@@ -439,17 +440,20 @@ def test_the_optimizer_table_follows_its_formulas_replicated_and_sharded(tmp_pat
     assert rows[1]["added_s"] == 0 < rows[512]["added_s"]
     # on gloo (or under hierarchical, chunk_sparse) the gradients stay all-reduced: the whole all-gather is added;
     # under bf16 on oneCCL the fp32 all-gather replaces the 16-bit all-reduce's half: between the two
-    for extra, adds in ((["--backend", "gloo"], lambda t: t["gather_s"]),
-                        (["--backend", "ccl", "--hook", "chunk_sparse"], lambda t: t["gather_s"]),
-                        (["--backend", "ccl", "--hook", "bf16"], lambda t: t["gather_s"] - (t["ranks"] - 1) * (
-                            link.latency_s + w / 2 / t["ranks"] / link.bandwidth_bytes_s) + (t["ranks"] - 1) * (
-                            t["share"] - 1 / t["ranks"]) * w / 2 / link.bandwidth_bytes_s)):
+    # (and no reduce-scatter's buffers where the gradients are all-reduced, half of them in 16 bits)
+    for extra, adds, kept in ((["--backend", "gloo"], lambda t: t["gather_s"], 0),
+                              (["--backend", "ccl", "--hook", "chunk_sparse"], lambda t: t["gather_s"], 0),
+                              (["--backend", "ccl", "--hook", "bf16"], lambda t: t["gather_s"] - (t["ranks"] - 1) * (
+                                  link.latency_s + w / 2 / t["ranks"] / link.bandwidth_bytes_s) + (t["ranks"] - 1) * (
+                                  t["share"] - 1 / t["ranks"]) * w / 2 / link.bandwidth_bytes_s, 0.5)):
         other = subprocess.run(command + extra + ["--json", str(tmp_path / "o.json")], capture_output=True, text=True)
         assert other.returncode == 0 and ("the whole all-gather" in other.stdout) == ("bf16" not in extra), other.stderr
         for t, plain in zip((r["optimizer"] for r in json.loads((tmp_path / "o.json").read_text())["rows"]),
                             (r["optimizer"] for r in json.loads((tmp_path / "p.json").read_text())["rows"])):
             if t["ranks"] > 1:
                 assert t["added_s"] == pytest.approx(adds(t)), (extra, t)
+                buffers = (t["ranks"] + 1) * t["share"] * w
+                assert t["memory_sharded_bytes"] == pytest.approx(plain["memory_sharded_bytes"] - (1 - kept) * buffers)
             if t["share"] == 1 / t["ranks"] > 1 / 16:  # nothing padded (1 to 4 ranks): 16 bits add, gloo more
                 assert plain["added_s"] == 0 < t["added_s"] <= t["gather_s"], (extra, plain, t)
             assert t["saved_s"] == pytest.approx(t["update_replicated_s"] - t["update_sharded_s"] - t["added_s"])

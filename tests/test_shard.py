@@ -49,10 +49,11 @@ def test_schedule_free_is_refused_with_the_fix():
 def test_the_just_in_time_state_counts_each_tensor_and_is_refused_before_any_checkpoint(tmp_path):
     """rescue_shard.compose_parts over a 2-tensor model whose optimizer keeps state (SGD with momentum), rank 0 the
     one survivor holding tensor 0: with a checkpoint on disk, tensor 1's state comes from it and the weights from rank
-    0's share; a survivor a step behind is counted so; with no checkpoint, tensor 1 would have no state: refused."""
+    0's share; a survivor a step behind is counted so; with no checkpoint, tensor 1 would have no state: refused. The
+    writer's all-gather cut mid-way (its flag left up) is said."""
     from types import SimpleNamespace
 
-    from hpcdl.train.rescue_shard import compose_parts
+    from hpcdl.train.rescue_shard import compose_parts, describe
     from hpcdl.train.state import Frozen
 
     net = torch.nn.Linear(3, 2)
@@ -66,10 +67,12 @@ def test_the_just_in_time_state_counts_each_tensor_and_is_refused_before_any_che
     for newest, steps, kinds in (((str(tmp_path / "ckpt-3.pt"), {"optimizer": {"state": older}}), {0: 5}, (1, 0, 1, 0)),
                                  ((str(tmp_path / "ckpt-3.pt"), {"optimizer": {"state": older}}), {0: 4}, (0, 1, 1, 0)),
                                  (None, {0: 5}, (1, 0, 0, 1))):
+        cut = steps == {0: 4}
         ckpt = SimpleNamespace(manager=lambda newest=newest: SimpleNamespace(load_latest=lambda: newest),
-                               parts={"optimizer": SimpleNamespace(optimizer=optimizer)})
+                               parts={"optimizer": SimpleNamespace(optimizer=optimizer, gathering=cut)})
         parts, account = compose_parts(ckpt, {"model": Frozen(net.state_dict())}, files, steps, 5)
         assert (account["current"], account["behind"], account["from_checkpoint"], account["fresh"]) == kinds, account
+        assert account["cut_gather"] is cut and ("cut mid-way" in describe(account)) is cut
         if newest is None:
             assert parts is None  # fresh momentum under a running counter: the resume takes the newest checkpoint
             continue
@@ -113,6 +116,10 @@ def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicate
         # some, not those of the tensor it left without a gradient
         assert all(r["overlap_diff"] <= 1e-6 for r in ranks) and len({r["overlap_digest"] for r in ranks}) == 1, ranks
         assert all(0 < s < r["segments"] for r in ranks for s in r["started"]), ranks
+        # and with the all-gather at the step's end into the weights, views of its buffer (the default): the same,
+        # a tensor given new memory bound again
+        assert all(r["bound_diff"] <= 1e-6 for r in ranks) and len({r["bound_digest"] for r in ranks}) == 1, ranks
+        assert all(all(r["bound_checks"]["views"]) and not any(r["checks"]["views"]) for r in ranks), ranks
         # the next forward took the all-gather in before backward: nothing left pending, the replicated weights
         assert all(len(r["checks"]["ahead"]) == 2 for r in ranks), ranks
         assert all(pending == 0 and diff <= 1e-6 for r in ranks for pending, diff in r["checks"]["ahead"]), ranks
@@ -167,16 +174,17 @@ def test_a_sharded_run_trains_the_replicated_weights_and_resumes_on_another_rank
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.parametrize("victim, phase", [(1, "gather"), (0, "allreduce")])
 def test_a_rank_lost_with_the_state_sharded_leaves_a_whole_just_in_time_checkpoint_and_each_sample_once(
-        data, tmp_path, victim):
-    """A rank SIGKILLed in backward (the 9th gradient bucket it hands over: step 5's, or step 9's where a step has
-    one bucket), the optimizer sharded: its share of the state is gone with it. The survivor writes the just-in-time
-    checkpoint of the step before, s, whole: every weight at step s (the last all-gather brought the victim's), its
-    own tensors' state at step s and the victim's from the newest checkpoint (every 3 steps), counted in
-    result.json; exit status 4. The resume on 2 ranks starts from it: each sample of steps 1 to s + 2 recorded once.
-    The victim is rank 1, then rank 0: the store's host, the writer of every other checkpoint, and the owner the
-    deal gives the costliest tensor."""
+        data, tmp_path, victim, phase):
+    """A rank SIGKILLed, the optimizer sharded: its share of the state is gone with it. Rank 0 in backward (the 9th
+    gradient bucket it hands over: step 5's, or step 9's where a step has one bucket): the survivor writes the
+    just-in-time checkpoint of the step before, s. Rank 1 after its update of step 5, before the all-gather: the
+    survivor, cut in the all-gather that lands in its weights, writes step 5 and says the lost rank's weights came
+    from a cut all-gather. Whole: every weight at step s (the last all-gather brought the victim's), its own
+    tensors' state at step s and the victim's from the newest checkpoint (every 3 steps), counted in result.json;
+    exit status 4. The resume on 2 ranks starts from it: each sample of steps 1 to s + 2 recorded once. Rank 0 is
+    the store's host, the writer of every other checkpoint, and the owner the deal gives the costliest tensor."""
     from hpcdl.train.checkpoint import CheckpointManager
 
     run = tmp_path / "run"
@@ -184,7 +192,7 @@ def test_a_rank_lost_with_the_state_sharded_leaves_a_whole_just_in_time_checkpoi
               "--set", "optimizer.shard=true", "--set", "loop.record_samples=true")
     args = args_for(data, run, "--set", "loop.max_steps=20", "--set", "loop.timeout_s=10", *common)
     survivor = 1 - victim
-    procs = start_faulty(tmp_path, {"HPCDL_TEST_KILL": f"allreduce:{victim}"}, *args)
+    procs = start_faulty(tmp_path, {"HPCDL_TEST_KILL": f"{phase}:{victim}"}, *args)
     try:
         assert procs[victim].wait(timeout=120) < 0
         code = procs[survivor].wait(timeout=60)
@@ -195,8 +203,9 @@ def test_a_rank_lost_with_the_state_sharded_leaves_a_whole_just_in_time_checkpoi
     assert code == EXIT_PEER_LOST and "optimizer state of" in log, log[-3000:]
     [result] = [json.loads(p.read_text()) for p in (run / "jit").glob("*/result.json")]
     account, saved = result["optimizer_state"], result["step"]
-    assert saved in (4, 8) and result["written"] and result["lost"] == [victim], result  # no periodic one of its own
+    assert saved in ((5,) if phase == "gather" else (4, 8)) and result["written"] and result["lost"] == [victim], result
     assert account["current"] > 0 and account["from_checkpoint"] > 0 and account["fresh"] == 0, account
+    assert account["cut_gather"] is (phase == "gather") and ("cut mid-way" in log) is (phase == "gather"), account
     assert account["checkpoint"].endswith(f"ckpt-{saved // 3 * 3:09d}.pt") and account["shares"] == [survivor], account
     path, jit = CheckpointManager(str(run / "checkpoints")).load_latest()
     before = torch.load(account["checkpoint"], weights_only=True)
@@ -242,7 +251,8 @@ def test_bench_optim_shard_measures_both_layouts_side_by_side_with_each_ranks_st
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("hook, backend", [("chunk_sparse", "gloo"), ("bf16", "auto"), ("none", "gloo")])
+@pytest.mark.parametrize("hook, backend", [("chunk_sparse", "gloo"), ("bf16", "auto"), ("none", "gloo"),
+                                           ("none", "auto")])
 def test_the_comm_hooks_and_gloo_shard_as_they_replicate(data, tmp_path, hook, backend):
     """LARS on 2 ranks, 6 steps, sharded and not: the same checkpoint bit for bit. chunk_sparse all-reduces through
     its hook (a reduce-scatter cannot pick chunks) and keeps the weights and state of the positions it held back
@@ -250,17 +260,22 @@ def test_the_comm_hooks_and_gloo_shard_as_they_replicate(data, tmp_path, hook, b
     start-up); bf16 reduce-scatters from bf16 on the default backend, as its all-reduce sums on 2 ranks (in 2 KB
     segments that split tensors, over 2 micro-batches a step: DDP's buckets of that size too); gloo, whose
     reduce-scatter is an all-reduce of the whole buffer, keeps DDP's all-reduce. Under bf16 the all-gather is taken
-    in by the next forward (optimizer.gather_ahead), in the others waited for at the step's end (the default)."""
+    in by the next forward (optimizer.gather_ahead), in the others waited for at the step's end (the default). The
+    defaults on the default backend (the reduce-scatters' output lent to the owners as their gradients, the others'
+    dropped in backward, the all-gather in place into the weights), in the same 2 KB segments and 2 micro-batches."""
     extra = ["--set", f"sync.hook={hook}", "--set", "sync.chunk=256", "--set", "sync.dense_warmup_epochs=0.1",
              "--set", "loop.max_steps=6", "--set", "checkpoint.every_minutes=0", "--set", "data.workers=0",
              "--set", "loop.eval_every=0", "--set", f"loop.backend={backend}"]
-    if hook == "bf16":  # segments of 2 KB (tensors split across them, in bf16), 2 micro-batches a step
+    if backend == "auto":  # segments of 2 KB (tensors split across them), 2 micro-batches a step
         extra += ["--set", "sync.bucket_cap_mb=0.002", "--set", "loop.accum_steps=2"]
     if hook == "bf16":  # the all-gather in those 2 KB segments, taken in by the next forward (the first micro-batch's)
         extra += ["--set", "optimizer.gather_ahead=true"]
     replicated_and_sharded_alike(data, tmp_path, extra, (6,))
     log = (tmp_path / "true" / "rank0.log").read_text()
-    said = "reduce-scatters from bf16 started by backward (segments of 0.002 MB) to each tensor's owner and an " \
-        "all-gather of the updated tensors, in segments taken in by the next forward" if hook == "bf16" \
-        else "the optimizer sharded (an all-gather after the update, one per dtype at the step's end"
+    said = {"bf16": "reduce-scatters from bf16 started by backward (segments of 0.002 MB) to each tensor's owner "
+                    "and an all-gather of the updated tensors, in segments taken in by the next forward",
+            "auto": "reduce-scatters started by backward (segments of 0.002 MB) to each tensor's owner and an "
+                    "all-gather of the updated tensors, one per dtype at the step's end, in place in the weights"}
+    said = said.get(backend if hook == "none" else hook,
+                    "the optimizer sharded (an all-gather after the update, one per dtype at the step's end")
     assert said in log, log[-3000:]

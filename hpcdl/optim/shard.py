@@ -10,9 +10,12 @@ the one all-reduce they replace (ZeRO stage 1's and Megatron's distributed optim
 nothing to the wire but the padding (and, under the ``fp16`` and ``bf16`` hooks, the all-gather's fp32 weights
 against their 16-bit gradients). The owner computes the update every rank computed before from the same averaged
 gradient: on 2 ranks (a sum of two is the same in either order) the weights are the replicated run's bit for bit;
-on more, within fp32's rounding of another summation order. The all-gather of the updated tensors ends the step, or,
-given the model (``ahead``, ``optimizer.gather_ahead``, off by default), is taken in by the next forward
-(:mod:`hpcdl.optim.shard_ahead`); bench optim-shard's whole step measures both (docs/performance.md).
+on more, within fp32's rounding of another summation order. The all-gather of the updated tensors ends the step, in
+place: the weights are views of its buffer (:func:`~hpcdl.optim.shard_layout.bind`), and the owners' averaged
+gradients views of the reduce-scatters' output, the others' dropped as they are sent, so the layout copies nothing
+that replicated does not. Or, given the model (``ahead``, ``optimizer.gather_ahead``, off by default), it is taken in
+by the next forward (:mod:`hpcdl.optim.shard_ahead`), through copies; bench optim-shard's whole step measures both
+(docs/performance.md).
 
 Where a reduce-scatter would not pay (:func:`scatters`: the ``hierarchical`` and ``chunk_sparse`` hooks do more than
 average a bucket; gloo's reduce-scatter is an all-reduce), DDP all-reduces the gradients through the hook as
@@ -35,7 +38,6 @@ not. :meth:`ShardedOptimizer.load_state_dict` takes a whole state and keeps this
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -46,7 +48,7 @@ from hpcdl.distributed.group.python_backend import library_group
 from hpcdl.distributed.group.share import broadcast_state
 from hpcdl.errors import ConfigError
 from hpcdl.optim.shard_ahead import GatherAhead
-from hpcdl.optim.shard_layout import ALL_GATHER, ELEMENTWISE, REDUCE_SCATTER, deal, update_cost
+from hpcdl.optim.shard_layout import ALL_GATHER, ELEMENTWISE, REDUCE_SCATTER, bind, deal, rebind, update_cost
 from hpcdl.optim.shard_layout import dense as _dense
 from hpcdl.optim.shard_layout import laid as _laid
 
@@ -93,11 +95,17 @@ class ShardedOptimizer:
         self._kept: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self.armed, self.started, self._works = False, 0, []  # started: this step's reduce-scatters so far
         self._waiting, self._copied = list(self._counts), set()
+        self._graded: set[int] = set()  # the tensors copied this step from a gradient of this rank's own
         hooked = [p for p in self.params if p.requires_grad] if scatter and self.size > 1 else []
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in hooked]
         self._hooked = {id(p) for p in hooked}
         self.ahead = GatherAhead(self, ahead) if ahead is not None and self.size > 1 \
             else None
+        self._weights: dict[int, torch.Tensor] = {}  # per layout: every rank's block, the tensors views of it
+        self.gathering = False  # an all-gather into the weights began and did not end (hpcdl.train.rescue_shard)
+        self._lends = wire is None and self.ahead is None  # an owner's averaged gradient a view of the reduce-
+        if self.ahead is None and self.size > 1:  # scatter's output (not the ahead all-gather's block)
+            self._weights = bind(self._layout, self.size)
 
     def _lay_out(self, bucket_bytes: int, order: list[torch.Tensor] | None
                  ) -> list[tuple[list[list[torch.Tensor]], list[int], int, int]]:
@@ -169,8 +177,8 @@ class ShardedOptimizer:
     def _buffers(self, li: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(all ranks' blocks, this rank's) of layout ``li`` in ``dtype``, made once and kept: memory fresh from the
         system each step costs its page faults (56 ms for 100 MB on this VM, more than the copy into it). The
-        reduce-scatters and the all-gather of a layout share them where the wire is the tensors' dtype; each layout
-        has its own (their reduce-scatters are all in flight before any is copied out). Their padding is never
+        reduce-scatters and ``ahead``'s all-gather of a layout share them where the wire is the tensors' dtype; each
+        layout has its own (their reduce-scatters are all in flight before any is copied out). Their padding is never
         read: it is left as it is."""
         kept = self._kept.get((li, dtype))
         if kept is None:
@@ -196,7 +204,7 @@ class ShardedOptimizer:
                               "tensors that have gradients. Freeze by lr (the trainer's way), or build the optimizer "
                               "after freezing")
         self.armed, self.started, self._works = bool(self._hooks) and self.overlap, 0, []
-        self._waiting, self._copied = list(self._counts), set()
+        self._waiting, self._copied, self._graded = list(self._counts), set(), set()
 
     def close(self) -> None:
         """Remove backward's hooks from the tensors (an optimizer built anew over the same model, as bench optim-shard
@@ -233,10 +241,15 @@ class ShardedOptimizer:
         """``p``'s gradient is final (a post-accumulate-grad hook): divided by the rank count as it is copied into the
         send buffer (in ``wire`` where set, as the ``fp16`` and ``bf16`` hooks cast before they divide; as DDP's
         reduction, before the sum), then every reduce-scatter whose tensors are all in is started, in
-        :attr:`_sequence`'s order, the same on every rank. ``fill``: with no gradient, zeros (:meth:`flush`)."""
+        :attr:`_sequence`'s order, the same on every rank. ``fill``: with no gradient, zeros (:meth:`flush`). Then
+        the gradient is dropped unless this rank owns the tensor and cannot lend it the averaged one (:meth:`reduce`):
+        nothing reads it again, and its memory serves the rest of backward (DDP, finding none, zeroes its bucket's
+        slot, cheaper than its copy)."""
         if not self.armed or not p.requires_grad or (p.grad is None and not fill) or id(p) in self._copied:
             return  # a frozen tensor's slots are never read: its segments do not wait for it
         self._copied.add(id(p))
+        if p.grad is not None:
+            self._graded.add(id(p))
         li, pieces = self._pieces[id(p)]
         send, _ = self._buffers(li, self.wire or p.dtype)
         whole, grad = len(pieces) == 1, p.grad
@@ -254,6 +267,8 @@ class ShardedOptimizer:
             else:
                 part.copy_(value).div_(self.size)
             self._waiting[self._slot[li, k]] -= 1
+        if self._lends or id(p) not in self.mine:
+            p.grad = None
         while self.started < len(self._sequence) and not self._waiting[self.started]:
             self._start()
 
@@ -270,8 +285,9 @@ class ShardedOptimizer:
     def reduce(self) -> None:
         """Collective, with ``scatter`` (else nothing): each tensor's gradient averaged over the ranks into its
         owner's ``grad`` by the reduce-scatters of :meth:`_lay_out`, started in backward after :meth:`arm` (else
-        here), waited for here. The other tensors' gradients stay this rank's own, unaveraged: :meth:`update` hides
-        them from the optimizer."""
+        here), waited for here. The other tensors' gradients were dropped (:meth:`_ready`; DDP may point them at its
+        bucket): :meth:`update` hides them from the optimizer. An owner with no gradient of its own gets none (as
+        before the reduce-scatter)."""
         if not self.scatter or self.size == 1:
             return
         self.flush()  # where the trainer did not: every gradient not yet copied
@@ -287,8 +303,12 @@ class ShardedOptimizer:
             _, mine = self._buffers(li, self.wire or next(s[0].dtype for s in shares if s))
             at = 0
             for p in shares[self.rank]:
-                if p.grad is not None:  # a tensor with no gradient (frozen) has none on any rank
-                    p.grad.copy_(_laid(mine[at:at + p.numel()], p))
+                if id(p) in self._graded:
+                    averaged = _laid(mine[at:at + p.numel()], p)
+                    if self._lends:  # where it landed, read before the next reduce-scatter writes there (zero_grad
+                        p.grad = averaged  # drops it first)
+                    else:
+                        p.grad.copy_(averaged)
                 at += p.numel()
 
     @torch.no_grad()
@@ -301,7 +321,7 @@ class ShardedOptimizer:
         hidden, counted = [], []
         counts = getattr(self.optimizer, "counts_step", lambda group: True)
         for g in self.optimizer.param_groups:
-            had = any(p.grad is not None for p in g["params"])
+            had = any(p.grad is not None or id(p) in self._graded for p in g["params"])
             for p in g["params"]:
                 if p.grad is not None and id(p) not in self.mine:
                     hidden.append((p, p.grad))
@@ -313,34 +333,32 @@ class ShardedOptimizer:
         finally:
             for p, grad in hidden:
                 p.grad = grad
+            self._graded = set()
         for g in counted:
             g["step"] += 1
 
     @torch.no_grad()
     def gather(self, guard=None) -> None:
-        """Collective: each rank's tensors, as its owner holds them, on every rank (one all-gather per dtype, of the
-        rank-major blocks: in segments, as the reduce-scatters, it took 1.2x as long on 2 ranks of oneCCL here).
-        The copies into the model run under ``guard`` (the trainer's lock, which a rescue takes to read the
-        weights; not the collective, which a lost rank would leave hanging with the lock held). With ``ahead``:
-        started here in segments, taken in by the next forward."""
+        """Collective: each rank's tensors, as its owner holds them, on every rank: one all-gather per dtype of the
+        rank-major blocks the tensors are views of (:func:`bind`), in place (in segments, as the reduce-scatters,
+        it took 1.2x as long on 2 ranks of oneCCL here). Not under ``guard`` (the trainer's lock, which a rescue
+        takes to read the weights): a lost rank would leave the collective hanging with the lock held; a rescue
+        that finds it cut (:attr:`gathering`) says so (:mod:`hpcdl.train.rescue_shard`). With ``ahead``: started
+        here in segments, taken in by the next forward under ``guard``."""
         if self.size == 1:  # this rank owns every tensor
             return
         if self.ahead is not None:
             return self.ahead.start(guard)
-        for li, out, send in self._own_into_blocks():
-            shares, _, width, _ = self._layout[li]
-            ALL_GATHER(out, send, group=self.group)
-            with guard or contextlib.nullcontext():
-                for r, share in enumerate(shares):
-                    if r != self.rank and share:
-                        at = r * width
-                        for p in share:
-                            p.copy_(_laid(out[at:at + p.numel()], p))
-                            at += p.numel()
+        rebind(self._weights, self._layout, self.rank)
+        self.gathering = True
+        for li, flat in self._weights.items():
+            width = self._layout[li][2]
+            ALL_GATHER(flat, flat[self.rank * width:(self.rank + 1) * width], group=self.group)
+        self.gathering = False
 
     def _own_into_blocks(self):
-        """Per layout with tensors: its index, the all-gather's output (every rank's block) and this rank's block,
-        which this rank's tensors are copied into first (as laid in memory)."""
+        """With ``ahead``: per layout with tensors, its index, the all-gather's output (every rank's block) and this
+        rank's block, which this rank's tensors are copied into first (as laid in memory)."""
         for li, (shares, _, width, _) in enumerate(self._layout):
             if not width:
                 continue

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
-__all__ = ["ALL_GATHER", "ELEMENTWISE", "REDUCE_SCATTER", "deal", "dense", "laid", "update_cost"]
+__all__ = ["ALL_GATHER", "ELEMENTWISE", "REDUCE_SCATTER", "bind", "deal", "dense", "laid", "rebind", "update_cost"]
 
 # torch 2.14 renamed all_gather_into_tensor and reduce_scatter_tensor (and warns on the old names); earlier releases
 # have only those
@@ -27,6 +27,45 @@ def dense(p: torch.Tensor) -> bool:
     """Whether ``p``'s elements fill its memory in one of torch's layouts (contiguous or channels_last)."""
     return p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)) \
         or (p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d))
+
+
+@torch.no_grad()
+def bind(layout: list, size: int) -> dict[int, torch.Tensor]:
+    """Each tensor of ``layout`` (:meth:`hpcdl.optim.shard.ShardedOptimizer._lay_out`) made a view of its place in
+    its owner's block, every rank's block side by side in one buffer per dtype (Megatron-LM's parameter buffer),
+    with its value: the buffers, by the layout's index. The sharded step's all-gather then lands in the weights,
+    this rank's block its input in place, and nothing is copied into a block or out of the gathered one (two
+    passes over the weights that replicated does not make: 4.6 and 4.3 ms over ResNet-50's on one thread of the
+    EPYC Zen 4). The tensors keep their layout in memory (channels_last: :func:`laid`)."""
+    weights = {}
+    for li, (shares, _, width, _) in enumerate(layout):
+        if width:
+            flat = weights[li] = torch.empty(width * size, dtype=next(s[0] for s in shares if s).dtype)
+            for r, share in enumerate(shares):
+                at = r * width
+                for p in share:
+                    view = laid(flat[at:at + p.numel()], p)
+                    view.copy_(p)
+                    p.data = view
+                    at += p.numel()
+    return weights
+
+
+@torch.no_grad()
+def rebind(weights: dict[int, torch.Tensor], layout: list, rank: int) -> None:
+    """A tensor given other memory since :func:`bind` (``p.data = ...``, a module's ``to()``) made a view of its
+    place again, ``rank``'s own with its value: else the all-gather would land beside it."""
+    for li, flat in weights.items():
+        shares, _, width, _ = layout[li]
+        for r, share in enumerate(shares):
+            at = r * width
+            for p in share:
+                if p.data_ptr() != flat[at:].data_ptr():
+                    view = laid(flat[at:at + p.numel()], p)
+                    if r == rank:
+                        view.copy_(p)
+                    p.data = view
+                at += p.numel()
 
 
 ELEMENTWISE = 10  # an element-wise update's cost per element, in the units of a matrix product's multiply-adds

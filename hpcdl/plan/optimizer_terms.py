@@ -8,9 +8,10 @@ With ``r`` ranks, ``W`` bytes of fp32 weights (as many of gradients), the optimi
 - sharded, the busiest rank: a share ``s = max(1 / r, L / P)`` of the tensors, ``L`` the largest tensor's elements
   and ``P`` all of them (tensors are dealt whole, so no share is smaller than the largest tensor; the dealing, by
   cost and state, measured 1.00-1.10x of ``1 / r`` at 2 and 4 ranks: ``s`` is a lower bound); memory
-  ``2 W + s S + (r + 1) s W``: the buffers of the reduce-scatter and the all-gather (the ``r`` padded shares and this
-  rank's), beside the gradients, kept from step to step (fresh each step they cost their page faults); the
-  update ``s U``. The gradients are reduce-scattered to their owners and the updated tensors all-gathered, each a
+  ``W + r s W + s S + (r + 1) s W``: the gradients (DDP's buckets), the weights as views of the all-gather's buffer
+  (the ``r`` padded shares: :func:`hpcdl.optim.shard_layout.bind`), the state, and the reduce-scatter's buffers (the
+  ``r`` padded shares and this rank's; half that under ``fp16`` or ``bf16``, none where the gradients are
+  all-reduced), kept from step to step (fresh each step they cost their page faults); the update ``s U``. The gradients are reduce-scattered to their owners and the updated tensors all-gathered, each a
   ring of ``r - 1`` steps of ``s W`` bytes (every share padded to the largest), ``(r - 1) (alpha + s W beta)`` on
   the network's link (:mod:`hpcdl.plan.cost`), in place of the replicated run's all-reduce, a ring of
   ``2 (r - 1)`` steps of ``W / r``. What sharding adds to the wire (``added_s``) depends on the exchange
@@ -94,9 +95,10 @@ class OptimizerModel:
                 + (r - 1) * (share - 1.0 / r) * w / 2 * self.network.beta
         elif self.exchange == "allreduce":  # nothing replaced: the all-gather on top
             added_s = gather_s
-        # the exchange's buffers beside the gradients (DDP's buckets), kept: the r padded shares and this rank's
+        # the gradients (DDP's buckets), the weights in the all-gather's r padded shares, the reduce-scatter's buffers
+        scatter = {"scatter": (r + 1) * share * w, "scatter16": (r + 1) * share * w / 2}.get(self.exchange, 0.0)
         row = {"nodes": nodes, "ranks": r, "share": share, "memory_replicated_bytes": 2 * w + state,
-               "memory_sharded_bytes": 2 * w + share * state + (r + 1) * share * w if r > 1 else 2 * w + state,
+               "memory_sharded_bytes": w + r * share * w + share * state + scatter if r > 1 else 2 * w + state,
                "gather_s": gather_s, "gather_bytes": (r - 1) * share * w, "added_s": added_s}
         if self.update_s is not None:
             row |= {"update_replicated_s": self.update_s, "update_sharded_s": share * self.update_s,
@@ -117,8 +119,9 @@ def format_optimizer(model: OptimizerModel, rows: list[dict]) -> str:
         return f"# optimizer {model.optimizer}: Schedule-Free, not sharded (optimizer.shard refuses it)"
     timed = model.update_s is not None
     lines = [f"# optimizer {model.optimizer}, replicated against sharded (optimizer.shard): a rank's memory for "
-             f"the weights, gradients and state (sharded: with the exchange's buffers, r + 1 shares, kept from step "
-             f"to step; rank 0 gathers the whole state for a checkpoint); the update; the "
+             f"the weights, gradients and state (sharded: the weights in the all-gather's r padded shares, and the "
+             f"reduce-scatter's buffers, r + 1 shares, kept from step to step; rank 0 gathers the whole state for a "
+             f"checkpoint); the update; the "
              f"all-gather of the shares and what sharding adds to the wire: {ADDS[model.exchange]}. The "
              f"busiest rank's share is a lower bound (tensors dealt whole, by cost and state: Muon's Newton-Schulz "
              f"makes it larger), so its memory, update and padding are at least these and what sharding saves at "

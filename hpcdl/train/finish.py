@@ -95,7 +95,7 @@ def gathered(cfg: RunConfig) -> str:
     """How ``optimizer.shard``'s all-gather is waited for (:mod:`hpcdl.optim.shard_ahead`)."""
     if cfg.optimizer.gather_ahead and not cfg.loop.compile:
         return "in segments taken in by the next forward (optimizer.gather_ahead)"
-    return "one per dtype at the step's end"
+    return "one per dtype at the step's end, in place in the weights"
 
 
 def check_replicas(model: torch.nn.Module, ctx: DistContext, step: int, optimizer=None) -> str:

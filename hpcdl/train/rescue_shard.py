@@ -11,7 +11,9 @@ with every survivor's share put in. So in the checkpoint:
 - the survivors' tensors are at the step saved, weights and state (a survivor whose collective of that step failed
   holds the step before: its tensors miss that one update, counted as ``behind``);
 - a lost rank's tensors have the weights of the last all-gather the writer completed: the step saved, or the one
-  before where the lost rank's share of the step in flight never arrived (those tensors then miss that one update);
+  before where the lost rank's share of the step in flight never arrived (those tensors then miss that one update).
+  The all-gather lands in the weights in place (:meth:`hpcdl.optim.shard.ShardedOptimizer.gather`): where the
+  loss cut it mid-way, element by element the step saved or the one before, counted as ``cut_gather``;
 - and the optimizer state of the newest checkpoint on disk (momentum and moments at most ``checkpoint.every_steps``
   or ``every_minutes`` old). Where no checkpoint holds it (none written yet) and the optimizer keeps state, no
   just-in-time checkpoint is written: fresh moments under LAMB's and Muon's group step counters would be corrected
@@ -91,7 +93,8 @@ def compose_parts(ckpt, parts: dict, files: dict[int, dict | Exception], steps: 
     indices = {i for g in whole["param_groups"] for i in g["params"]}
     account = {"current": len(indices & state.keys()) - len(older) - behind, "behind": behind,
                "from_checkpoint": len(older), "checkpoint": newest[0] if newest else None,
-               "fresh": len(indices - state.keys()), "shares": sorted(shares)}
+               "fresh": len(indices - state.keys()), "shares": sorted(shares),
+               "cut_gather": bool(getattr(ckpt.parts["optimizer"], "gathering", False))}
     if account["fresh"] and any(share["state"] for share in shares.values()):
         return None, account
     return {**parts, "model": Frozen({**parts["model"].state_dict(), **weights}), "optimizer": Frozen(whole)}, account
@@ -103,4 +106,6 @@ def describe(account: dict | None) -> str:
         return ""
     return (f"; optimizer state of {account['current']} tensors from the survivors ({account['behind']} of them a "
             f"step behind), {account['from_checkpoint']} from {account['checkpoint'] or 'no checkpoint'}, "
-            f"{account['fresh']} with none")
+            f"{account['fresh']} with none" + ("; the lost rank's weights from an all-gather cut mid-way (element by "
+                                               "element the step saved or the one before)"
+                                               if account.get("cut_gather") else ""))

@@ -220,6 +220,7 @@ class CCLProcessGroup(ThreadedProcessGroup):
     LIBRARY = "oneCCL"
     NATIVE = frozenset(_TYPES)
     inline_bytes = 0  # one thread calls oneCCL
+    IN_PLACE_ALLGATHER = True  # NCCL's convention: the send buffer at this rank's part of the receive buffer
     fast_bytes = 64 * 1024
 
     def __init__(self, rank: int, world_size: int, timeout: timedelta, store: dist.Store,
@@ -322,7 +323,9 @@ class CCLProcessGroup(ThreadedProcessGroup):
                       root)
 
     def _allgather(self, send, recv, inline):
-        self.ccl.call("AllGather", self.comm, send.data_ptr(), recv.data_ptr(), send.nbytes, self._types[torch.uint8])
+        part = recv.nbytes // self.size()  # in place (send None): this rank's part of recv, as NCCL's in-place call
+        at = send.data_ptr() if send is not None else recv.data_ptr() + self.rank() * part
+        self.ccl.call("AllGather", self.comm, at, recv.data_ptr(), part, self._types[torch.uint8])
 
     def _reduce_scatter(self, send, recv, op, inline):
         self.ccl.call("ReduceScatter", self.comm, send.data_ptr(), recv.data_ptr(), recv.numel(),

@@ -78,13 +78,14 @@ class ThreadedProcessGroup(_python_backend_base()):
     (``NATIVE``; others are reduced in fp32 and copied back), its reduce ops (``library_op``), and six
     primitives on contiguous CPU tensors, each run on the thread (or inline when ``inline`` is true):
     ``_allreduce(buf, op)``, ``_reduce(buf, op, root)`` (in place on the root), ``_broadcast(buf, root)``,
-    ``_allgather(send, recv)`` (``recv`` holds every rank's ``send`` in rank order),
-    ``_reduce_scatter(send, recv, op)`` and ``_barrier()``.
+    ``_allgather(send, recv)`` (``recv`` holds every rank's ``send`` in rank order; ``send`` None where the library
+    sets ``IN_PLACE_ALLGATHER``: its part is in ``recv``), ``_reduce_scatter(send, recv, op)``, ``_barrier()``.
     """
 
     BACKEND_NAME = ""
     LIBRARY = ""
     NATIVE: frozenset = frozenset()
+    IN_PLACE_ALLGATHER = False
     inline_bytes = 0
     # torch's binding of the C++ property recurses forever on a Python subclass that does not override it
     # (batch_isend_irecv reads it): no NCCL-style coalescing here.
@@ -248,9 +249,14 @@ class ThreadedProcessGroup(_python_backend_base()):
         return self._submit(run, "allgather", _nbytes(inputs) * self.size())
 
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts=None) -> dist.Work:
+        # inp may be this rank's part of output (in place, as NCCL's): optimizer.shard's all-gather into the weights
+        in_place = output.is_contiguous() and inp.is_contiguous() and output.nbytes == inp.nbytes * self.size() \
+            and inp.data_ptr() == output.data_ptr() + self.rank() * inp.nbytes
+
         def run(inline):
             recv = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
-            self._allgather(inp.contiguous(), recv, inline)
+            self._allgather(inp.contiguous() if not in_place else None if self.IN_PLACE_ALLGATHER else inp.clone(),
+                            recv, inline)
             if recv is not output:
                 output.copy_(recv)
             return [output]

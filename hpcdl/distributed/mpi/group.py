@@ -42,6 +42,7 @@ class MPIProcessGroup(ThreadedProcessGroup):
     LIBRARY = "MPI"
     NATIVE = frozenset({torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64})
     inline_bytes = 64 * 1024
+    IN_PLACE_ALLGATHER = True  # MPI_IN_PLACE
 
     def __init__(self, rank: int, world_size: int, timeout: timedelta, global_ranks: list[int] | None = None,
                  liveness: Liveness | None = None):
@@ -91,7 +92,7 @@ class MPIProcessGroup(ThreadedProcessGroup):
         self._wait(self.comm.Ibcast(_raw(buf), root=root), inline)
 
     def _allgather(self, send, recv, inline):
-        self._wait(self.comm.Iallgather(_raw(send), _raw(recv)), inline)
+        self._wait(self.comm.Iallgather(self.MPI.IN_PLACE if send is None else _raw(send), _raw(recv)), inline)
 
     def _reduce_scatter(self, send, recv, op, inline):
         self._wait(self.comm.Ireduce_scatter_block(send.numpy(), recv.numpy(), op=op), inline)
