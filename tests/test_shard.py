@@ -120,6 +120,7 @@ def test_every_optimizer_sharded_over_three_ranks_updates_and_saves_as_replicate
         # a tensor given new memory bound again
         assert all(r["bound_diff"] <= 1e-6 for r in ranks) and len({r["bound_digest"] for r in ranks}) == 1, ranks
         assert all(all(r["bound_checks"]["views"]) and not any(r["checks"]["views"]) for r in ranks), ranks
+        assert all(r["bound_checks"]["saved"][0] < 1.05 * r["bound_checks"]["saved"][1] for r in ranks), ranks
         # the next forward took the all-gather in before backward: nothing left pending, the replicated weights
         assert all(len(r["checks"]["ahead"]) == 2 for r in ranks), ranks
         assert all(pending == 0 and diff <= 1e-6 for r in ranks for pending, diff in r["checks"]["ahead"]), ranks

@@ -88,12 +88,16 @@ def _timed_step(optimizer, layout: str, group, repeat: int):
     """A case: ``repeat`` steps with their exchange; (whole, update) in milliseconds per step."""
     flat = optimizer.flat_grads  # the gradients are views of it, as of DDP's buckets (gradient_as_bucket_view)
     size = dist.get_world_size(group)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    views = [p.grad for p in params]
 
     def case() -> tuple[float, float]:
         update = 0.0
         t0 = time.perf_counter()
         for _ in range(repeat):
             if layout == "sharded":  # on gloo, as the trainer: DDP's all-reduce, then the update from a copy
+                for p, view in zip(params, views):  # as backward leaves them: the last step's were dropped or lent
+                    p.grad = view
                 if not optimizer.scatter:
                     _all_reduce(flat, size, group)
                 optimizer.reduce()

@@ -81,7 +81,10 @@ class ModelWeights:
         return evaluation_weights(self.optimizer, self.guard, self._keep)
 
     def state_dict(self) -> dict:
-        state = self.model.state_dict()
+        # a tensor that is a view of a larger buffer (optimizer.shard's weights: hpcdl.optim.shard_layout.bind) as a
+        # copy: torch.save writes a view's whole storage, the padded shares of every rank and their unset padding
+        state = {k: v.clone() if v.untyped_storage().nbytes() > v.nbytes else v
+                 for k, v in self.model.state_dict().items()}
         if self._kept is None:
             return state
         names = {id(p): name for name, p in self.model.named_parameters()}

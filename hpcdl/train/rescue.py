@@ -20,7 +20,8 @@ What each survivor keeps. The update and its bookkeeping run under :attr:`Rescue
 model's buffers that its state dict holds (batch norm's statistics, which the next forward changes before its
 exchange; not those registered with ``persistent=False``, which no strict load takes). The weights and the
 optimizer's state are read live: nothing changes them outside the lock (an evaluation's swap to Schedule-Free's
-averaged weights runs under it too, and the model's part gives the training weights during one).
+averaged weights runs under it too, and the model's part gives the training weights during one) but
+``optimizer.shard``'s all-gather into the weights, which a lost rank cuts (said: :mod:`hpcdl.train.rescue_shard`).
 
 How they agree, without the process group (it is what broke) or the rendezvous store (rank 0 serves it, and
 rank 0 may be the one lost): through the run folder, which every rank reaches. In ``RUN/jit/START/`` (this
@@ -346,7 +347,8 @@ class Rescue:
 
     def _boundary_parts(self, rngs: list) -> dict:
         """The parts that the boundary holds, for :meth:`Checkpointer.compose`; the weights and the optimizer's and
-        schedule's states are read live (nothing changes them outside the lock, which the rescue holds)."""
+        schedule's states are read live (nothing but a sharded all-gather changes them outside the lock, which the
+        rescue holds)."""
         b = self.boundary
         return {"model": _AtBoundary(self.ckpt.parts["model"], b.buffers), "counters": Frozen(b.counters),
                 "sampler": Frozen(b.sampler), "rng": Frozen(rngs)}
