@@ -37,24 +37,17 @@ def bind(layout: list, size: int) -> dict[int, torch.Tensor]:
     this rank's block its input in place, and nothing is copied into a block or out of the gathered one (two
     passes over the weights that replicated does not make: 4.6 and 4.3 ms over ResNet-50's on one thread of the
     EPYC Zen 4). The tensors keep their layout in memory (channels_last: :func:`laid`)."""
-    weights = {}
-    for li, (shares, _, width, _) in enumerate(layout):
-        if width:
-            flat = weights[li] = torch.empty(width * size, dtype=next(s[0] for s in shares if s).dtype)
-            for r, share in enumerate(shares):
-                at = r * width
-                for p in share:
-                    view = laid(flat[at:at + p.numel()], p)
-                    view.copy_(p)
-                    p.data = view
-                    at += p.numel()
+    weights = {li: torch.empty(width * size, dtype=next(s[0] for s in shares if s).dtype)
+               for li, (shares, _, width, _) in enumerate(layout) if width}
+    rebind(weights, layout, rank=None)
     return weights
 
 
 @torch.no_grad()
-def rebind(weights: dict[int, torch.Tensor], layout: list, rank: int) -> None:
+def rebind(weights: dict[int, torch.Tensor], layout: list, rank: int | None) -> None:
     """A tensor given other memory since :func:`bind` (``p.data = ...``, a module's ``to()``) made a view of its
-    place again, ``rank``'s own with its value: else the all-gather would land beside it."""
+    place again, ``rank``'s own with its value (every rank's with ``None``: :func:`bind`'s new buffers): else the
+    all-gather would land beside it."""
     for li, flat in weights.items():
         shares, _, width, _ = layout[li]
         for r, share in enumerate(shares):
@@ -62,7 +55,7 @@ def rebind(weights: dict[int, torch.Tensor], layout: list, rank: int) -> None:
             for p in share:
                 if p.data_ptr() != flat[at:].data_ptr():
                     view = laid(flat[at:at + p.numel()], p)
-                    if r == rank:
+                    if rank is None or r == rank:
                         view.copy_(p)
                     p.data = view
                 at += p.numel()
