@@ -88,10 +88,11 @@ def test_16_ranks_or_32_keep_identical_replicas_and_train_each_sample_once(wide,
 def test_a_run_cut_on_32_ranks_goes_on_on_16_training_each_sample_once(wide, scale_data, tmp_path):
     """Global batch 64 over 256 images: step 1 on 8 ranks (8 per rank), step 2 on 32 (2 per rank), 3 and 4 on 16
     (accumulating 2 micro-batches of 2). Every leg ends with its replicas identical; together they train the epoch
-    once. A fourth leg, on 8 ranks (accumulating 4), is gone: test_accum's chain shrinks the ranks under
-    accumulation (4 to 2, 3 to 1), and the leg cost half a minute of the scale tier. The restart on 32 ranks reads the checkpoint from the run folder once. The first
-    leg runs on 8 ranks, not 32: the restart on 32 is what the rehearsal checks, and a 32-rank start costs a
-    minute of the scale tier here. Every leg reads through the node cache (data.cache=node: an agent a node, the
+    once. The restart on 32 ranks reads the checkpoint from the run folder once. The first leg runs on 8 ranks,
+    not 32: the restart on 32 is what the rehearsal checks, and a 32-rank start costs a minute of the scale tier
+    here. A fourth leg, on 8 ranks (accumulation 2 -> 4), is gone for the same budget: the shrink that starts
+    accumulation stays here; a resume of a checkpoint written under accumulation is test_accum's (local ranks, no
+    node cache). Every leg reads through the node cache (data.cache=node: an agent a node, the
     owners computed anew at each leg's rank count), which changes where bytes come from, not what is trained."""
     run = tmp_path / "run"
     outs = {}
